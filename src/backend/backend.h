@@ -1,0 +1,100 @@
+// The op layer. Model, PIC and engine code call only these ops on tensors that live on the
+// backend's device; each backend (CPU now, CUDA next) implements them. Nothing above this
+// interface may touch tensor memory directly except through to_host()/to_device().
+//
+// Conventions (all backends):
+//  * activations are f32; weights may be f32, bf16 or f16 and are used in place (no upcast copy);
+//  * a "linear" weight has the torch layout [out_features, in_features]: y = x W^T;
+//  * linear-attention states are per head [d_k, d_v], updated by left multiplication:
+//    S_t = A_t S_{t-1} + B_t, output o_t = S_t^T q_t. Transition operators are [d_k, d_k].
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "tensor/tensor.h"
+
+namespace hypic {
+
+// Routed experts of one MoE layer, one view per expert ([I,H], [I,H], [H,I]).
+struct ExpertWeights {
+  std::vector<Tensor> gate, up, down;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual Device device() const = 0;
+  virtual std::string name() const = 0;
+  virtual int num_threads() const = 0;
+
+  // ---- memory -------------------------------------------------------------------------------
+  virtual Tensor alloc(DType dt, Shape shape) = 0;  // zero-filled
+  // Makes a host tensor usable by this backend. CPU returns the same tensor (no copy), so
+  // memory-mapped weights stay mapped rather than duplicated.
+  virtual Tensor to_device(const Tensor& host) = 0;
+  virtual Tensor to_host(const Tensor& t) = 0;
+  virtual void copy(const Tensor& src, Tensor& dst) = 0;  // same dtype and numel
+  virtual void fill(Tensor& t, float value) = 0;          // f32 tensors
+  virtual void synchronize() {}
+
+  // ---- dense --------------------------------------------------------------------------------
+  // y[M,N] = x[M,K] W[N,K]^T (+ y when accumulate).
+  virtual void matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate = false) = 0;
+  // out[n, H] = table[ids[n], :] converted to f32.
+  virtual void embedding(const Tensor& table, std::span<const int32_t> ids, Tensor& out) = 0;
+
+  // ---- elementwise and norms (rows = numel / last dim) ---------------------------------------
+  // out = x * rsqrt(mean(x^2) + eps) * (one_plus_w ? 1 + w : w), w of length D.
+  virtual void rms_norm(const Tensor& x, const Tensor& w, float eps, bool one_plus_w, Tensor& out) = 0;
+  // out = rms_norm(x) * w * silu(z)   (plain w, as in the gated output norm of GDN)
+  virtual void rms_norm_gated(const Tensor& x, const Tensor& z, const Tensor& w, float eps, Tensor& out) = 0;
+  virtual void add(const Tensor& a, const Tensor& b, Tensor& out) = 0;            // out = a + b
+  virtual void silu_mul(const Tensor& gate, const Tensor& up, Tensor& out) = 0;   // silu(gate) * up
+  virtual void sigmoid_mul(const Tensor& x, const Tensor& gate, Tensor& out) = 0; // x * sigmoid(gate)
+  // Copies columns [col, col + width) of every row of src[R, C] into dst[R, width].
+  virtual void copy_cols(const Tensor& src, int64_t col, Tensor& dst) = 0;
+  // Writes src[R, width] into columns [col, col + width) of dst[R, C].
+  virtual void set_cols(const Tensor& src, int64_t col, Tensor& dst) = 0;
+
+  // ---- positions ----------------------------------------------------------------------------
+  // In-place NeoX (half-split) rotary embedding of the first rot_dim dims of x[T, H, D];
+  // row t is rotated by angle positions[t] * theta^(-2i/rot_dim).
+  virtual void rope_neox(Tensor& x, std::span<const int64_t> positions, int rot_dim, double theta) = 0;
+
+  // ---- attention ----------------------------------------------------------------------------
+  // Causal GQA attention of q[T, Hq, D] over k[S, Hkv, D], v[S, Hkv, Dv] (the first S rows
+  // of the cache are valid): query i sees keys j <= q_offset + i. out[T, Hq, Dv].
+  virtual void attention(const Tensor& q, const Tensor& k, const Tensor& v, int64_t kv_len, int64_t q_offset,
+                         float scale, Tensor& out) = 0;
+
+  // ---- linear-attention layer pieces ---------------------------------------------------------
+  // Depthwise causal conv1d over time with SiLU: x[T, C], w[C, K], state[K-1, C] holds the
+  // previous K-1 inputs (oldest first) and is advanced in place. out[T, C].
+  virtual void causal_conv1d_silu(const Tensor& x, const Tensor& w, Tensor& state, Tensor& out) = 0;
+  // Qwen3.5/Qwen3-Next gates: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b).
+  virtual void gdn_gates(const Tensor& a, const Tensor& b, const Tensor& A_log, const Tensor& dt_bias, Tensor& g,
+                         Tensor& beta) = 0;
+  // Gated delta rule over a span of tokens from `state` (advanced in place).
+  // q, k: [T, Hk, dk]; v: [T, Hv, dv]; g (log decay), beta: [T, Hv]; state: [Hv, dk, dv] f32.
+  // Key heads are repeat-interleaved over value heads (Hv % Hk == 0). q and k are L2-normalised
+  // inside when l2norm_qk, and q is scaled by dk^-0.5. out: [T, Hv, dv].
+  // If transition is defined ([Hv, dk, dk] f32) it receives T_C = A_T ... A_1 of this span,
+  // computed in the same pass (segment summary for position-independent caching).
+  virtual void gated_delta_rule(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                const Tensor& beta, bool l2norm_qk, Tensor& state, Tensor& out,
+                                Tensor* transition = nullptr) = 0;
+
+  // ---- mixture of experts -------------------------------------------------------------------
+  // Softmax over router logits[T, E], top-k (renormalised when norm_topk), SwiGLU experts,
+  // weighted sum into out[T, H] (overwritten).
+  virtual void moe_experts(const Tensor& x, const Tensor& router_logits, int top_k, bool norm_topk,
+                           const ExpertWeights& experts, Tensor& out) = 0;
+};
+
+// Creates a backend by name: "cpu" (threads <= 0: all cores).
+std::unique_ptr<Backend> make_backend(const std::string& name, int threads = 0);
+
+}  // namespace hypic

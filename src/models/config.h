@@ -1,0 +1,74 @@
+// Model hyper-parameters, parsed from a Hugging Face config.json (top level, or the nested
+// `text_config` of ...ForConditionalGeneration checkpoints).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "tensor/dtype.h"
+
+namespace hypic {
+
+enum class Arch { Qwen3_5, Qwen3_5Moe, Qwen3Next };
+enum class LayerKind { Linear, Full };  // linear_attention (Gated DeltaNet) / full_attention
+
+const char* arch_name(Arch a);
+
+struct ModelConfig {
+  std::string architecture;  // architectures[0] as written in config.json
+  Arch arch = Arch::Qwen3_5;
+  // Weights live under "model.language_model." (ForConditionalGeneration) instead of "model.".
+  bool nested_text = false;
+
+  int64_t vocab_size = 0;
+  int64_t hidden_size = 0;
+  int64_t num_hidden_layers = 0;
+  int64_t intermediate_size = 0;  // dense MLP
+  std::string hidden_act = "silu";
+  double rms_norm_eps = 1e-6;
+  bool tie_word_embeddings = false;
+  int64_t max_position_embeddings = 0;
+  DType dtype = DType::BF16;  // "dtype"/"torch_dtype" of the checkpoint
+
+  // Gated full attention.
+  int64_t num_attention_heads = 0;
+  int64_t num_key_value_heads = 0;
+  int64_t head_dim = 0;
+  bool attention_bias = false;
+  double rope_theta = 10000.0;
+  double partial_rotary_factor = 1.0;
+  int64_t rotary_dim() const { return static_cast<int64_t>(head_dim * partial_rotary_factor); }
+
+  // Gated DeltaNet.
+  int64_t linear_num_key_heads = 0;
+  int64_t linear_num_value_heads = 0;
+  int64_t linear_key_head_dim = 0;
+  int64_t linear_value_head_dim = 0;
+  int64_t linear_conv_kernel_dim = 4;
+
+  std::vector<LayerKind> layer_types;  // one per layer
+
+  // Mixture of experts (num_experts == 0: dense everywhere).
+  int64_t num_experts = 0;
+  int64_t num_experts_per_tok = 0;
+  int64_t moe_intermediate_size = 0;
+  int64_t shared_expert_intermediate_size = 0;
+  bool norm_topk_prob = true;
+  int64_t decoder_sparse_step = 1;
+  std::vector<int64_t> mlp_only_layers;
+
+  std::vector<int64_t> eos_token_ids;  // from config.json and generation_config.json
+  int64_t bos_token_id = -1;
+  int64_t pad_token_id = -1;
+
+  bool layer_is_moe(int64_t i) const;
+  int64_t num_linear_layers() const;
+  int64_t num_full_layers() const;
+};
+
+// Parses config.json text. `path` only names the file in error messages. Throws
+// std::runtime_error naming the file and the missing or malformed field.
+ModelConfig parse_model_config(const std::string& json_text, const std::string& path);
+ModelConfig load_model_config(const std::string& config_json_path);
+
+}  // namespace hypic
