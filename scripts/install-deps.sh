@@ -9,6 +9,7 @@ pkgs=(
   libopenblas-dev          # GEMM
   nlohmann-json3-dev       # JSON (config.json, tokenizer.json, safetensors headers, API)
   libpcre2-dev             # tokenizer pre-tokenizer regex
+  libutf8proc-dev          # tokenizer NFC normalizer
   libgtest-dev libgmock-dev libbenchmark-dev
   libcli11-dev libspdlog-dev libfmt-dev
   libcpp-httplib-dev libxxhash-dev libzstd-dev

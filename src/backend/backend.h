@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -53,7 +54,8 @@ class Backend {
   virtual void rms_norm_gated(const Tensor& x, const Tensor& z, const Tensor& w, float eps, Tensor& out) = 0;
   virtual void add(const Tensor& a, const Tensor& b, Tensor& out) = 0;            // out = a + b
   virtual void silu_mul(const Tensor& gate, const Tensor& up, Tensor& out) = 0;   // silu(gate) * up
-  virtual void sigmoid_mul(const Tensor& x, const Tensor& gate, Tensor& out) = 0; // x * sigmoid(gate)
+  // x * sigmoid(gate); gate is x's shape, or [rows, 1] (one gate per row, broadcast).
+  virtual void sigmoid_mul(const Tensor& x, const Tensor& gate, Tensor& out) = 0;
   // Copies columns [col, col + width) of every row of src[R, C] into dst[R, width].
   virtual void copy_cols(const Tensor& src, int64_t col, Tensor& dst) = 0;
   // Writes src[R, width] into columns [col, col + width) of dst[R, C].
@@ -86,6 +88,12 @@ class Backend {
   virtual void gated_delta_rule(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                 const Tensor& beta, bool l2norm_qk, Tensor& state, Tensor& out,
                                 Tensor* transition = nullptr) = 0;
+
+  // ---- segment summaries (PIC) -----------------------------------------------------------------
+  // Per head: out = alpha * (T S) + B, T [H, dk, dk], S and B [H, dk, dv]; out must not alias S.
+  virtual void compose_state(const Tensor& T, const Tensor& S, const Tensor& B, float alpha, Tensor& out) = 0;
+  // Sets every [n, n] matrix of t [H, n, n] to the identity.
+  virtual void set_identity(Tensor& t) = 0;
 
   // ---- mixture of experts -------------------------------------------------------------------
   // Softmax over router logits[T, E], top-k (renormalised when norm_topk), SwiGLU experts,

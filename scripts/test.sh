@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The test command: Release build + every test, then the unit tests again under
+# AddressSanitizer + UndefinedBehaviorSanitizer (build-asan/). Prints ctest's summary lines.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+jobs="$(nproc)"
+
+scripts/build.sh
+(cd build && ctest --output-on-failure -j "$jobs")
+
+if [ "${HYPIC_SKIP_SANITIZERS:-0}" != 1 ]; then
+  cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DHYPIC_SANITIZE=ON >/dev/null
+  cmake --build build-asan -j "$jobs"
+  # Leak checking is off: OpenBLAS keeps per-thread buffers alive until exit by design.
+  (cd build-asan && ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+     ctest --output-on-failure -j "$jobs" -LE slow)
+fi

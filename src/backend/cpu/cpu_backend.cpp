@@ -1,0 +1,1071 @@
+#include "backend/cpu/cpu_backend.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "linear/gated_delta.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HYPIC_AVX2 1
+#endif
+
+namespace hypic::cpu {
+
+// ================================================================================================
+// Argument validation. Every op checks dtypes, ranks and shapes before touching memory and throws
+// std::invalid_argument("<op>: <what>") naming the tensors involved.
+// ================================================================================================
+namespace {
+
+[[noreturn]] void fail(const char* op, const std::string& msg) {
+  throw std::invalid_argument(std::string(op) + ": " + msg);
+}
+
+void need_def(const char* op, const char* name, const Tensor& t) {
+  if (!t.defined()) fail(op, std::string(name) + " is undefined");
+  if (!t.is_cpu()) fail(op, std::string(name) + " " + t.str() + " is not on the cpu device");
+}
+
+void need_f32(const char* op, const char* name, const Tensor& t) {
+  need_def(op, name, t);
+  if (t.dtype() != DType::F32) fail(op, std::string(name) + " " + t.str() + ": must be f32");
+}
+
+bool is_half_or_f32(DType d) {
+  return d == DType::F32 || d == DType::BF16 || d == DType::F16;
+}
+
+void need_float(const char* op, const char* name, const Tensor& t) {
+  need_def(op, name, t);
+  if (!is_half_or_f32(t.dtype())) fail(op, std::string(name) + " " + t.str() + ": must be f32, bf16 or f16");
+}
+
+void need_ndim(const char* op, const char* name, const Tensor& t, int nd) {
+  if (t.ndim() != nd)
+    fail(op, std::string(name) + " " + t.str() + ": expected " + std::to_string(nd) + " dims, got " +
+                 std::to_string(t.ndim()));
+}
+
+void need_shape(const char* op, const char* name, const Tensor& t, const Shape& s) {
+  if (t.shape() != s) fail(op, std::string(name) + " " + t.str() + ": expected shape " + shape_str(s));
+}
+
+int64_t last_dim(const Tensor& t) {
+  return t.ndim() == 0 ? 1 : t.dim(-1);
+}
+int64_t rows_of(const Tensor& t) {
+  int64_t d = last_dim(t);
+  return d == 0 ? 0 : t.numel() / d;
+}
+
+bool overlaps(const Tensor& a, const Tensor& b) {
+  auto pa = static_cast<const char*>(a.raw()), pb = static_cast<const char*>(b.raw());
+  return pa < pb + b.nbytes() && pb < pa + a.nbytes() && a.nbytes() && b.nbytes();
+}
+
+// ================================================================================================
+// Element loads (f32 / bf16 / f16) and small vector helpers.
+// ================================================================================================
+inline float ld(const float* p) {
+  return *p;
+}
+inline float ld(const uint16_t* p, DType dt) {
+  return dt == DType::BF16 ? bf16_to_f32(*p) : f16_to_f32(*p);
+}
+
+// Converts n elements of a float dtype to f32 (vectorised for bf16/f16).
+void to_f32_row(const void* src, DType dt, float* dst, int64_t n) {
+  if (dt == DType::F32) {
+    std::memcpy(dst, src, static_cast<size_t>(n) * 4);
+    return;
+  }
+  auto s = static_cast<const uint16_t*>(src);
+  int64_t i = 0;
+#ifdef HYPIC_AVX2
+  if (dt == DType::BF16) {
+    for (; i + 8 <= n; i += 8) {
+      __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
+      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+    }
+  }
+#ifdef __F16C__
+  else {
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
+  }
+#endif
+#endif
+  if (dt == DType::BF16)
+    for (; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
+  else
+    for (; i < n; ++i) dst[i] = f16_to_f32(s[i]);
+}
+
+// Weight element access by dtype tag, for the fused GEMV.
+struct WF32 {
+  using T = float;
+  static float one(const T* p) { return *p; }
+#ifdef HYPIC_AVX2
+  static __m256 eight(const T* p) {
+    return _mm256_loadu_ps(p);
+  }
+#endif
+};
+struct WBF16 {
+  using T = uint16_t;
+  static float one(const T* p) { return bf16_to_f32(*p); }
+#ifdef HYPIC_AVX2
+  static __m256 eight(const T* p) {
+    __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  }
+#endif
+};
+struct WF16 {
+  using T = uint16_t;
+  static float one(const T* p) { return f16_to_f32(*p); }
+#ifdef HYPIC_AVX2
+  static __m256 eight(const T* p) {
+#ifdef __F16C__
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+    alignas(32) float t[8];
+    for (int i = 0; i < 8; ++i) t[i] = f16_to_f32(p[i]);
+    return _mm256_load_ps(t);
+#endif
+  }
+#endif
+};
+
+#ifdef HYPIC_AVX2
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// exp(x) for f32 lanes (Cephes-style range reduction + degree-6 polynomial, ~1-2 ulp).
+inline __m256 exp256(__m256 x) {
+  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365478515625f);
+  x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
+  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  __m256 x2 = _mm256_mul_ps(x, x);
+  y = _mm256_fmadd_ps(y, x2, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+float dot_f32(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float s = 0.f;
+#ifdef HYPIC_AVX2
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), a1);
+  }
+  for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a0);
+  s = hsum(_mm256_add_ps(a0, a1));
+#endif
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// out[i] = sum_j p[j] * rows[j][i]: y += a * x over n lanes.
+inline void axpy(float a, const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+inline float silu(float x) {
+  return x / (1.0f + std::exp(-x));
+}
+inline float sigmoid(float x) {
+  return 1.0f / (1.0f + std::exp(-x));
+}
+
+// exp of n values in place, in f32.
+void exp_inplace(float* p, int64_t n) {
+  int64_t i = 0;
+#ifdef HYPIC_AVX2
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(p + i, exp256(_mm256_loadu_ps(p + i)));
+#endif
+  for (; i < n; ++i) p[i] = std::exp(p[i]);
+}
+
+// A per-thread scratch vector (grows, never shrinks): kernels allocate nothing in steady state.
+float* scratch(std::vector<float>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
+// ================================================================================================
+// Fused convert + dot GEMV for decode (M < 8): each output row of W is read once, converted in
+// registers and dotted with all M input rows; W (bf16/f16) is never materialised as f32.
+// ================================================================================================
+template <typename W, int MM>
+void gemv_rows(const float* x, int64_t K, const typename W::T* w, int64_t N, int64_t n0, int64_t n1, float* y,
+               bool acc) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const typename W::T* wr = w + n * K;
+    float s[MM];
+    int64_t k = 0;
+#ifdef HYPIC_AVX2
+    constexpr int U = MM <= 2 ? 4 : 2;
+    __m256 a[MM][U];
+    for (int m = 0; m < MM; ++m)
+      for (int u = 0; u < U; ++u) a[m][u] = _mm256_setzero_ps();
+    for (; k + 8 * U <= K; k += 8 * U) {
+      __m256 wv[U];
+      for (int u = 0; u < U; ++u) wv[u] = W::eight(wr + k + 8 * u);
+      for (int m = 0; m < MM; ++m)
+        for (int u = 0; u < U; ++u) a[m][u] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k + 8 * u), wv[u], a[m][u]);
+    }
+    for (; k + 8 <= K; k += 8) {
+      __m256 wv = W::eight(wr + k);
+      for (int m = 0; m < MM; ++m) a[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), wv, a[m][0]);
+    }
+    for (int m = 0; m < MM; ++m) {
+      __m256 t = a[m][0];
+      for (int u = 1; u < U; ++u) t = _mm256_add_ps(t, a[m][u]);
+      s[m] = hsum(t);
+    }
+#else
+    for (int m = 0; m < MM; ++m) s[m] = 0.f;
+#endif
+    for (; k < K; ++k) {
+      float wk = W::one(wr + k);
+      for (int m = 0; m < MM; ++m) s[m] += x[m * K + k] * wk;
+    }
+    for (int m = 0; m < MM; ++m) y[m * N + n] = acc ? y[m * N + n] + s[m] : s[m];
+  }
+}
+
+template <typename W>
+void gemv_dispatch(int64_t M, const float* x, int64_t K, const typename W::T* w, int64_t N, int64_t n0, int64_t n1,
+                   float* y, bool acc) {
+  switch (M) {
+    case 1:
+      return gemv_rows<W, 1>(x, K, w, N, n0, n1, y, acc);
+    case 2:
+      return gemv_rows<W, 2>(x, K, w, N, n0, n1, y, acc);
+    case 3:
+      return gemv_rows<W, 3>(x, K, w, N, n0, n1, y, acc);
+    case 4:
+      return gemv_rows<W, 4>(x, K, w, N, n0, n1, y, acc);
+    case 5:
+      return gemv_rows<W, 5>(x, K, w, N, n0, n1, y, acc);
+    case 6:
+      return gemv_rows<W, 6>(x, K, w, N, n0, n1, y, acc);
+    default:
+      return gemv_rows<W, 7>(x, K, w, N, n0, n1, y, acc);
+  }
+}
+
+thread_local std::vector<float> t_panel, t_buf0, t_buf1, t_buf2, t_buf3;
+
+}  // namespace
+
+// ================================================================================================
+// Construction and memory.
+// ================================================================================================
+CpuBackend::CpuBackend(int threads) : pool_(threads) {
+  // All parallelism is ours: OpenBLAS runs single-threaded inside pool chunks. Its own pthread
+  // workers would otherwise spin after each call and compete with the pool for the same cores.
+  openblas_set_num_threads(1);
+}
+
+CpuBackend::~CpuBackend() = default;
+
+Tensor CpuBackend::alloc(DType dt, Shape shape) {
+  return Tensor::empty(dt, std::move(shape));
+}
+
+Tensor CpuBackend::to_device(const Tensor& host) {
+  need_def("to_device", "host", host);
+  return host;
+}
+
+Tensor CpuBackend::to_host(const Tensor& t) {
+  need_def("to_host", "t", t);
+  return t;
+}
+
+void CpuBackend::copy(const Tensor& src, Tensor& dst) {
+  need_def("copy", "src", src);
+  need_def("copy", "dst", dst);
+  if (src.dtype() != dst.dtype() || src.numel() != dst.numel())
+    fail("copy", "src " + src.str() + " and dst " + dst.str() + ": dtype or element count differ");
+  if (src.raw() != dst.raw()) std::memmove(dst.raw(), src.raw(), src.nbytes());
+}
+
+void CpuBackend::fill(Tensor& t, float value) {
+  need_f32("fill", "t", t);
+  float* p = t.data<float>();
+  pool_.parallel_for(
+      t.numel(), [&](int64_t b, int64_t e) { std::fill(p + b, p + e, value); }, 1 << 16);
+}
+
+// ================================================================================================
+// matmul: y[M,N] = x[M,K] W[N,K]^T.
+//
+// Weights are used in place in their stored dtype: bf16/f16 checkpoints stay bf16/f16 in memory
+// (often memory-mapped), so memory is never doubled by an f32 copy of the model.
+//  * M < 8 (decode): a fused convert+dot GEMV over output rows, parallel over rows. It is
+//    memory-bound, and reading 2-byte weights halves the traffic compared with f32.
+//  * M >= 8, bf16/f16: W is converted panel by panel (64-256 rows) into a per-thread f32 scratch, and each panel is one
+//  single-threaded sgemm; panels are
+//    spread over the pool. The conversion costs O(N K) against the product's O(M N K).
+//  * M >= 8, f32: sgemm directly on W, its columns split over the pool (one sgemm per thread).
+// OpenBLAS is set to one thread (constructor): the pool is the only source of parallelism.
+// ================================================================================================
+void CpuBackend::matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate) {
+  const char* op = "matmul";
+  need_f32(op, "x", x);
+  need_float(op, "w", w);
+  need_f32(op, "y", y);
+  need_ndim(op, "x", x, 2);
+  need_ndim(op, "w", w, 2);
+  need_ndim(op, "y", y, 2);
+  const int64_t M = x.dim(0), K = x.dim(1), N = w.dim(0);
+  if (w.dim(1) != K) fail(op, "x " + x.str() + " and w " + w.str() + ": inner dims differ");
+  if (y.dim(0) != M || y.dim(1) != N)
+    fail(op, "y " + y.str() + ": expected shape " + shape_str({M, N}) + " for x " + x.str() + " and w " + w.str());
+  if (overlaps(y, x) || overlaps(y, w)) fail(op, "y " + y.str() + " overlaps an input");
+  if (M == 0 || N == 0) return;
+  float* yp = y.data<float>();
+  if (K == 0) {
+    if (!accumulate) std::fill(yp, yp + M * N, 0.f);
+    return;
+  }
+  const float* xp = x.data<float>();
+  const DType wd = w.dtype();
+
+  if (M < 8) {
+    // ~16 KiB of weights per chunk at least, so tiny products are not split.
+    int64_t grain = std::max<int64_t>(1, 8192 / K);
+    pool_.parallel_for(
+        N,
+        [&](int64_t n0, int64_t n1) {
+          if (wd == DType::F32)
+            gemv_dispatch<WF32>(M, xp, K, w.data<float>(), N, n0, n1, yp, accumulate);
+          else if (wd == DType::BF16)
+            gemv_dispatch<WBF16>(M, xp, K, w.data<uint16_t>(), N, n0, n1, yp, accumulate);
+          else
+            gemv_dispatch<WF16>(M, xp, K, w.data<uint16_t>(), N, n0, n1, yp, accumulate);
+        },
+        grain);
+    return;
+  }
+
+  const float beta = accumulate ? 1.f : 0.f;
+  if (wd == DType::F32) {
+    const float* wp = w.data<float>();
+    int64_t blocks = (N + 15) / 16;
+    int64_t grain = std::max<int64_t>(1, (1 << 20) / std::max<int64_t>(1, M * K * 16));  // tiny: one thread
+    pool_.parallel_for(
+        blocks,
+        [&](int64_t b0, int64_t b1) {
+          int64_t n0 = b0 * 16, n1 = std::min(N, b1 * 16);
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(M), static_cast<int>(n1 - n0),
+                      static_cast<int>(K), 1.f, xp, static_cast<int>(K), wp + n0 * K, static_cast<int>(K), beta,
+                      yp + n0, static_cast<int>(N));
+        },
+        grain);
+    return;
+  }
+
+  // Panel rows: sgemm re-packs x for every panel, so panels must be tall enough to amortise that
+  // (M K copies per panel against 2 M K nb flops); 256 rows keeps it to a few percent. Smaller
+  // panels (>= 64 rows) only when needed to give every thread two panels.
+  const int64_t per_thread = (N + 2 * pool_.size() - 1) / (2 * pool_.size());
+  const int64_t nb = std::clamp<int64_t>((per_thread + 15) / 16 * 16, 64, 256);
+  const int64_t panels = (N + nb - 1) / nb;
+  const auto* wp = static_cast<const uint16_t*>(w.raw());
+  std::atomic<int64_t> next{0};
+  // Dynamic panel scheduling inside one chunk per thread: panels finish at uneven rates.
+  pool_.parallel_for(pool_.size(), [&](int64_t, int64_t) {
+    float* buf = scratch(t_panel, static_cast<size_t>(nb * K));
+    for (;;) {
+      int64_t p = next.fetch_add(1);
+      if (p >= panels) break;
+      int64_t n0 = p * nb, n1 = std::min(N, n0 + nb);
+      to_f32_row(wp + n0 * K, wd, buf, (n1 - n0) * K);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(M), static_cast<int>(n1 - n0),
+                  static_cast<int>(K), 1.f, xp, static_cast<int>(K), buf, static_cast<int>(K), beta, yp + n0,
+                  static_cast<int>(N));
+    }
+  });
+}
+
+void CpuBackend::embedding(const Tensor& table, std::span<const int32_t> ids, Tensor& out) {
+  const char* op = "embedding";
+  need_float(op, "table", table);
+  need_f32(op, "out", out);
+  need_ndim(op, "table", table, 2);
+  const int64_t V = table.dim(0), H = table.dim(1), n = static_cast<int64_t>(ids.size());
+  need_shape(op, "out", out, {n, H});
+  for (int64_t i = 0; i < n; ++i)
+    if (ids[i] < 0 || ids[i] >= V)
+      fail(op, "id " + std::to_string(ids[i]) + " at " + std::to_string(i) + " out of range for table " + table.str());
+  const char* tp = static_cast<const char*>(table.raw());
+  const size_t row = static_cast<size_t>(H) * dtype_size(table.dtype());
+  float* op_ = out.data<float>();
+  pool_.parallel_for(n, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) to_f32_row(tp + static_cast<size_t>(ids[i]) * row, table.dtype(), op_ + i * H, H);
+  });
+}
+
+// ================================================================================================
+// Norms and elementwise ops (f32 activations).
+// ================================================================================================
+namespace {
+float sumsq(const float* x, int64_t n) {
+  return dot_f32(x, x, n);
+}
+
+// Loads w (any float dtype, length D) as f32 into a per-thread buffer.
+const float* weight_f32(const Tensor& w, std::vector<float>& buf) {
+  if (w.dtype() == DType::F32) return w.data<float>();
+  float* p = scratch(buf, static_cast<size_t>(w.numel()));
+  to_f32_row(w.raw(), w.dtype(), p, w.numel());
+  return p;
+}
+}  // namespace
+
+void CpuBackend::rms_norm(const Tensor& x, const Tensor& w, float eps, bool one_plus_w, Tensor& out) {
+  const char* op = "rms_norm";
+  need_f32(op, "x", x);
+  need_float(op, "w", w);
+  need_f32(op, "out", out);
+  const int64_t D = last_dim(x), R = rows_of(x);
+  if (x.ndim() == 0) fail(op, "x " + x.str() + ": needs at least one dim");
+  need_ndim(op, "w", w, 1);
+  if (w.dim(0) != D) fail(op, "w " + w.str() + " does not match the last dim of x " + x.str());
+  need_shape(op, "out", out, x.shape());
+  const float* wf = weight_f32(w, t_buf0);
+  std::vector<float> wl;  // one_plus_w: 1 + w computed once, in f32 (as torch: (1.0 + w.float()))
+  if (one_plus_w) {
+    wl.resize(static_cast<size_t>(D));
+    for (int64_t i = 0; i < D; ++i) wl[i] = 1.0f + wf[i];
+    wf = wl.data();
+  }
+  const float* xp = x.data<float>();
+  float* o = out.data<float>();
+  pool_.parallel_for(
+      R,
+      [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; ++r) {
+          const float* xr = xp + r * D;
+          float* orow = o + r * D;
+          float inv = 1.0f / std::sqrt(sumsq(xr, D) / static_cast<float>(D) + eps);
+          for (int64_t i = 0; i < D; ++i) orow[i] = (xr[i] * inv) * wf[i];
+        }
+      },
+      std::max<int64_t>(1, 16384 / std::max<int64_t>(D, 1)));
+}
+
+void CpuBackend::rms_norm_gated(const Tensor& x, const Tensor& z, const Tensor& w, float eps, Tensor& out) {
+  const char* op = "rms_norm_gated";
+  need_f32(op, "x", x);
+  need_f32(op, "z", z);
+  need_float(op, "w", w);
+  need_f32(op, "out", out);
+  if (x.ndim() == 0) fail(op, "x " + x.str() + ": needs at least one dim");
+  const int64_t D = last_dim(x), R = rows_of(x);
+  need_shape(op, "z", z, x.shape());
+  need_ndim(op, "w", w, 1);
+  if (w.dim(0) != D) fail(op, "w " + w.str() + " does not match the last dim of x " + x.str());
+  need_shape(op, "out", out, x.shape());
+  const float* wf = weight_f32(w, t_buf0);
+  const float *xp = x.data<float>(), *zp = z.data<float>();
+  float* o = out.data<float>();
+  pool_.parallel_for(
+      R,
+      [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; ++r) {
+          const float *xr = xp + r * D, *zr = zp + r * D;
+          float* orow = o + r * D;
+          float inv = 1.0f / std::sqrt(sumsq(xr, D) / static_cast<float>(D) + eps);
+          for (int64_t i = 0; i < D; ++i) orow[i] = wf[i] * (xr[i] * inv) * silu(zr[i]);
+        }
+      },
+      std::max<int64_t>(1, 16384 / std::max<int64_t>(D, 1)));
+}
+
+namespace {
+template <typename F>
+void binary(ThreadPool& pool, const char* op, const char* an, const Tensor& a, const char* bn, const Tensor& b,
+            Tensor& out, F f) {
+  need_f32(op, an, a);
+  need_f32(op, bn, b);
+  need_f32(op, "out", out);
+  if (a.shape() != b.shape())
+    fail(op, std::string(an) + " " + a.str() + " and " + bn + " " + b.str() + ": shapes differ");
+  need_shape(op, "out", out, a.shape());
+  const float *ap = a.data<float>(), *bp = b.data<float>();
+  float* o = out.data<float>();
+  pool.parallel_for(
+      a.numel(),
+      [&](int64_t s, int64_t e) {
+        for (int64_t i = s; i < e; ++i) o[i] = f(ap[i], bp[i]);
+      },
+      1 << 14);
+}
+}  // namespace
+
+void CpuBackend::add(const Tensor& a, const Tensor& b, Tensor& out) {
+  binary(pool_, "add", "a", a, "b", b, out, [](float u, float v) { return u + v; });
+}
+void CpuBackend::silu_mul(const Tensor& gate, const Tensor& up, Tensor& out) {
+  binary(pool_, "silu_mul", "gate", gate, "up", up, out, [](float g, float u) { return silu(g) * u; });
+}
+void CpuBackend::sigmoid_mul(const Tensor& x, const Tensor& gate, Tensor& out) {
+  if (gate.defined() && x.defined() && gate.ndim() == 2 && gate.dim(1) == 1 && last_dim(x) != 1) {
+    // One gate per row (MoE shared-expert gate), broadcast over the row.
+    need_f32("sigmoid_mul", "x", x);
+    need_f32("sigmoid_mul", "gate", gate);
+    need_f32("sigmoid_mul", "out", out);
+    if (rows_of(x) != gate.dim(0) || out.numel() != x.numel())
+      fail("sigmoid_mul", "x " + x.str() + ", gate " + gate.str() + " and out " + out.str() + ": shapes differ");
+    const int64_t R = rows_of(x), C = last_dim(x);
+    const float* xs = x.data<float>();
+    const float* gs = gate.data<float>();
+    float* os = out.data<float>();
+    pool_.parallel_for(R, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        const float g = sigmoid(gs[r]);
+        for (int64_t c = 0; c < C; ++c) os[r * C + c] = xs[r * C + c] * g;
+      }
+    });
+    return;
+  }
+  binary(pool_, "sigmoid_mul", "x", x, "gate", gate, out, [](float v, float g) { return v * sigmoid(g); });
+}
+
+namespace {
+// Rows of both tensors are their leading dims flattened; columns are the last dim.
+void cols_common(const char* op, const Tensor& wide, const Tensor& narrow, int64_t col, const char* wn,
+                 const char* nn) {
+  need_def(op, wn, wide);
+  need_def(op, nn, narrow);
+  if (wide.dtype() != narrow.dtype())
+    fail(op, std::string(wn) + " " + wide.str() + " and " + nn + " " + narrow.str() + ": dtypes differ");
+  if (wide.ndim() < 1 || narrow.ndim() < 1) fail(op, "tensors need at least one dim");
+  if (rows_of(wide) != rows_of(narrow) && last_dim(narrow) != 0 && last_dim(wide) != 0)
+    fail(op, std::string(wn) + " " + wide.str() + " and " + nn + " " + narrow.str() + ": row counts differ");
+  if (col < 0 || col + last_dim(narrow) > last_dim(wide))
+    fail(op, "columns [" + std::to_string(col) + ", " + std::to_string(col + last_dim(narrow)) + ") out of range of " +
+                 wn + " " + wide.str());
+  if (overlaps(wide, narrow)) fail(op, "src and dst overlap");
+}
+}  // namespace
+
+void CpuBackend::copy_cols(const Tensor& src, int64_t col, Tensor& dst) {
+  cols_common("copy_cols", src, dst, col, "src", "dst");
+  const int64_t R = rows_of(dst), C = last_dim(src), W = last_dim(dst);
+  const size_t es = dtype_size(src.dtype());
+  const char* s = static_cast<const char*>(src.raw());
+  char* d = static_cast<char*>(dst.raw());
+  pool_.parallel_for(
+      R,
+      [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; ++r) std::memcpy(d + r * W * es, s + (r * C + col) * es, W * es);
+      },
+      std::max<int64_t>(1, 8192 / std::max<int64_t>(W, 1)));
+}
+
+void CpuBackend::set_cols(const Tensor& src, int64_t col, Tensor& dst) {
+  cols_common("set_cols", dst, src, col, "dst", "src");
+  const int64_t R = rows_of(src), C = last_dim(dst), W = last_dim(src);
+  const size_t es = dtype_size(src.dtype());
+  const char* s = static_cast<const char*>(src.raw());
+  char* d = static_cast<char*>(dst.raw());
+  pool_.parallel_for(
+      R,
+      [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; ++r) std::memcpy(d + (r * C + col) * es, s + r * W * es, W * es);
+      },
+      std::max<int64_t>(1, 8192 / std::max<int64_t>(W, 1)));
+}
+
+// ================================================================================================
+// Rotary embedding (NeoX half split, partial). inv_freq and angles follow transformers' fp32
+// arithmetic: inv_freq = 1 / theta ** (arange(0, rot, 2) / rot) in f32, angle = f32(pos) * inv_freq.
+// ================================================================================================
+void CpuBackend::rope_neox(Tensor& x, std::span<const int64_t> positions, int rot_dim, double theta) {
+  const char* op = "rope_neox";
+  need_f32(op, "x", x);
+  need_ndim(op, "x", x, 3);
+  const int64_t T = x.dim(0), H = x.dim(1), D = x.dim(2);
+  if (static_cast<int64_t>(positions.size()) != T)
+    fail(op,
+         "x " + x.str() + " has " + std::to_string(T) + " rows but " + std::to_string(positions.size()) + " positions");
+  if (rot_dim <= 0 || rot_dim % 2 != 0 || rot_dim > D)
+    fail(op, "rot_dim " + std::to_string(rot_dim) + " must be even, positive and <= head dim of x " + x.str());
+  if (!(theta > 0)) fail(op, "theta must be positive");
+  const int half = rot_dim / 2;
+  std::vector<float> inv_freq(static_cast<size_t>(half));
+  const float th = static_cast<float>(theta);
+  for (int i = 0; i < half; ++i) {
+    float e = static_cast<float>(2 * i) / static_cast<float>(rot_dim);
+    float p = static_cast<float>(std::pow(static_cast<double>(th), static_cast<double>(e)));
+    inv_freq[i] = 1.0f / p;
+  }
+  float* xp = x.data<float>();
+  pool_.parallel_for(T, [&](int64_t b, int64_t e) {
+    float* cs = scratch(t_buf1, static_cast<size_t>(rot_dim));
+    float *c = cs, *s = cs + half;
+    for (int64_t t = b; t < e; ++t) {
+      float pos = static_cast<float>(positions[t]);
+      for (int i = 0; i < half; ++i) {
+        float ang = pos * inv_freq[i];
+        c[i] = static_cast<float>(std::cos(static_cast<double>(ang)));
+        s[i] = static_cast<float>(std::sin(static_cast<double>(ang)));
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        float* r = xp + (t * H + h) * D;
+        for (int i = 0; i < half; ++i) {
+          float x1 = r[i], x2 = r[i + half];
+          float a = x1 * c[i], bb = x2 * s[i], cc = x2 * c[i], dd = x1 * s[i];
+          r[i] = a - bb;
+          r[i + half] = cc + dd;
+        }
+      }
+    }
+  });
+}
+
+// ================================================================================================
+// Attention (causal GQA). Scores and softmax in f32.
+// ================================================================================================
+void CpuBackend::attention(const Tensor& q, const Tensor& k, const Tensor& v, int64_t kv_len, int64_t q_offset,
+                           float scale, Tensor& out) {
+  const char* op = "attention";
+  need_f32(op, "q", q);
+  need_f32(op, "k", k);
+  need_f32(op, "v", v);
+  need_f32(op, "out", out);
+  need_ndim(op, "q", q, 3);
+  need_ndim(op, "k", k, 3);
+  need_ndim(op, "v", v, 3);
+  const int64_t T = q.dim(0), Hq = q.dim(1), D = q.dim(2), S = k.dim(0), Hkv = k.dim(1), Dv = v.dim(2);
+  if (k.dim(2) != D) fail(op, "q " + q.str() + " and k " + k.str() + ": head dims differ");
+  if (v.dim(0) != S || v.dim(1) != Hkv) fail(op, "k " + k.str() + " and v " + v.str() + ": rows or heads differ");
+  if (Hkv <= 0 || Hq % Hkv != 0)
+    fail(op, "q " + q.str() + " and k " + k.str() + ": query heads not a multiple of kv heads");
+  need_shape(op, "out", out, {T, Hq, Dv});
+  if (kv_len < 0 || kv_len > S) fail(op, "kv_len " + std::to_string(kv_len) + " out of range for k " + k.str());
+  if (q_offset < 0) fail(op, "q_offset " + std::to_string(q_offset) + " is negative");
+  if (T > 0 && kv_len == 0) fail(op, "kv_len is 0: no keys to attend to");
+  if (overlaps(out, q) || overlaps(out, k) || overlaps(out, v)) fail(op, "out overlaps an input");
+  if (T == 0) return;
+  if (T < 4)
+    attention_decode(q.data<float>(), k.data<float>(), v.data<float>(), T, Hq, Hkv, D, Dv, kv_len, q_offset, scale,
+                     out.data<float>());
+  else
+    attention_tiled(q.data<float>(), k.data<float>(), v.data<float>(), T, Hq, Hkv, D, Dv, kv_len, q_offset, scale,
+                    out.data<float>());
+}
+
+// Few queries: per (token, head) dot products over the visible keys, softmax, weighted sum of V.
+void CpuBackend::attention_decode(const float* q, const float* k, const float* v, int64_t T, int64_t Hq, int64_t Hkv,
+                                  int64_t D, int64_t Dv, int64_t kv_len, int64_t q_offset, float scale, float* out) {
+  const int64_t G = Hq / Hkv;
+  pool_.parallel_for(T * Hq, [&](int64_t b, int64_t e) {
+    for (int64_t it = b; it < e; ++it) {
+      const int64_t t = it / Hq, h = it % Hq, g = h / G;
+      const int64_t n = std::min(kv_len, q_offset + t + 1);
+      float* s = scratch(t_buf2, static_cast<size_t>(n));
+      const float* qr = q + (t * Hq + h) * D;
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < n; ++j) {
+        s[j] = dot_f32(qr, k + (j * Hkv + g) * D, D) * scale;
+        mx = std::max(mx, s[j]);
+      }
+      for (int64_t j = 0; j < n; ++j) s[j] -= mx;
+      exp_inplace(s, n);
+      float sum = 0.f;
+      for (int64_t j = 0; j < n; ++j) sum += s[j];
+      float* o = out + (t * Hq + h) * Dv;
+      std::fill(o, o + Dv, 0.f);
+      for (int64_t j = 0; j < n; ++j) axpy(s[j], v + (j * Hkv + g) * Dv, o, Dv);
+      const float inv = 1.0f / sum;
+      for (int64_t i = 0; i < Dv; ++i) o[i] *= inv;
+    }
+  });
+}
+
+// Many queries: flash-style tiles. For one kv head, a block of BQ tokens x G query heads is packed
+// into [BQ*G, D] rows (so K/V tiles are shared by the whole GQA group), and for each key tile of
+// BK keys: S = Qp K^T (sgemm), online softmax update, O += P V (sgemm). Work items (kv head,
+// query block) are taken dynamically, heaviest (last) query blocks first.
+void CpuBackend::attention_tiled(const float* q, const float* k, const float* v, int64_t T, int64_t Hq, int64_t Hkv,
+                                 int64_t D, int64_t Dv, int64_t kv_len, int64_t q_offset, float scale, float* out) {
+  const int64_t G = Hq / Hkv;
+  const int64_t BQ = std::max<int64_t>(1, 64 / G), BK = 256;
+  const int64_t nqb = (T + BQ - 1) / BQ, items = nqb * Hkv;
+  std::atomic<int64_t> next{0};
+  pool_.parallel_for(pool_.size(), [&](int64_t, int64_t) {
+    const int64_t R = BQ * G;
+    float* Qp = scratch(t_buf0, static_cast<size_t>(R * D));
+    float* Sb = scratch(t_buf1, static_cast<size_t>(R * BK));
+    float* O = scratch(t_buf2, static_cast<size_t>(R * Dv));
+    float* ml = scratch(t_buf3, static_cast<size_t>(2 * R));
+    float *m = ml, *l = ml + R;
+    for (;;) {
+      int64_t it = next.fetch_add(1);
+      if (it >= items) break;
+      const int64_t qb = nqb - 1 - it / Hkv, g = it % Hkv;
+      const int64_t t0 = qb * BQ, t1 = std::min(T, t0 + BQ), rows = (t1 - t0) * G;
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t hh = 0; hh < G; ++hh) {
+          const float* src = q + (t * Hq + g * G + hh) * D;
+          float* dst = Qp + ((t - t0) * G + hh) * D;
+          for (int64_t i = 0; i < D; ++i) dst[i] = src[i] * scale;
+        }
+      std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
+      std::fill(l, l + rows, 0.f);
+      std::fill(O, O + rows * Dv, 0.f);
+      const int64_t kend = std::min(kv_len, q_offset + t1);
+      for (int64_t kb = 0; kb < kend; kb += BK) {
+        const int64_t nk = std::min(BK, kend - kb);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(rows), static_cast<int>(nk),
+                    static_cast<int>(D), 1.f, Qp, static_cast<int>(D), k + (kb * Hkv + g) * D,
+                    static_cast<int>(Hkv * D), 0.f, Sb, static_cast<int>(BK));
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t t = t0 + r / G;
+          float* sr = Sb + r * BK;
+          const int64_t lim = std::clamp<int64_t>(std::min(kv_len, q_offset + t + 1) - kb, 0, nk);
+          if (lim == 0) {
+            std::fill(sr, sr + nk, 0.f);
+            continue;
+          }
+          float mx = m[r];
+          for (int64_t j = 0; j < lim; ++j) mx = std::max(mx, sr[j]);
+          const float alpha = std::exp(m[r] - mx);  // 0 when m[r] = -inf
+          for (int64_t j = 0; j < lim; ++j) sr[j] -= mx;
+          exp_inplace(sr, lim);
+          std::fill(sr + lim, sr + nk, 0.f);
+          float sum = 0.f;
+          for (int64_t j = 0; j < lim; ++j) sum += sr[j];
+          l[r] = l[r] * alpha + sum;
+          m[r] = mx;
+          if (alpha != 1.f) {
+            float* orow = O + r * Dv;
+            for (int64_t i = 0; i < Dv; ++i) orow[i] *= alpha;
+          }
+        }
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows), static_cast<int>(Dv),
+                    static_cast<int>(nk), 1.f, Sb, static_cast<int>(BK), v + (kb * Hkv + g) * Dv,
+                    static_cast<int>(Hkv * Dv), 1.f, O, static_cast<int>(Dv));
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t t = t0 + r / G, h = g * G + r % G;
+        const float inv = 1.0f / l[r];
+        const float* orow = O + r * Dv;
+        float* dst = out + (t * Hq + h) * Dv;
+        for (int64_t i = 0; i < Dv; ++i) dst[i] = orow[i] * inv;
+      }
+    }
+  });
+}
+
+// ================================================================================================
+// Linear-attention pieces.
+// ================================================================================================
+void CpuBackend::causal_conv1d_silu(const Tensor& x, const Tensor& w, Tensor& state, Tensor& out) {
+  const char* op = "causal_conv1d_silu";
+  need_f32(op, "x", x);
+  need_float(op, "w", w);
+  need_f32(op, "state", state);
+  need_f32(op, "out", out);
+  need_ndim(op, "x", x, 2);
+  const int64_t T = x.dim(0), C = x.dim(1);
+  // w: [C, K] (or torch's [C, 1, K]).
+  if (!(w.ndim() == 2 || (w.ndim() == 3 && w.dim(1) == 1))) fail(op, "w " + w.str() + ": expected [C, K] or [C, 1, K]");
+  const int64_t K = w.dim(-1);
+  if (w.dim(0) != C) fail(op, "w " + w.str() + " and x " + x.str() + ": channel counts differ");
+  if (K < 1) fail(op, "w " + w.str() + ": kernel size must be >= 1");
+  need_shape(op, "state", state, {K - 1, C});
+  need_shape(op, "out", out, {T, C});
+  if (overlaps(out, x) || overlaps(out, state) || overlaps(out, w) || overlaps(state, x))
+    fail(op, "out, x and state must not overlap");
+  if (T == 0 || C == 0) return;
+  const float* xp = x.data<float>();
+  float* sp = state.data<float>();
+  float* op_ = out.data<float>();
+  const int64_t P = K - 1;
+  pool_.parallel_for(
+      C,
+      [&](int64_t c0, int64_t c1) {
+        const int64_t nc = c1 - c0;
+        float* wt = scratch(t_buf0, static_cast<size_t>(K * nc));  // [K][nc], f32
+        float* row = scratch(t_buf1, static_cast<size_t>(nc));
+        for (int64_t c = c0; c < c1; ++c) {
+          float tmp[64];
+          const int64_t kk = std::min<int64_t>(K, 64);
+          if (K <= 64) {
+            to_f32_row(static_cast<const char*>(w.raw()) + c * K * dtype_size(w.dtype()), w.dtype(), tmp, kk);
+            for (int64_t j = 0; j < K; ++j) wt[j * nc + (c - c0)] = tmp[j];
+          } else {
+            for (int64_t j = 0; j < K; ++j) {
+              float f;
+              to_f32_row(static_cast<const char*>(w.raw()) + (c * K + j) * dtype_size(w.dtype()), w.dtype(), &f, 1);
+              wt[j * nc + (c - c0)] = f;
+            }
+          }
+        }
+        auto xx = [&](int64_t r) -> const float* { return r < P ? sp + r * C + c0 : xp + (r - P) * C + c0; };
+        for (int64_t t = 0; t < T; ++t) {
+          std::fill(row, row + nc, 0.f);
+          for (int64_t j = 0; j < K; ++j) {
+            const float* __restrict src = xx(t + j);
+            const float* __restrict wj = wt + j * nc;
+            for (int64_t c = 0; c < nc; ++c) row[c] += wj[c] * src[c];
+          }
+          float* o = op_ + t * C + c0;
+          for (int64_t c = 0; c < nc; ++c) o[c] = silu(row[c]);
+        }
+        // Advance the state: it becomes rows T .. T+P-1 of (state ++ x). Forward order is safe in place
+        // because row T + r >= r.
+        for (int64_t r = 0; r < P; ++r) {
+          const float* src = xx(T + r);
+          float* dst = sp + r * C + c0;
+          if (src != dst) std::memmove(dst, src, static_cast<size_t>(nc) * 4);
+        }
+      },
+      std::max<int64_t>(8, 4096 / std::max<int64_t>(1, T * K)));
+}
+
+void CpuBackend::gdn_gates(const Tensor& a, const Tensor& b, const Tensor& A_log, const Tensor& dt_bias, Tensor& g,
+                           Tensor& beta) {
+  const char* op = "gdn_gates";
+  need_f32(op, "a", a);
+  need_f32(op, "b", b);
+  need_float(op, "A_log", A_log);
+  need_float(op, "dt_bias", dt_bias);
+  need_f32(op, "g", g);
+  need_f32(op, "beta", beta);
+  need_ndim(op, "a", a, 2);
+  const int64_t T = a.dim(0), H = a.dim(1);
+  need_shape(op, "b", b, a.shape());
+  need_shape(op, "A_log", A_log, {H});
+  need_shape(op, "dt_bias", dt_bias, {H});
+  need_shape(op, "g", g, a.shape());
+  need_shape(op, "beta", beta, a.shape());
+  std::vector<float> al(static_cast<size_t>(H)), db(static_cast<size_t>(H));
+  to_f32_row(A_log.raw(), A_log.dtype(), al.data(), H);
+  to_f32_row(dt_bias.raw(), dt_bias.dtype(), db.data(), H);
+  for (auto& v : al) v = -std::exp(v);
+  const float *ap = a.data<float>(), *bp = b.data<float>();
+  float *gp = g.data<float>(), *bt = beta.data<float>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t i = t * H + h;
+      const float u = ap[i] + db[h];
+      const float sp = u > 20.f ? u : std::log1p(std::exp(u));  // torch softplus, threshold 20
+      const float bv = bp[i];
+      gp[i] = al[h] * sp;
+      bt[i] = sigmoid(bv);
+    }
+}
+
+void CpuBackend::gated_delta_rule(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                  const Tensor& beta, bool l2norm_qk, Tensor& state, Tensor& out, Tensor* transition) {
+  const char* op = "gated_delta_rule";
+  need_f32(op, "q", q);
+  need_f32(op, "k", k);
+  need_f32(op, "v", v);
+  need_f32(op, "g", g);
+  need_f32(op, "beta", beta);
+  need_f32(op, "state", state);
+  need_f32(op, "out", out);
+  need_ndim(op, "q", q, 3);
+  need_ndim(op, "v", v, 3);
+  const int64_t T = q.dim(0), Hk = q.dim(1), dk = q.dim(2), Hv = v.dim(1), dv = v.dim(2);
+  need_shape(op, "k", k, q.shape());
+  if (v.dim(0) != T) fail(op, "v " + v.str() + " and q " + q.str() + ": token counts differ");
+  if (Hk <= 0 || Hv % Hk != 0)
+    fail(op, "v " + v.str() + " and k " + k.str() + ": value heads not a multiple of key heads");
+  need_shape(op, "g", g, {T, Hv});
+  need_shape(op, "beta", beta, {T, Hv});
+  need_shape(op, "state", state, {Hv, dk, dv});
+  need_shape(op, "out", out, {T, Hv, dv});
+  float* tr = nullptr;
+  if (transition && transition->defined()) {
+    need_f32(op, "transition", *transition);
+    need_shape(op, "transition", *transition, {Hv, dk, dk});
+    tr = transition->data<float>();
+  }
+  linear::GdnShape s{T, Hk, Hv, dk, dv};
+  linear::gated_delta_forward(s, q.data<float>(), k.data<float>(), v.data<float>(), g.data<float>(), beta.data<float>(),
+                              l2norm_qk, state.data<float>(), out.data<float>(), tr, pool_.size());
+}
+
+// ================================================================================================
+// Segment summaries: out[h] = alpha * T[h] S[h] + B[h] (one sgemm per head), identity fill.
+// ================================================================================================
+void CpuBackend::compose_state(const Tensor& T, const Tensor& S, const Tensor& B, float alpha, Tensor& out) {
+  const char* op = "compose_state";
+  need_f32(op, "T", T);
+  need_f32(op, "S", S);
+  need_f32(op, "B", B);
+  need_f32(op, "out", out);
+  need_ndim(op, "T", T, 3);
+  need_ndim(op, "S", S, 3);
+  const int64_t H = T.dim(0), dk = T.dim(1), dv = S.dim(2);
+  if (T.dim(2) != dk) fail(op, "T " + T.str() + ": matrices must be square");
+  if (S.dim(0) != H || S.dim(1) != dk) fail(op, "T " + T.str() + " and S " + S.str() + ": shapes do not chain");
+  need_shape(op, "B", B, S.shape());
+  need_shape(op, "out", out, S.shape());
+  if (overlaps(out, S) || overlaps(out, T)) fail(op, "out must not overlap T or S");
+  if (B.raw() != out.raw() && overlaps(out, B)) fail(op, "out partially overlaps B");
+  const float *tp = T.data<float>(), *sp = S.data<float>(), *bp = B.data<float>();
+  float* o = out.data<float>();
+  pool_.parallel_for(H, [&](int64_t h0, int64_t h1) {
+    for (int64_t h = h0; h < h1; ++h) {
+      float* oh = o + h * dk * dv;
+      if (oh != bp + h * dk * dv) std::memcpy(oh, bp + h * dk * dv, static_cast<size_t>(dk * dv) * 4);
+      if (dk == 0 || dv == 0) continue;
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(dk), static_cast<int>(dv),
+                  static_cast<int>(dk), alpha, tp + h * dk * dk, static_cast<int>(dk), sp + h * dk * dv,
+                  static_cast<int>(dv), 1.f, oh, static_cast<int>(dv));
+    }
+  });
+}
+
+void CpuBackend::set_identity(Tensor& t) {
+  const char* op = "set_identity";
+  need_f32(op, "t", t);
+  need_ndim(op, "t", t, 3);
+  const int64_t H = t.dim(0), n = t.dim(1);
+  if (t.dim(2) != n) fail(op, "t " + t.str() + ": matrices must be square");
+  float* p = t.data<float>();
+  std::fill(p, p + t.numel(), 0.f);
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t i = 0; i < n; ++i) p[(h * n + i) * n + i] = 1.f;
+}
+
+// ================================================================================================
+// Mixture of experts: softmax router (f32), top-k (ties: lower index first), optional renorm;
+// tokens grouped by expert, each expert's SwiGLU run as matmuls on its gathered rows, then a
+// weighted scatter-add into out.
+// ================================================================================================
+void CpuBackend::moe_experts(const Tensor& x, const Tensor& router_logits, int top_k, bool norm_topk,
+                             const ExpertWeights& experts, Tensor& out) {
+  const char* op = "moe_experts";
+  need_f32(op, "x", x);
+  need_f32(op, "router_logits", router_logits);
+  need_f32(op, "out", out);
+  need_ndim(op, "x", x, 2);
+  need_ndim(op, "router_logits", router_logits, 2);
+  const int64_t T = x.dim(0), H = x.dim(1), E = router_logits.dim(1);
+  if (router_logits.dim(0) != T)
+    fail(op, "router_logits " + router_logits.str() + " and x " + x.str() + ": token counts differ");
+  need_shape(op, "out", out, {T, H});
+  if (top_k < 1 || top_k > E)
+    fail(op, "top_k " + std::to_string(top_k) + " out of range for " + std::to_string(E) + " experts");
+  if (static_cast<int64_t>(experts.gate.size()) != E || static_cast<int64_t>(experts.up.size()) != E ||
+      static_cast<int64_t>(experts.down.size()) != E)
+    fail(op, "expected " + std::to_string(E) + " experts in gate/up/down, got " + std::to_string(experts.gate.size()) +
+                 "/" + std::to_string(experts.up.size()) + "/" + std::to_string(experts.down.size()));
+  if (overlaps(out, x)) fail(op, "out overlaps x");
+  int64_t I = -1;
+  for (int64_t e = 0; e < E; ++e) {
+    const Tensor &gt = experts.gate[e], &ut = experts.up[e], &dt = experts.down[e];
+    need_float(op, "gate", gt);
+    need_float(op, "up", ut);
+    need_float(op, "down", dt);
+    if (gt.ndim() != 2 || gt.dim(1) != H || (I >= 0 && gt.dim(0) != I))
+      fail(op, "expert " + std::to_string(e) + " gate " + gt.str() + " does not match x " + x.str());
+    I = gt.dim(0);
+    if (ut.shape() != gt.shape()) fail(op, "expert " + std::to_string(e) + " up " + ut.str() + " != gate " + gt.str());
+    if (dt.shape() != Shape{H, I})
+      fail(op, "expert " + std::to_string(e) + " down " + dt.str() + ": expected shape " + shape_str({H, I}));
+  }
+  float* o = out.data<float>();
+  std::fill(o, o + T * H, 0.f);
+  if (T == 0) return;
+
+  // Routing.
+  const float* lg = router_logits.data<float>();
+  std::vector<int32_t> sel(static_cast<size_t>(T * top_k));
+  std::vector<float> wsel(static_cast<size_t>(T * top_k));
+  {
+    std::vector<float> p(static_cast<size_t>(E));
+    std::vector<int32_t> idx(static_cast<size_t>(E));
+    for (int64_t t = 0; t < T; ++t) {
+      const float* r = lg + t * E;
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t e = 0; e < E; ++e) mx = std::max(mx, r[e]);
+      float sum = 0.f;
+      for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(r[e] - mx));
+      for (int64_t e = 0; e < E; ++e) p[e] /= sum;
+      for (int64_t e = 0; e < E; ++e) idx[e] = static_cast<int32_t>(e);
+      std::partial_sort(idx.begin(), idx.begin() + top_k, idx.end(),
+                        [&](int32_t a, int32_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+      float ws = 0.f;
+      for (int j = 0; j < top_k; ++j) ws += p[idx[j]];
+      for (int j = 0; j < top_k; ++j) {
+        sel[t * top_k + j] = idx[j];
+        wsel[t * top_k + j] = norm_topk ? p[idx[j]] / ws : p[idx[j]];
+      }
+    }
+  }
+  // Group by expert (counting sort keeps token order within an expert).
+  std::vector<int64_t> start(static_cast<size_t>(E + 1), 0);
+  for (auto e : sel) ++start[e + 1];
+  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+  std::vector<int64_t> slot(static_cast<size_t>(T * top_k));  // token*top_k + j, grouped by expert
+  {
+    std::vector<int64_t> fillp(start.begin(), start.end() - 1);
+    for (int64_t i = 0; i < T * top_k; ++i) slot[fillp[sel[i]]++] = i;
+  }
+  int64_t maxn = 0;
+  for (int64_t e = 0; e < E; ++e) maxn = std::max(maxn, start[e + 1] - start[e]);
+  std::vector<float> xs(static_cast<size_t>(maxn * H)), gs(static_cast<size_t>(maxn * I)),
+      us(static_cast<size_t>(maxn * I)), ds(static_cast<size_t>(maxn * H));
+  const float* xp = x.data<float>();
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = start[e + 1] - start[e];
+    if (n == 0) continue;
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t t = slot[start[e] + r] / top_k;
+      std::memcpy(xs.data() + r * H, xp + t * H, static_cast<size_t>(H) * 4);
+    }
+    Tensor xt = Tensor::borrow(xs.data(), DType::F32, {n, H});
+    Tensor gt = Tensor::borrow(gs.data(), DType::F32, {n, I});
+    Tensor ut = Tensor::borrow(us.data(), DType::F32, {n, I});
+    Tensor dt = Tensor::borrow(ds.data(), DType::F32, {n, H});
+    matmul(xt, experts.gate[e], gt);
+    matmul(xt, experts.up[e], ut);
+    silu_mul(gt, ut, gt);
+    matmul(gt, experts.down[e], dt);
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t i = slot[start[e] + r], t = i / top_k;
+      axpy(wsel[i], ds.data() + r * H, o + t * H, H);
+    }
+  }
+}
+
+}  // namespace hypic::cpu

@@ -1,0 +1,65 @@
+// The CPU backend: every op of backend.h on host memory, threaded over a persistent pool.
+// Dense products go through OpenBLAS (sgemm) with half-precision weights converted panel by
+// panel (never upcast as a whole); decode-size products use a fused convert+dot GEMV.
+#pragma once
+#include <memory>
+
+#include "backend/backend.h"
+#include "backend/cpu/thread_pool.h"
+
+namespace hypic::cpu {
+
+class CpuBackend : public Backend {
+ public:
+  explicit CpuBackend(int threads = 0);
+  ~CpuBackend() override;
+
+  Device device() const override { return Device{}; }
+  std::string name() const override { return "cpu"; }
+  int num_threads() const override { return pool_.size(); }
+  ThreadPool& pool() { return pool_; }
+
+  Tensor alloc(DType dt, Shape shape) override;
+  Tensor to_device(const Tensor& host) override;
+  Tensor to_host(const Tensor& t) override;
+  void copy(const Tensor& src, Tensor& dst) override;
+  void fill(Tensor& t, float value) override;
+
+  void matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate = false) override;
+  void embedding(const Tensor& table, std::span<const int32_t> ids, Tensor& out) override;
+
+  void rms_norm(const Tensor& x, const Tensor& w, float eps, bool one_plus_w, Tensor& out) override;
+  void rms_norm_gated(const Tensor& x, const Tensor& z, const Tensor& w, float eps, Tensor& out) override;
+  void add(const Tensor& a, const Tensor& b, Tensor& out) override;
+  void silu_mul(const Tensor& gate, const Tensor& up, Tensor& out) override;
+  void sigmoid_mul(const Tensor& x, const Tensor& gate, Tensor& out) override;
+  void copy_cols(const Tensor& src, int64_t col, Tensor& dst) override;
+  void set_cols(const Tensor& src, int64_t col, Tensor& dst) override;
+
+  void rope_neox(Tensor& x, std::span<const int64_t> positions, int rot_dim, double theta) override;
+
+  void attention(const Tensor& q, const Tensor& k, const Tensor& v, int64_t kv_len, int64_t q_offset, float scale,
+                 Tensor& out) override;
+
+  void causal_conv1d_silu(const Tensor& x, const Tensor& w, Tensor& state, Tensor& out) override;
+  void gdn_gates(const Tensor& a, const Tensor& b, const Tensor& A_log, const Tensor& dt_bias, Tensor& g,
+                 Tensor& beta) override;
+  void gated_delta_rule(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                        bool l2norm_qk, Tensor& state, Tensor& out, Tensor* transition = nullptr) override;
+
+  void compose_state(const Tensor& T, const Tensor& S, const Tensor& B, float alpha, Tensor& out) override;
+  void set_identity(Tensor& t) override;
+
+  void moe_experts(const Tensor& x, const Tensor& router_logits, int top_k, bool norm_topk,
+                   const ExpertWeights& experts, Tensor& out) override;
+
+ private:
+  void attention_decode(const float* q, const float* k, const float* v, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
+                        int64_t Dv, int64_t kv_len, int64_t q_offset, float scale, float* out);
+  void attention_tiled(const float* q, const float* k, const float* v, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
+                       int64_t Dv, int64_t kv_len, int64_t q_offset, float scale, float* out);
+
+  ThreadPool pool_;
+};
+
+}  // namespace hypic::cpu

@@ -1,0 +1,223 @@
+#include "cli/commands.h"
+
+#include <cstdio>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "engine/generate.h"
+#include "engine/loader.h"
+
+namespace hypic::cli {
+
+namespace {
+int g_exit = 0;
+}
+int exit_code() { return g_exit; }
+void set_exit_code(int c) { g_exit = c; }
+
+void guarded(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    g_exit = 1;
+  }
+}
+
+std::vector<int32_t> parse_ids(const std::string& csv) {
+  std::vector<int32_t> ids;
+  std::stringstream ss(csv);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    size_t a = item.find_first_not_of(" \t"), b = item.find_last_not_of(" \t");
+    if (a == std::string::npos) throw std::invalid_argument("empty entry in id list '" + csv + "'");
+    item = item.substr(a, b - a + 1);
+    size_t pos = 0;
+    long long v = 0;
+    try {
+      v = std::stoll(item, &pos);
+    } catch (...) {
+      pos = 0;
+    }
+    if (pos != item.size() || v < 0 || v > INT32_MAX)
+      throw std::invalid_argument("'" + item + "' is not a valid token id");
+    ids.push_back(static_cast<int32_t>(v));
+  }
+  if (ids.empty()) throw std::invalid_argument("empty id list");
+  return ids;
+}
+
+// ---- generate -----------------------------------------------------------------------------
+void register_generate(CLI::App& app) {
+  struct Opts {
+    std::string model = default_model_dir(), prompt, prompt_ids, backend = "cpu";
+    int max_tokens = 64, top_k = 0, logprobs = -1, threads = 0;
+    float temperature = 0.f, top_p = 1.f;
+    uint64_t seed = 0;
+    std::vector<std::string> stop;
+    bool json = false, ignore_eos = false;
+  };
+  auto o = std::make_shared<Opts>();
+  auto* c = app.add_subcommand("generate", "Prefill a prompt and generate tokens");
+  c->add_option("--model", o->model, "Model folder (Hugging Face layout)")->capture_default_str();
+  auto* p = c->add_option("--prompt", o->prompt, "Prompt text");
+  auto* pi = c->add_option("--prompt-ids", o->prompt_ids, "Prompt as comma-separated token ids");
+  p->excludes(pi);
+  c->add_option("--max-tokens", o->max_tokens, "Maximum tokens to generate")->capture_default_str();
+  c->add_option("--temperature", o->temperature, "Sampling temperature (0: greedy)")->capture_default_str();
+  c->add_option("--top-k", o->top_k, "Keep the k most likely tokens (0: all)")->capture_default_str();
+  c->add_option("--top-p", o->top_p, "Nucleus sampling mass")->capture_default_str();
+  c->add_option("--seed", o->seed, "Sampling seed")->capture_default_str();
+  c->add_option("--stop", o->stop, "Stop string (repeatable)");
+  c->add_option("--logprobs", o->logprobs, "Report each token's log-prob and the top K");
+  c->add_flag("--ignore-eos", o->ignore_eos, "Do not stop at end-of-sequence tokens");
+  c->add_option("--threads", o->threads, "CPU threads (0: all cores)");
+  c->add_option("--backend", o->backend, "Compute backend")->capture_default_str();
+  c->add_flag("--json", o->json, "Print one JSON object");
+  c->callback([o] {
+    guarded([&] {
+      if (o->prompt.empty() && o->prompt_ids.empty()) throw std::invalid_argument("give --prompt or --prompt-ids");
+      LoadedModel lm = load_model(o->model, o->backend, o->threads);
+      GenerateRequest req;
+      if (!o->prompt_ids.empty()) {
+        req.prompt = parse_ids(o->prompt_ids);
+      } else {
+        if (!lm.tokenizer) throw std::invalid_argument("model folder " + o->model + " has no tokenizer.json: use --prompt-ids");
+        req.prompt = lm.tokenizer->encode(o->prompt);
+      }
+      req.max_tokens = o->max_tokens;
+      req.sampling = {o->temperature, o->top_k, o->top_p, o->seed};
+      req.stop = o->stop;
+      req.logprobs = o->logprobs;
+      if (!o->ignore_eos) req.eos_ids = lm.dir->config.eos_token_ids;
+      const bool stream = !o->json;
+      GenerateResult r = generate(*lm.model, lm.tokenizer.get(), req, [&](int32_t id, const std::string& piece) {
+        if (stream) {
+          if (lm.tokenizer)
+            std::fwrite(piece.data(), 1, piece.size(), stdout);
+          else
+            std::printf("%d ", id);
+          std::fflush(stdout);
+        }
+        return true;
+      });
+      if (o->json) {
+        nlohmann::json j;
+        j["ids"] = r.ids;
+        if (lm.tokenizer) j["text"] = r.text;
+        j["finish_reason"] = r.finish_reason;
+        j["prompt_tokens"] = r.prompt_tokens;
+        j["ttft_ms"] = r.ttft_ms;
+        j["decode_tokens_per_s"] = r.ids.size() > 1 ? (r.ids.size() - 1) / (r.decode_ms / 1000.0) : 0.0;
+        if (o->logprobs >= 0) {
+          auto& a = j["logprobs"] = nlohmann::json::array();
+          for (auto& t : r.logprobs) {
+            nlohmann::json e{{"id", t.id}, {"logprob", t.logprob}, {"top", nlohmann::json::array()}};
+            for (auto& [id, lp] : t.top) e["top"].push_back({id, lp});
+            a.push_back(e);
+          }
+        }
+        std::cout << j.dump(/*indent=*/-1, ' ', /*ensure_ascii=*/false, nlohmann::json::error_handler_t::replace)
+                  << "\n";
+      } else {
+        std::printf("\n");
+        std::fprintf(stderr, "[%lld prompt tokens, %zu generated, TTFT %.1f ms, %s]\n",
+                     static_cast<long long>(r.prompt_tokens), r.ids.size(), r.ttft_ms, r.finish_reason.c_str());
+      }
+    });
+  });
+}
+
+// ---- info ---------------------------------------------------------------------------------
+void register_info(CLI::App& app) {
+  struct Opts {
+    std::string model = default_model_dir();
+    bool json = false;
+  };
+  auto o = std::make_shared<Opts>();
+  auto* c = app.add_subcommand("info", "Describe a model: architecture, layer map, parameters, bytes");
+  c->add_option("--model", o->model, "Model folder")->capture_default_str();
+  c->add_flag("--json", o->json, "Print JSON");
+  c->callback([o] {
+    guarded([&] {
+      LoadedModel lm = load_model(o->model, "cpu", 1);
+      const auto& cfg = lm.model->config();
+      std::string map;
+      for (auto k : cfg.layer_types) map += (k == LayerKind::Linear ? 'L' : 'F');
+      nlohmann::json j{{"model", o->model},
+                       {"architecture", cfg.architecture},
+                       {"family", arch_name(cfg.arch)},
+                       {"layers", cfg.num_hidden_layers},
+                       {"layer_map", map},
+                       {"linear_layers", cfg.num_linear_layers()},
+                       {"full_layers", cfg.num_full_layers()},
+                       {"hidden_size", cfg.hidden_size},
+                       {"vocab_size", cfg.vocab_size},
+                       {"experts", cfg.num_experts},
+                       {"experts_per_token", cfg.num_experts_per_tok},
+                       {"parameters", lm.model->parameter_count()},
+                       {"weight_bytes", lm.model->weight_bytes()},
+                       {"max_context", cfg.max_position_embeddings},
+                       {"tokenizer", static_cast<bool>(lm.tokenizer)}};
+      if (o->json) {
+        std::cout << j.dump(2) << "\n";
+        return;
+      }
+      std::printf("model         %s\narchitecture  %s\nlayers        %lld (%lld linear, %lld full)  map %s\n",
+                  o->model.c_str(), cfg.architecture.c_str(), static_cast<long long>(cfg.num_hidden_layers),
+                  static_cast<long long>(cfg.num_linear_layers()), static_cast<long long>(cfg.num_full_layers()),
+                  map.c_str());
+      std::printf("hidden        %lld   vocab %lld   experts %lld (top %lld)\n", static_cast<long long>(cfg.hidden_size),
+                  static_cast<long long>(cfg.vocab_size), static_cast<long long>(cfg.num_experts),
+                  static_cast<long long>(cfg.num_experts_per_tok));
+      std::printf("parameters    %lld   weights %.2f MiB   context %lld   tokenizer %s\n",
+                  static_cast<long long>(lm.model->parameter_count()), lm.model->weight_bytes() / 1048576.0,
+                  static_cast<long long>(cfg.max_position_embeddings), lm.tokenizer ? "yes" : "no");
+    });
+  });
+}
+
+// ---- tokenize -----------------------------------------------------------------------------
+void register_tokenize(CLI::App& app) {
+  struct Opts {
+    std::string model = default_model_dir(), text, ids;
+    bool json = false, no_special = false;
+  };
+  auto o = std::make_shared<Opts>();
+  auto* c = app.add_subcommand("tokenize", "Encode text to ids (or decode --ids back to text)");
+  c->add_option("--model", o->model, "Model folder")->capture_default_str();
+  auto* t = c->add_option("--text", o->text, "Text to encode");
+  auto* i = c->add_option("--ids", o->ids, "Comma-separated ids to decode");
+  t->excludes(i);
+  c->add_flag("--no-special", o->no_special, "Treat special-token text as plain text");
+  c->add_flag("--json", o->json, "Print JSON");
+  c->callback([o] {
+    guarded([&] {
+      auto dir = open_model_dir(o->model);
+      if (dir.tokenizer_json.empty()) throw std::invalid_argument("model folder " + o->model + " has no tokenizer.json");
+      Tokenizer tok = Tokenizer::load(dir.tokenizer_json, dir.tokenizer_config_json);
+      if (!o->ids.empty()) {
+        auto ids = parse_ids(o->ids);
+        std::string text = tok.decode(ids);
+        if (o->json)
+          std::cout << nlohmann::json{{"text", text}}.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)
+                    << "\n";
+        else
+          std::cout << text << "\n";
+        return;
+      }
+      auto ids = tok.encode(o->text, !o->no_special);
+      if (o->json) {
+        nlohmann::json j{{"ids", ids}, {"tokens", nlohmann::json::array()}};
+        for (auto id : ids) j["tokens"].push_back(tok.id_to_token(id));
+        std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
+      } else {
+        for (size_t k = 0; k < ids.size(); ++k) std::printf("%s%d", k ? "," : "", ids[k]);
+        std::printf("\n");
+      }
+    });
+  });
+}
+
+}  // namespace hypic::cli

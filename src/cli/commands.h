@@ -1,0 +1,16 @@
+#pragma once
+#include <CLI/CLI.hpp>
+#include <string>
+
+namespace hypic::cli {
+void register_generate(CLI::App& app);
+void register_info(CLI::App& app);
+void register_tokenize(CLI::App& app);
+void register_bench(CLI::App& app);
+// Set by a command that failed; main returns it.
+int exit_code();
+void set_exit_code(int c);
+// Runs fn, printing "error: <message>" and setting exit code 1 on exceptions.
+void guarded(const std::function<void()>& fn);
+std::vector<int32_t> parse_ids(const std::string& csv);
+}  // namespace hypic::cli

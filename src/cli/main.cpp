@@ -1,0 +1,24 @@
+// hypic: command-line front end. Each subcommand is a thin layer over the library.
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "cli/commands.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"hypic: inference and serving for hybrid-attention LLMs with position-independent caching"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "hypic 0.1.0");
+  hypic::cli::register_generate(app);
+  hypic::cli::register_info(app);
+  hypic::cli::register_tokenize(app);
+  hypic::cli::register_bench(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  return hypic::cli::exit_code();
+}

@@ -1,0 +1,21 @@
+// Gated DeltaNet entry point used by the CPU backend: the chunked (UT/WY, chunk 64) kernel of
+// linear/recurrence.cpp with the Qwen3.5 / Qwen3-Next conventions (q scaled by dk^-0.5).
+#include "linear/gated_delta.h"
+
+#include <cmath>
+
+#include "linear/recurrence.h"
+
+namespace hypic::linear {
+
+void gated_delta_forward(const GdnShape& s, const float* q, const float* k, const float* v, const float* g,
+                         const float* beta, bool l2norm_qk, float* state, float* out, float* transition, int threads) {
+  RecInputs in;
+  in.q = q, in.k = k, in.v = v, in.g = g, in.beta = beta;
+  in.l2norm_qk = l2norm_qk;
+  in.q_scale = 1.0f / std::sqrt(float(s.dk));
+  chunked_forward(Family::GatedDeltaNet, RecShape{s.T, s.Hk, s.Hv, s.dk, s.dv}, in, state, out, transition, threads,
+                  64);
+}
+
+}  // namespace hypic::linear

@@ -1,0 +1,93 @@
+// A loaded hybrid-attention model (Qwen3.5 dense/MoE, Qwen3-Next): weights on a backend and a
+// layer-by-layer forward that the engine (plain prefill/decode) and PIC (segment summaries,
+// composition, seams) both drive.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "models/config.h"
+
+namespace hypic {
+
+// Where weights come from: a checkpoint folder, or seeded random values for benchmarks.
+class WeightSource {
+ public:
+  virtual ~WeightSource() = default;
+  virtual bool has(const std::string& name) const = 0;
+  // Host tensor; throws naming the tensor, expected and found shape on mismatch.
+  virtual Tensor get(const std::string& name, const Shape& expected) const = 0;
+  virtual std::string describe() const = 0;
+};
+
+class WeightStore;
+std::unique_ptr<WeightSource> weights_from_store(const WeightStore& store);
+// Deterministic random weights of the given dtype for any requested name/shape (benchmarks on
+// real shapes without a checkpoint). Norm weights get values near their identity.
+std::unique_ptr<WeightSource> random_weights(uint64_t seed, DType dtype);
+
+// Per-layer recurrent / attention state of one sequence.
+struct LayerState {
+  Tensor conv;  // linear layers: [K-1, conv_dim], the last K-1 pre-conv inputs
+  Tensor ssm;   // linear layers: [Hv, dk, dv]
+  Tensor k, v;  // full layers: [capacity, Hkv, D] (rows are absolute positions)
+};
+
+struct SequenceState {
+  std::vector<LayerState> layers;
+  int64_t n_past = 0;    // tokens consumed
+  int64_t capacity = 0;  // KV rows allocated in full layers
+};
+
+struct ForwardOptions {
+  bool all_logits = false;  // logits for every input row instead of only the last
+};
+
+class Model {
+ public:
+  // Builds the model from a weight source. Throws with the tensor name and shapes on mismatch.
+  Model(ModelConfig cfg, const WeightSource& weights, Backend& be);
+  ~Model();
+
+  const ModelConfig& config() const { return cfg_; }
+  Backend& backend() const { return be_; }
+  int64_t parameter_count() const { return n_params_; }
+  size_t weight_bytes() const { return weight_bytes_; }
+  // Identifies config + weights (names, shapes, dtypes and sampled bytes of every tensor); part
+  // of every cache key so entries never cross models.
+  uint64_t fingerprint() const { return fingerprint_; }
+
+  SequenceState new_state(int64_t capacity = 0) const;
+  // Grows the KV rows of every full layer to hold at least n positions (amortised doubling).
+  void reserve(SequenceState& st, int64_t n) const;
+  // Deep copy of a state (for snapshots).
+  SequenceState clone_state(const SequenceState& st) const;
+
+  // Runs ids at positions n_past.. through every layer, advancing st. Returns logits [R, V]
+  // (R = 1, or ids.size() with all_logits) on the backend's device.
+  Tensor forward(std::span<const int32_t> ids, SequenceState& st, const ForwardOptions& opt = {});
+
+  // Building blocks for PIC.
+  Tensor embed(std::span<const int32_t> ids);
+  // x [T, H] in/out: one decoder layer (norm, mixer, residual, norm, MLP/MoE, residual) over
+  // positions pos0.. with state ls. For a linear layer, `transition` (if given, [Hv, dk, dk])
+  // receives the span's transition operator T_C.
+  void layer_forward(int64_t layer, Tensor& x, LayerState& ls, int64_t pos0, Tensor* transition = nullptr);
+  // Final norm + LM head over x [R, H] -> logits [R, V].
+  Tensor logits(const Tensor& x);
+
+ private:
+  struct Impl;
+  ModelConfig cfg_;
+  Backend& be_;
+  std::unique_ptr<Impl> impl_;
+  int64_t n_params_ = 0;
+  size_t weight_bytes_ = 0;
+  uint64_t fingerprint_ = 0;
+};
+
+}  // namespace hypic

@@ -1,0 +1,487 @@
+// Qwen3.5 (dense and MoE) and Qwen3-Next: hybrid decoders of Gated DeltaNet and gated full
+// attention layers, computed as transformers 5.17 computes them. Qwen3-Next differs only in how
+// its GDN input projections are packed (fused qkvz / ba, grouped per key head); those rows are
+// reordered once at load time so both share one forward.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <stdexcept>
+
+#include <xxhash.h>
+
+#include "io/safetensors.h"
+#include "models/model.h"
+
+namespace hypic {
+
+namespace {
+
+// ---- weight sources ------------------------------------------------------------------------
+
+class StoreSource : public WeightSource {
+ public:
+  explicit StoreSource(const WeightStore& s) : s_(s) {}
+  bool has(const std::string& n) const override { return s_.has(n); }
+  Tensor get(const std::string& n, const Shape& e) const override { return s_.get(n, e); }
+  std::string describe() const override { return "checkpoint"; }
+
+ private:
+  const WeightStore& s_;
+};
+
+class RandomSource : public WeightSource {
+ public:
+  RandomSource(uint64_t seed, DType dt) : seed_(seed), dt_(dt) {}
+  bool has(const std::string&) const override { return true; }
+  Tensor get(const std::string& name, const Shape& shape) const override {
+    uint64_t h = seed_ ^ 0x9e3779b97f4a7c15ull;
+    for (unsigned char c : name) h = (h ^ c) * 0x100000001b3ull;
+    std::mt19937_64 rng(h);
+    Tensor t = Tensor::empty(dt_, shape);
+    const int64_t n = t.numel();
+    const bool is_norm = name.find("norm") != std::string::npos;
+    const bool is_alog = name.find("A_log") != std::string::npos;
+    const bool is_dtb = name.find("dt_bias") != std::string::npos;
+    // Fan-in scaled normal values keep activations O(1) through many layers.
+    const double fan_in = shape.size() >= 2 ? static_cast<double>(shape.back()) : 1.0;
+    std::normal_distribution<float> nd(0.f, static_cast<float>(1.0 / std::sqrt(fan_in)));
+    std::uniform_real_distribution<float> ud(0.f, 1.f);
+    std::vector<float> buf(static_cast<size_t>(std::min<int64_t>(n, 1 << 16)));
+    for (int64_t off = 0; off < n; off += static_cast<int64_t>(buf.size())) {
+      const size_t m = static_cast<size_t>(std::min<int64_t>(n - off, static_cast<int64_t>(buf.size())));
+      for (size_t i = 0; i < m; ++i) {
+        if (is_alog)
+          buf[i] = std::log(1.f + 15.f * ud(rng));
+        else if (is_dtb)
+          buf[i] = 1.f;
+        else if (is_norm)
+          buf[i] = (name.find("linear_attn.norm") != std::string::npos ? 1.f : 0.f) + 0.02f * nd(rng);
+        else
+          buf[i] = nd(rng);
+      }
+      convert_from_f32(buf.data(), dt_, static_cast<char*>(t.raw()) + off * dtype_size(dt_), m);
+    }
+    return t;
+  }
+  std::string describe() const override { return std::string("random ") + dtype_name(dt_); }
+
+ private:
+  uint64_t seed_;
+  DType dt_;
+};
+
+// Host-side row gather used to repack fused projections at load time.
+Tensor gather_rows(const Tensor& w, const std::vector<int64_t>& rows) {
+  const int64_t cols = w.dim(1);
+  const size_t rb = static_cast<size_t>(cols) * dtype_size(w.dtype());
+  Tensor out = Tensor::empty(w.dtype(), {static_cast<int64_t>(rows.size()), cols});
+  for (size_t r = 0; r < rows.size(); ++r)
+    std::memcpy(static_cast<char*>(out.raw()) + r * rb, static_cast<const char*>(w.raw()) + rows[r] * rb, rb);
+  return out;
+}
+
+}  // namespace
+
+std::unique_ptr<WeightSource> weights_from_store(const WeightStore& store) {
+  return std::make_unique<StoreSource>(store);
+}
+std::unique_ptr<WeightSource> random_weights(uint64_t seed, DType dtype) {
+  return std::make_unique<RandomSource>(seed, dtype);
+}
+
+// ---- layer weights --------------------------------------------------------------------------
+
+struct GdnWeights {
+  Tensor in_qkv, in_z, in_b, in_a;  // [C, H], [Hv*dv, H], [Hv, H], [Hv, H]
+  Tensor conv;                      // [C, K]
+  Tensor A_log, dt_bias, norm, out_proj;
+};
+struct AttnWeights {
+  Tensor q, gate, k, v, o;  // q and gate split out of the packed q_proj
+  Tensor q_norm, k_norm;
+};
+struct MlpWeights {
+  Tensor gate, up, down;
+};
+struct MoeWeights {
+  Tensor router;  // [E, H]
+  ExpertWeights experts;
+  MlpWeights shared;
+  Tensor shared_gate;  // [1, H]
+  bool has_shared = false;
+};
+struct LayerWeights {
+  LayerKind kind;
+  Tensor in_norm, post_norm;
+  GdnWeights gdn;
+  AttnWeights attn;
+  bool moe = false;
+  MlpWeights mlp;
+  MoeWeights moew;
+};
+
+struct Model::Impl {
+  Tensor embed, final_norm, lm_head;
+  std::vector<LayerWeights> layers;
+  // Derived sizes.
+  int64_t H, Hq, Hkv, D, Hk, Hv, dk, dv, C, K;
+};
+
+Model::Model(ModelConfig cfg, const WeightSource& ws, Backend& be)
+    : cfg_(std::move(cfg)), be_(be), impl_(std::make_unique<Impl>()) {
+  auto& m = *impl_;
+  const auto& c = cfg_;
+  if (c.attention_bias) throw std::runtime_error("attention_bias = true is not supported");
+  if (c.hidden_act != "silu") throw std::runtime_error("hidden_act '" + c.hidden_act + "' is not supported (silu only)");
+  m.H = c.hidden_size;
+  m.Hq = c.num_attention_heads;
+  m.Hkv = c.num_key_value_heads;
+  m.D = c.head_dim;
+  m.Hk = c.linear_num_key_heads;
+  m.Hv = c.linear_num_value_heads;
+  m.dk = c.linear_key_head_dim;
+  m.dv = c.linear_value_head_dim;
+  m.C = 2 * m.Hk * m.dk + m.Hv * m.dv;
+  m.K = c.linear_conv_kernel_dim;
+  const std::string P = c.nested_text ? "model.language_model." : "model.";
+
+  std::unique_ptr<XXH64_state_t, XXH_errorcode (*)(XXH64_state_t*)> fp_state(XXH64_createState(), XXH64_freeState);
+  XXH64_state_t* fp = fp_state.get();
+  XXH64_reset(fp, 0x68797069ull);
+  {
+    const std::string arch = cfg_.architecture + "/" + std::to_string(cfg_.num_hidden_layers) + "/" +
+                             std::to_string(cfg_.hidden_size) + "/" + std::to_string(cfg_.rope_theta);
+    XXH64_update(fp, arch.data(), arch.size());
+  }
+  auto load = [&](const std::string& name, const Shape& shape) {
+    Tensor t = ws.get(name, shape);
+    n_params_ += t.numel();
+    weight_bytes_ += t.nbytes();
+    // Name, shape, dtype and the first and last 64 bytes: cheap, and different weights differ.
+    XXH64_update(fp, name.data(), name.size());
+    XXH64_update(fp, t.shape().data(), t.shape().size() * sizeof(int64_t));
+    const auto dt = static_cast<uint8_t>(t.dtype());
+    XXH64_update(fp, &dt, 1);
+    const size_t nb = t.nbytes(), s = std::min<size_t>(64, nb);
+    XXH64_update(fp, t.raw(), s);
+    XXH64_update(fp, static_cast<const char*>(t.raw()) + nb - s, s);
+    return t;
+  };
+  auto dev = [&](const Tensor& t) { return be_.to_device(t); };
+  auto W = [&](const std::string& name, const Shape& shape) { return dev(load(name, shape)); };
+
+  m.embed = W(P + "embed_tokens.weight", {c.vocab_size, m.H});
+  m.final_norm = W(P + "norm.weight", {m.H});
+  if (c.tie_word_embeddings && !ws.has("lm_head.weight"))
+    m.lm_head = m.embed;
+  else
+    m.lm_head = W("lm_head.weight", {c.vocab_size, m.H});
+
+  m.layers.resize(static_cast<size_t>(c.num_hidden_layers));
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    auto& L = m.layers[static_cast<size_t>(i)];
+    const std::string p = P + "layers." + std::to_string(i) + ".";
+    L.kind = c.layer_types[static_cast<size_t>(i)];
+    L.in_norm = W(p + "input_layernorm.weight", {m.H});
+    L.post_norm = W(p + "post_attention_layernorm.weight", {m.H});
+    if (L.kind == LayerKind::Linear) {
+      const std::string q = p + "linear_attn.";
+      auto& g = L.gdn;
+      if (c.arch == Arch::Qwen3Next) {
+        // in_proj_qkvz rows per key head: [q dk | k dk | v r*dv | z r*dv]; in_proj_ba rows per
+        // key head: [b r | a r] (r = Hv/Hk). Regroup to [q all | k all | v all], [z], [b], [a].
+        const int64_t r = m.Hv / m.Hk, grp = 2 * m.dk + 2 * r * m.dv;
+        Tensor qkvz = load(q + "in_proj_qkvz.weight", {m.Hk * grp, m.H});
+        Tensor ba = load(q + "in_proj_ba.weight", {2 * m.Hv, m.H});
+        std::vector<int64_t> rq, rk, rv, rz, rb, ra;
+        for (int64_t h = 0; h < m.Hk; ++h) {
+          const int64_t b0 = h * grp;
+          for (int64_t j = 0; j < m.dk; ++j) rq.push_back(b0 + j);
+          for (int64_t j = 0; j < m.dk; ++j) rk.push_back(b0 + m.dk + j);
+          for (int64_t j = 0; j < r * m.dv; ++j) rv.push_back(b0 + 2 * m.dk + j);
+          for (int64_t j = 0; j < r * m.dv; ++j) rz.push_back(b0 + 2 * m.dk + r * m.dv + j);
+          for (int64_t j = 0; j < r; ++j) rb.push_back(h * 2 * r + j);
+          for (int64_t j = 0; j < r; ++j) ra.push_back(h * 2 * r + r + j);
+        }
+        std::vector<int64_t> rqkv = rq;
+        rqkv.insert(rqkv.end(), rk.begin(), rk.end());
+        rqkv.insert(rqkv.end(), rv.begin(), rv.end());
+        g.in_qkv = dev(gather_rows(qkvz, rqkv));
+        g.in_z = dev(gather_rows(qkvz, rz));
+        g.in_b = dev(gather_rows(ba, rb));
+        g.in_a = dev(gather_rows(ba, ra));
+      } else {
+        g.in_qkv = W(q + "in_proj_qkv.weight", {m.C, m.H});
+        g.in_z = W(q + "in_proj_z.weight", {m.Hv * m.dv, m.H});
+        g.in_b = W(q + "in_proj_b.weight", {m.Hv, m.H});
+        g.in_a = W(q + "in_proj_a.weight", {m.Hv, m.H});
+      }
+      g.conv = dev(load(q + "conv1d.weight", {m.C, 1, m.K}).reshape({m.C, m.K}));
+      g.A_log = W(q + "A_log", {m.Hv});
+      g.dt_bias = W(q + "dt_bias", {m.Hv});
+      g.norm = W(q + "norm.weight", {m.dv});
+      g.out_proj = W(q + "out_proj.weight", {m.H, m.Hv * m.dv});
+    } else {
+      const std::string q = p + "self_attn.";
+      auto& a = L.attn;
+      // q_proj rows per head: [q D | gate D]; split into two contiguous projections.
+      Tensor qp = load(q + "q_proj.weight", {2 * m.Hq * m.D, m.H});
+      std::vector<int64_t> rq, rg;
+      for (int64_t h = 0; h < m.Hq; ++h)
+        for (int64_t j = 0; j < m.D; ++j) {
+          rq.push_back(h * 2 * m.D + j);
+          rg.push_back(h * 2 * m.D + m.D + j);
+        }
+      a.q = dev(gather_rows(qp, rq));
+      a.gate = dev(gather_rows(qp, rg));
+      a.k = W(q + "k_proj.weight", {m.Hkv * m.D, m.H});
+      a.v = W(q + "v_proj.weight", {m.Hkv * m.D, m.H});
+      a.o = W(q + "o_proj.weight", {m.H, m.Hq * m.D});
+      a.q_norm = W(q + "q_norm.weight", {m.D});
+      a.k_norm = W(q + "k_norm.weight", {m.D});
+    }
+    L.moe = c.layer_is_moe(i);
+    const std::string mp = p + "mlp.";
+    if (!L.moe) {
+      L.mlp.gate = W(mp + "gate_proj.weight", {c.intermediate_size, m.H});
+      L.mlp.up = W(mp + "up_proj.weight", {c.intermediate_size, m.H});
+      L.mlp.down = W(mp + "down_proj.weight", {m.H, c.intermediate_size});
+    } else {
+      auto& mo = L.moew;
+      const int64_t E = c.num_experts, I = c.moe_intermediate_size;
+      mo.router = W(mp + "gate.weight", {E, m.H});
+      if (ws.has(mp + "experts.gate_up_proj")) {
+        // Fused layout (transformers 5 in-memory form): gate_up [E, 2I, H], down [E, H, I].
+        Tensor gu = dev(load(mp + "experts.gate_up_proj", {E, 2 * I, m.H}).reshape({E * 2 * I, m.H}));
+        Tensor dn = dev(load(mp + "experts.down_proj", {E, m.H, I}).reshape({E * m.H, I}));
+        for (int64_t e = 0; e < E; ++e) {
+          mo.experts.gate.push_back(gu.slice_rows(e * 2 * I, e * 2 * I + I));
+          mo.experts.up.push_back(gu.slice_rows(e * 2 * I + I, (e + 1) * 2 * I));
+          mo.experts.down.push_back(dn.slice_rows(e * m.H, (e + 1) * m.H));
+        }
+      } else {
+        for (int64_t e = 0; e < E; ++e) {
+          const std::string ep = mp + "experts." + std::to_string(e) + ".";
+          mo.experts.gate.push_back(W(ep + "gate_proj.weight", {I, m.H}));
+          mo.experts.up.push_back(W(ep + "up_proj.weight", {I, m.H}));
+          mo.experts.down.push_back(W(ep + "down_proj.weight", {m.H, I}));
+        }
+      }
+      if (c.shared_expert_intermediate_size > 0) {
+        const int64_t S = c.shared_expert_intermediate_size;
+        mo.has_shared = true;
+        mo.shared.gate = W(mp + "shared_expert.gate_proj.weight", {S, m.H});
+        mo.shared.up = W(mp + "shared_expert.up_proj.weight", {S, m.H});
+        mo.shared.down = W(mp + "shared_expert.down_proj.weight", {m.H, S});
+        mo.shared_gate = W(mp + "shared_expert_gate.weight", {1, m.H});
+      }
+    }
+  }
+  fingerprint_ = XXH64_digest(fp);
+}
+
+Model::~Model() = default;
+
+SequenceState Model::new_state(int64_t capacity) const {
+  const auto& m = *impl_;
+  SequenceState st;
+  st.layers.resize(m.layers.size());
+  for (size_t i = 0; i < m.layers.size(); ++i) {
+    auto& ls = st.layers[i];
+    if (m.layers[i].kind == LayerKind::Linear) {
+      ls.conv = be_.alloc(DType::F32, {m.K - 1, m.C});
+      ls.ssm = be_.alloc(DType::F32, {m.Hv, m.dk, m.dv});
+    }
+  }
+  reserve(st, std::max<int64_t>(capacity, 1));
+  return st;
+}
+
+void Model::reserve(SequenceState& st, int64_t n) const {
+  if (n <= st.capacity) return;
+  const auto& m = *impl_;
+  const int64_t cap = std::max<int64_t>(n, st.capacity * 2);
+  for (size_t i = 0; i < m.layers.size(); ++i) {
+    if (m.layers[i].kind != LayerKind::Full) continue;
+    auto& ls = st.layers[i];
+    Tensor k = be_.alloc(DType::F32, {cap, m.Hkv, m.D});
+    Tensor v = be_.alloc(DType::F32, {cap, m.Hkv, m.D});
+    if (st.n_past > 0) {
+      Tensor kd = k.slice_rows(0, st.n_past), vd = v.slice_rows(0, st.n_past);
+      be_.copy(ls.k.slice_rows(0, st.n_past), kd);
+      be_.copy(ls.v.slice_rows(0, st.n_past), vd);
+    }
+    ls.k = k;
+    ls.v = v;
+  }
+  st.capacity = cap;
+}
+
+SequenceState Model::clone_state(const SequenceState& st) const {
+  SequenceState out;
+  out.n_past = st.n_past;
+  out.capacity = st.capacity;
+  out.layers.resize(st.layers.size());
+  auto dup = [&](const Tensor& t) {
+    if (!t.defined()) return Tensor();
+    Tensor d = be_.alloc(t.dtype(), t.shape());
+    be_.copy(t, d);
+    return d;
+  };
+  for (size_t i = 0; i < st.layers.size(); ++i) {
+    out.layers[i].conv = dup(st.layers[i].conv);
+    out.layers[i].ssm = dup(st.layers[i].ssm);
+    out.layers[i].k = dup(st.layers[i].k);
+    out.layers[i].v = dup(st.layers[i].v);
+  }
+  return out;
+}
+
+Tensor Model::embed(std::span<const int32_t> ids) {
+  for (int32_t id : ids)
+    if (id < 0 || id >= cfg_.vocab_size)
+      throw std::out_of_range("token id " + std::to_string(id) + " outside the vocabulary [0, " +
+                              std::to_string(cfg_.vocab_size) + ")");
+  Tensor x = be_.alloc(DType::F32, {static_cast<int64_t>(ids.size()), impl_->H});
+  be_.embedding(impl_->embed, ids, x);
+  return x;
+}
+
+void Model::layer_forward(int64_t layer, Tensor& x, LayerState& ls, int64_t pos0, Tensor* transition) {
+  auto& m = *impl_;
+  auto& L = m.layers[static_cast<size_t>(layer)];
+  const int64_t T = x.dim(0);
+  const float eps = static_cast<float>(cfg_.rms_norm_eps);
+  Tensor xn = be_.alloc(DType::F32, {T, m.H});
+  Tensor mix = be_.alloc(DType::F32, {T, m.H});
+  be_.rms_norm(x, L.in_norm, eps, true, xn);
+
+  if (L.kind == LayerKind::Linear) {
+    auto& g = L.gdn;
+    Tensor qkv = be_.alloc(DType::F32, {T, m.C});
+    Tensor z = be_.alloc(DType::F32, {T, m.Hv * m.dv});
+    Tensor b = be_.alloc(DType::F32, {T, m.Hv});
+    Tensor a = be_.alloc(DType::F32, {T, m.Hv});
+    be_.matmul(xn, g.in_qkv, qkv);
+    be_.matmul(xn, g.in_z, z);
+    be_.matmul(xn, g.in_b, b);
+    be_.matmul(xn, g.in_a, a);
+    Tensor conv_out = be_.alloc(DType::F32, {T, m.C});
+    be_.causal_conv1d_silu(qkv, g.conv, ls.conv, conv_out);
+    Tensor q = be_.alloc(DType::F32, {T, m.Hk, m.dk});
+    Tensor k = be_.alloc(DType::F32, {T, m.Hk, m.dk});
+    Tensor v = be_.alloc(DType::F32, {T, m.Hv, m.dv});
+    Tensor q2 = q.reshape({T, m.Hk * m.dk}), k2 = k.reshape({T, m.Hk * m.dk}), v2 = v.reshape({T, m.Hv * m.dv});
+    be_.copy_cols(conv_out, 0, q2);
+    be_.copy_cols(conv_out, m.Hk * m.dk, k2);
+    be_.copy_cols(conv_out, 2 * m.Hk * m.dk, v2);
+    Tensor gdec = be_.alloc(DType::F32, {T, m.Hv});
+    Tensor beta = be_.alloc(DType::F32, {T, m.Hv});
+    be_.gdn_gates(a, b, g.A_log, g.dt_bias, gdec, beta);
+    Tensor o = be_.alloc(DType::F32, {T, m.Hv, m.dv});
+    be_.gated_delta_rule(q, k, v, gdec, beta, true, ls.ssm, o, transition);
+    Tensor o2 = o.reshape({T * m.Hv, m.dv});
+    be_.rms_norm_gated(o2, z.reshape({T * m.Hv, m.dv}), g.norm, eps, o2);
+    be_.matmul(o.reshape({T, m.Hv * m.dv}), g.out_proj, mix);
+  } else {
+    auto& at = L.attn;
+    Tensor q = be_.alloc(DType::F32, {T, m.Hq, m.D});
+    Tensor gate = be_.alloc(DType::F32, {T, m.Hq * m.D});
+    Tensor k = be_.alloc(DType::F32, {T, m.Hkv, m.D});
+    Tensor v = be_.alloc(DType::F32, {T, m.Hkv, m.D});
+    Tensor q2 = q.reshape({T, m.Hq * m.D}), k2 = k.reshape({T, m.Hkv * m.D}), v2 = v.reshape({T, m.Hkv * m.D});
+    be_.matmul(xn, at.q, q2);
+    be_.matmul(xn, at.gate, gate);
+    be_.matmul(xn, at.k, k2);
+    be_.matmul(xn, at.v, v2);
+    Tensor qr = q.reshape({T * m.Hq, m.D}), kr = k.reshape({T * m.Hkv, m.D});
+    be_.rms_norm(qr, at.q_norm, eps, true, qr);
+    be_.rms_norm(kr, at.k_norm, eps, true, kr);
+    std::vector<int64_t> pos(static_cast<size_t>(T));
+    for (int64_t t = 0; t < T; ++t) pos[static_cast<size_t>(t)] = pos0 + t;
+    const int rot = static_cast<int>(cfg_.rotary_dim());
+    be_.rope_neox(q, pos, rot, cfg_.rope_theta);
+    be_.rope_neox(k, pos, rot, cfg_.rope_theta);
+    if (pos0 + T > ls.k.dim(0)) throw std::logic_error("KV cache too small: call Model::reserve first");
+    Tensor kd = ls.k.slice_rows(pos0, pos0 + T), vd = ls.v.slice_rows(pos0, pos0 + T);
+    be_.copy(k, kd);
+    be_.copy(v, vd);
+    Tensor o = be_.alloc(DType::F32, {T, m.Hq, m.D});
+    be_.attention(q, ls.k, ls.v, pos0 + T, pos0, 1.0f / std::sqrt(static_cast<float>(m.D)), o);
+    Tensor o2 = o.reshape({T, m.Hq * m.D});
+    be_.sigmoid_mul(o2, gate, o2);
+    be_.matmul(o2, at.o, mix);
+  }
+  be_.add(x, mix, x);
+
+  be_.rms_norm(x, L.post_norm, eps, true, xn);
+  if (!L.moe) {
+    const int64_t I = cfg_.intermediate_size;
+    Tensor gt = be_.alloc(DType::F32, {T, I}), up = be_.alloc(DType::F32, {T, I});
+    be_.matmul(xn, L.mlp.gate, gt);
+    be_.matmul(xn, L.mlp.up, up);
+    be_.silu_mul(gt, up, gt);
+    be_.matmul(gt, L.mlp.down, mix);
+  } else {
+    auto& mo = L.moew;
+    Tensor logits = be_.alloc(DType::F32, {T, cfg_.num_experts});
+    be_.matmul(xn, mo.router, logits);
+    be_.moe_experts(xn, logits, static_cast<int>(cfg_.num_experts_per_tok), cfg_.norm_topk_prob, mo.experts, mix);
+    if (mo.has_shared) {
+      const int64_t S = cfg_.shared_expert_intermediate_size;
+      Tensor gt = be_.alloc(DType::F32, {T, S}), up = be_.alloc(DType::F32, {T, S});
+      be_.matmul(xn, mo.shared.gate, gt);
+      be_.matmul(xn, mo.shared.up, up);
+      be_.silu_mul(gt, up, gt);
+      Tensor sh = be_.alloc(DType::F32, {T, m.H});
+      be_.matmul(gt, mo.shared.down, sh);
+      Tensor sg = be_.alloc(DType::F32, {T, 1});
+      be_.matmul(xn, mo.shared_gate, sg);
+      be_.sigmoid_mul(sh, sg, sh);  // gate [T, 1] broadcasts over the row
+      be_.add(mix, sh, mix);
+    }
+  }
+  be_.add(x, mix, x);
+}
+
+Tensor Model::logits(const Tensor& x) {
+  auto& m = *impl_;
+  const int64_t R = x.dim(0);
+  Tensor xn = be_.alloc(DType::F32, {R, m.H});
+  be_.rms_norm(x, m.final_norm, static_cast<float>(cfg_.rms_norm_eps), true, xn);
+  Tensor out = be_.alloc(DType::F32, {R, cfg_.vocab_size});
+  be_.matmul(xn, m.lm_head, out);
+  return out;
+}
+
+Tensor Model::forward(std::span<const int32_t> ids, SequenceState& st, const ForwardOptions& opt) {
+  const int64_t T = static_cast<int64_t>(ids.size());
+  if (T == 0) throw std::invalid_argument("forward: empty token list");
+  if (cfg_.max_position_embeddings > 0 && st.n_past + T > cfg_.max_position_embeddings)
+    throw std::length_error("sequence of " + std::to_string(st.n_past + T) + " tokens exceeds the model's context of " +
+                            std::to_string(cfg_.max_position_embeddings));
+  reserve(st, st.n_past + T);
+  // Prefill in bounded chunks: exact (every layer is causal and carries its state) and keeps
+  // activation memory independent of prompt length.
+  constexpr int64_t kChunk = 1024;
+  Tensor all;
+  if (opt.all_logits) all = be_.alloc(DType::F32, {T, cfg_.vocab_size});
+  Tensor last;
+  for (int64_t s = 0; s < T; s += kChunk) {
+    const int64_t n = std::min(kChunk, T - s);
+    Tensor x = embed(ids.subspan(static_cast<size_t>(s), static_cast<size_t>(n)));
+    for (size_t i = 0; i < impl_->layers.size(); ++i) layer_forward(static_cast<int64_t>(i), x, st.layers[i], st.n_past);
+    st.n_past += n;
+    if (opt.all_logits) {
+      Tensor lg = logits(x);
+      Tensor dst = all.slice_rows(s, s + n);
+      be_.copy(lg, dst);
+    } else if (s + n == T) {
+      last = logits(x.slice_rows(n - 1, n));
+    }
+  }
+  return opt.all_logits ? all : last;
+}
+
+}  // namespace hypic

@@ -1,0 +1,311 @@
+#include "pic/composer.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <list>
+#include <mutex>
+#include <stdexcept>
+#include <unordered_map>
+
+namespace hypic {
+
+PicMode parse_pic_mode(const std::string& s) {
+  if (s == "full") return PicMode::Full;
+  if (s == "prefix") return PicMode::Prefix;
+  if (s == "pic") return PicMode::Pic;
+  if (s == "naive") return PicMode::Naive;
+  throw std::invalid_argument("unknown mode '" + s + "' (expected full, prefix, pic or naive)");
+}
+
+const char* pic_mode_name(PicMode m) {
+  switch (m) {
+    case PicMode::Full: return "full";
+    case PicMode::Prefix: return "prefix";
+    case PicMode::Pic: return "pic";
+    case PicMode::Naive: return "naive";
+  }
+  return "?";
+}
+
+// ---- prefix cache ----------------------------------------------------------------------------
+// Exact-prefix snapshots taken at segment boundaries: what prefix caching engines reuse today.
+struct PicEngine::PrefixCache {
+  struct Snap {
+    std::vector<int32_t> ids;
+    SequenceState state;
+    size_t bytes;
+  };
+  size_t budget;
+  size_t bytes = 0;
+  std::list<Snap> lru;  // front = most recent
+  std::mutex mu;
+
+  static size_t state_bytes(const SequenceState& st) {
+    size_t b = 0;
+    for (auto& l : st.layers)
+      for (const Tensor* t : {&l.conv, &l.ssm, &l.k, &l.v})
+        if (t->defined()) b += t->nbytes();
+    return b;
+  }
+  // Longest cached prefix of `ids` that ends at one of `boundaries`; returns its length or 0.
+  const Snap* longest(const std::vector<int32_t>& ids, const std::vector<size_t>& boundaries) {
+    const Snap* best = nullptr;
+    for (auto it = lru.begin(); it != lru.end(); ++it) {
+      const size_t n = it->ids.size();
+      if (n > ids.size() || (best && n <= best->ids.size())) continue;
+      if (std::find(boundaries.begin(), boundaries.end(), n) == boundaries.end()) continue;
+      if (!std::equal(it->ids.begin(), it->ids.end(), ids.begin())) continue;
+      best = &*it;
+    }
+    if (best)
+      for (auto it = lru.begin(); it != lru.end(); ++it)
+        if (&*it == best) {
+          lru.splice(lru.begin(), lru, it);
+          break;
+        }
+    return best;
+  }
+  void put(std::vector<int32_t> ids, SequenceState st) {
+    const size_t b = state_bytes(st);
+    if (b > budget) return;
+    for (auto it = lru.begin(); it != lru.end(); ++it)
+      if (it->ids == ids) {
+        lru.splice(lru.begin(), lru, it);
+        return;
+      }
+    while (bytes + b > budget && !lru.empty()) {
+      bytes -= lru.back().bytes;
+      lru.pop_back();
+    }
+    lru.push_front(Snap{std::move(ids), std::move(st), b});
+    bytes += b;
+  }
+};
+
+PicEngine::PicEngine(Model& model, size_t segment_cache_bytes, size_t prefix_cache_bytes)
+    : model_(model), cache_(segment_cache_bytes), prefix_(std::make_unique<PrefixCache>()) {
+  prefix_->budget = prefix_cache_bytes ? prefix_cache_bytes : segment_cache_bytes;
+}
+PicEngine::~PicEngine() = default;
+
+namespace {
+void check_segments(const Model& m, const std::vector<std::vector<int32_t>>& segs) {
+  if (segs.empty()) throw std::invalid_argument("the request has no segments");
+  int64_t total = 0;
+  for (size_t i = 0; i < segs.size(); ++i) {
+    if (segs[i].empty()) throw std::invalid_argument("segment " + std::to_string(i) + " is empty");
+    total += static_cast<int64_t>(segs[i].size());
+  }
+  const int64_t ctx = m.config().max_position_embeddings;
+  if (ctx > 0 && total > ctx)
+    throw std::length_error("prompt of " + std::to_string(total) + " tokens exceeds the model's context of " +
+                            std::to_string(ctx) + " tokens");
+}
+
+// A copy of st holding exactly its n_past KV rows.
+SequenceState snapshot(const Model& m, const SequenceState& st) {
+  Backend& be = m.backend();
+  SequenceState out = m.new_state(std::max<int64_t>(st.n_past, 1));
+  out.n_past = st.n_past;
+  for (size_t i = 0; i < st.layers.size(); ++i) {
+    auto& s = st.layers[i];
+    auto& d = out.layers[i];
+    if (s.conv.defined()) be.copy(s.conv, d.conv);
+    if (s.ssm.defined()) be.copy(s.ssm, d.ssm);
+    if (s.k.defined() && st.n_past > 0) {
+      Tensor dk = d.k.slice_rows(0, st.n_past), dv = d.v.slice_rows(0, st.n_past);
+      be.copy(s.k.slice_rows(0, st.n_past), dk);
+      be.copy(s.v.slice_rows(0, st.n_past), dv);
+    }
+  }
+  return out;
+}
+}  // namespace
+
+std::shared_ptr<SegmentEntry> PicEngine::build_entry(const std::vector<int32_t>& ids, int seam) {
+  Model& m = model_;
+  Backend& be = m.backend();
+  const auto& cfg = m.config();
+  const int64_t L = static_cast<int64_t>(ids.size());
+  const int64_t head = std::clamp<int64_t>(seam, 0, L);
+  auto e = std::make_shared<SegmentEntry>();
+  e->key = SegmentKey{m.fingerprint(), seam, ids};
+  e->layers.resize(static_cast<size_t>(cfg.num_hidden_layers));
+  SequenceState st = m.new_state(L);  // zero state at position 0: the segment in isolation
+  Tensor x = m.embed(ids);
+  for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
+    auto& ls = st.layers[static_cast<size_t>(l)];
+    auto& out = e->layers[static_cast<size_t>(l)];
+    if (cfg.layer_types[static_cast<size_t>(l)] == LayerKind::Linear) {
+      if (head > 0) {
+        Tensor xh = x.slice_rows(0, head);
+        m.layer_forward(l, xh, ls, 0);
+      }
+      const auto& sh = ls.ssm.shape();  // [Hv, dk, dv]
+      Tensor s_head = be.alloc(DType::F32, sh);
+      be.copy(ls.ssm, s_head);
+      out.T = be.alloc(DType::F32, {sh[0], sh[1], sh[1]});
+      if (head < L) {
+        Tensor xb = x.slice_rows(head, L);
+        m.layer_forward(l, xb, ls, head, &out.T);
+        // The body's own zero-start state: S_end = T_body S_head + S_body.
+        out.S = be.alloc(DType::F32, sh);
+        be.compose_state(out.T, s_head, ls.ssm, -1.f, out.S);
+      } else {
+        be.set_identity(out.T);
+        out.S = be.alloc(DType::F32, sh);
+      }
+      out.conv_tail = be.alloc(DType::F32, ls.conv.shape());
+      be.copy(ls.conv, out.conv_tail);
+    } else {
+      m.layer_forward(l, x, ls, 0);
+      const auto& ks = ls.k.shape();
+      out.k = be.alloc(DType::F32, {L, ks[1], ks[2]});
+      out.v = be.alloc(DType::F32, {L, ks[1], ls.v.dim(2)});
+      be.copy(ls.k.slice_rows(0, L), out.k);
+      be.copy(ls.v.slice_rows(0, L), out.v);
+    }
+  }
+  e->account();
+  return e;
+}
+
+std::shared_ptr<const SegmentEntry> PicEngine::get_or_build(const std::vector<int32_t>& ids, int seam,
+                                                            CacheReport& rep) {
+  SegmentKey key{model_.fingerprint(), seam, ids};
+  if (auto hit = cache_.find(key)) {
+    ++rep.hit_segments;
+    return hit;
+  }
+  ++rep.miss_segments;
+  rep.computed_tokens += static_cast<int64_t>(ids.size());  // the isolated prefill
+  return cache_.insert(build_entry(ids, seam));
+}
+
+PrefillResult PicEngine::prefill(const std::vector<std::vector<int32_t>>& segs, const PicOptions& opt) {
+  check_segments(model_, segs);
+  if (opt.seam < 0) throw std::invalid_argument("seam must be >= 0, got " + std::to_string(opt.seam));
+  switch (opt.mode) {
+    case PicMode::Full: return prefill_full(segs);
+    case PicMode::Prefix: return prefill_prefix(segs);
+    case PicMode::Pic:
+    case PicMode::Naive: return prefill_composed(segs, opt);
+  }
+  throw std::logic_error("bad mode");
+}
+
+PrefillResult PicEngine::prefill_full(const std::vector<std::vector<int32_t>>& segs) {
+  std::vector<int32_t> all;
+  for (auto& s : segs) all.insert(all.end(), s.begin(), s.end());
+  PrefillResult r;
+  r.state = model_.new_state(static_cast<int64_t>(all.size()));
+  r.logits = model_.forward(all, r.state);
+  r.report.computed_tokens = static_cast<int64_t>(all.size());
+  return r;
+}
+
+PrefillResult PicEngine::prefill_prefix(const std::vector<std::vector<int32_t>>& segs) {
+  std::vector<int32_t> all;
+  std::vector<size_t> bounds;  // segment ends before the question
+  for (size_t i = 0; i < segs.size(); ++i) {
+    all.insert(all.end(), segs[i].begin(), segs[i].end());
+    if (i + 1 < segs.size()) bounds.push_back(all.size());
+  }
+  PrefillResult r;
+  size_t done = 0;
+  {
+    std::lock_guard<std::mutex> g(prefix_->mu);
+    if (const auto* snap = prefix_->longest(all, bounds)) {
+      r.state = snapshot(model_, snap->state);
+      done = snap->ids.size();
+    }
+  }
+  if (done == 0) r.state = model_.new_state(static_cast<int64_t>(all.size()));
+  model_.reserve(r.state, static_cast<int64_t>(all.size()));
+  r.report.reused_tokens = static_cast<int64_t>(done);
+  for (size_t b : bounds) r.report.hit_segments += b <= done ? 1 : 0;
+  // Recompute the rest segment by segment, snapshotting each new boundary.
+  size_t pos = 0;
+  for (size_t i = 0; i < segs.size(); ++i) {
+    const size_t end = pos + segs[i].size();
+    if (end > done) {
+      const size_t from = std::max(pos, done);
+      std::span<const int32_t> span(all.data() + from, end - from);
+      r.logits = model_.forward(span, r.state);
+      r.report.computed_tokens += static_cast<int64_t>(span.size());
+      if (i + 1 < segs.size()) {
+        ++r.report.miss_segments;
+        std::lock_guard<std::mutex> g(prefix_->mu);
+        prefix_->put(std::vector<int32_t>(all.begin(), all.begin() + static_cast<long>(end)),
+                     snapshot(model_, r.state));
+      }
+    }
+    pos = end;
+  }
+  return r;
+}
+
+PrefillResult PicEngine::prefill_composed(const std::vector<std::vector<int32_t>>& segs, const PicOptions& opt) {
+  Model& m = model_;
+  Backend& be = m.backend();
+  const auto& cfg = m.config();
+  const bool naive = opt.mode == PicMode::Naive;
+  int64_t total = 0;
+  for (auto& s : segs) total += static_cast<int64_t>(s.size());
+  PrefillResult r;
+  r.state = m.new_state(total);
+  SequenceState& st = r.state;
+  const int rot = static_cast<int>(cfg.rotary_dim());
+  int64_t pos = 0;
+  for (size_t i = 0; i + 1 < segs.size(); ++i) {
+    const auto& ids = segs[i];
+    const int64_t L = static_cast<int64_t>(ids.size());
+    // The first segment sits at its true position 0: reused whole, no seam needed.
+    const int seam = (i == 0 || naive) ? 0 : opt.seam;
+    auto e = get_or_build(ids, seam, r.report);
+    const int64_t head = std::min<int64_t>(seam, L);
+    r.report.reused_tokens += L - head;
+    r.report.computed_tokens += head;
+    Tensor x;
+    if (head > 0) x = m.embed(std::span<const int32_t>(ids.data(), static_cast<size_t>(head)));
+    for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
+      auto& ls = st.layers[static_cast<size_t>(l)];
+      const auto& sum = e->layers[static_cast<size_t>(l)];
+      if (cfg.layer_types[static_cast<size_t>(l)] == LayerKind::Linear) {
+        // Seam tokens advance the running state at their true positions, conv warmed by the
+        // previous segment's tail (already in ls.conv); then the body composes in.
+        if (head > 0) m.layer_forward(l, x, ls, pos);
+        if (head < L) {
+          if (naive) {
+            be.add(ls.ssm, sum.S, ls.ssm);
+          } else {
+            Tensor next = be.alloc(DType::F32, ls.ssm.shape());
+            be.compose_state(sum.T, ls.ssm, sum.S, 1.f, next);
+            ls.ssm = next;
+          }
+          be.copy(sum.conv_tail, ls.conv);
+        }
+      } else {
+        if (head < L) {
+          Tensor kd = ls.k.slice_rows(pos + head, pos + L), vd = ls.v.slice_rows(pos + head, pos + L);
+          be.copy(sum.k.slice_rows(head, L), kd);
+          be.copy(sum.v.slice_rows(head, L), vd);
+          if (!naive && opt.rerotate && pos > 0) {
+            // RoPE angles add: R(pos + r) = R(pos) R(r), so rotating relative keys by pos is exact.
+            std::vector<int64_t> shift(static_cast<size_t>(L - head), pos);
+            be.rope_neox(kd, shift, rot, cfg.rope_theta);
+          }
+        }
+        if (head > 0) m.layer_forward(l, x, ls, pos);
+      }
+    }
+    pos += L;
+  }
+  st.n_past = pos;
+  r.logits = m.forward(segs.back(), st);
+  r.report.computed_tokens += static_cast<int64_t>(segs.back().size());
+  return r;
+}
+
+}  // namespace hypic

@@ -1,0 +1,72 @@
+// Request prefill in four modes over one engine, so they are compared on the same work:
+//  full   - plain prefill of the concatenated segments (the quality reference);
+//  prefix - exact prefix caching: reuse the state snapshot of the longest cached token prefix
+//           (snapshots are taken at segment boundaries), recompute the rest;
+//  pic    - position-independent caching: every reusable segment (and the first, exact-prefix
+//           segment) is prefilled in isolation from position 0 when missing, cached, and then
+//           used exactly like a hit, so an answer never depends on cache history. Linear layers
+//           compose S = T_body (S after the seam) + S_body; full-attention layers splice cached
+//           K/V re-rotated to the segment's real start; the first `seam` tokens of every reused
+//           segment after the first are recomputed through all layers at their true positions
+//           (they enter the linear state exactly once, through the recomputation);
+//  naive  - ablation: sum of zero-start states, no transition, no re-rotation, no seam.
+// The last segment (the question) is always computed, never cached.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "models/model.h"
+#include "pic/segment_cache.h"
+
+namespace hypic {
+
+enum class PicMode { Full, Prefix, Pic, Naive };
+PicMode parse_pic_mode(const std::string& s);  // throws naming the allowed values
+const char* pic_mode_name(PicMode m);
+
+struct PicOptions {
+  PicMode mode = PicMode::Pic;
+  int seam = 8;           // recomputed head tokens of each reused segment after the first
+  bool rerotate = true;   // re-rotate cached keys to the segment's real start (pic only)
+};
+
+struct CacheReport {
+  int hit_segments = 0;
+  int miss_segments = 0;
+  int64_t reused_tokens = 0;    // tokens taken from cache without recomputation
+  int64_t computed_tokens = 0;  // tokens run through the model for this request
+};
+
+struct PrefillResult {
+  SequenceState state;  // ready for decoding (n_past = prompt length)
+  Tensor logits;        // last row, on the backend
+  CacheReport report;
+};
+
+class PicEngine {
+ public:
+  PicEngine(Model& model, size_t segment_cache_bytes, size_t prefix_cache_bytes = 0);
+  ~PicEngine();
+  // segments: token ids of each segment, in prompt order; none may be empty.
+  PrefillResult prefill(const std::vector<std::vector<int32_t>>& segments, const PicOptions& opt);
+  SegmentCache& cache() { return cache_; }
+  Model& model() { return model_; }
+
+  // The summary of one segment computed in isolation from position 0 (exposed for tests).
+  std::shared_ptr<SegmentEntry> build_entry(const std::vector<int32_t>& ids, int seam);
+
+ private:
+  std::shared_ptr<const SegmentEntry> get_or_build(const std::vector<int32_t>& ids, int seam, CacheReport& rep);
+  PrefillResult prefill_full(const std::vector<std::vector<int32_t>>& segs);
+  PrefillResult prefill_prefix(const std::vector<std::vector<int32_t>>& segs);
+  PrefillResult prefill_composed(const std::vector<std::vector<int32_t>>& segs, const PicOptions& opt);
+
+  Model& model_;
+  SegmentCache cache_;
+  struct PrefixCache;
+  std::unique_ptr<PrefixCache> prefix_;
+};
+
+}  // namespace hypic

@@ -1,0 +1,76 @@
+// Content-addressed cache of segment summaries. An entry is everything a later request needs to
+// reuse a segment at any position: per linear layer the transition operator T and zero-start
+// state S of the segment body plus the conv tail; per full-attention layer K (at
+// segment-relative positions) and V. Keys are (model fingerprint, seam width, exact token ids):
+// a hash finds candidates, a full comparison confirms a hit.
+#pragma once
+#include <cstdint>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "tensor/tensor.h"
+
+namespace hypic {
+
+struct SegmentKey {
+  uint64_t model_fingerprint = 0;
+  int32_t seam = 0;  // tokens at the head of the segment that are recomputed on reuse
+  std::vector<int32_t> ids;
+  uint64_t hash() const;
+  bool operator==(const SegmentKey& o) const {
+    return model_fingerprint == o.model_fingerprint && seam == o.seam && ids == o.ids;
+  }
+};
+
+struct LayerSummary {
+  // Linear layers: T [Hv, dk, dk], S [Hv, dk, dv] of the body (tokens seam..L-1), conv tail [K-1, C].
+  Tensor T, S, conv_tail;
+  // Full layers: K, V [L, Hkv, D] at positions 0..L-1.
+  Tensor k, v;
+};
+
+struct SegmentEntry {
+  SegmentKey key;
+  std::vector<LayerSummary> layers;
+  size_t bytes = 0;
+  size_t length() const { return key.ids.size(); }
+  void account();  // recomputes bytes from the tensors
+};
+
+struct SegmentCacheStats {
+  uint64_t hits = 0, misses = 0, evictions = 0, inserts = 0;
+  size_t bytes = 0, entries = 0, budget = 0;
+};
+
+// Thread-safe LRU under a byte budget. Entries handed out are shared_ptr "pins": an entry in use
+// is never evicted (it stays alive even if dropped from the index), and eviction skips it.
+class SegmentCache {
+ public:
+  explicit SegmentCache(size_t budget_bytes);
+  std::shared_ptr<const SegmentEntry> find(const SegmentKey& key);
+  // Inserts (replacing an equal key); evicts least-recently-used unpinned entries to fit. Throws
+  // std::length_error if the entry alone exceeds the budget, or if everything else is pinned.
+  std::shared_ptr<const SegmentEntry> insert(std::shared_ptr<SegmentEntry> e);
+  bool erase(const SegmentKey& key);
+  void clear();
+  SegmentCacheStats stats() const;
+  size_t budget() const { return budget_; }
+
+ private:
+  struct Node {
+    std::shared_ptr<SegmentEntry> entry;
+    std::list<uint64_t>::iterator lru;  // position in lru_ (front = most recent)
+  };
+  void evict_for(size_t need);  // mu_ held
+  size_t budget_;
+  mutable std::mutex mu_;
+  std::unordered_multimap<uint64_t, Node> index_;
+  std::list<uint64_t> lru_;  // hashes; collisions resolved by the full key in index_
+  SegmentCacheStats st_;
+};
+
+}  // namespace hypic

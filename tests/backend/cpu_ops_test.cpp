@@ -1,0 +1,661 @@
+// CPU backend ops against plain double-precision references written here.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/cpu/cpu_backend.h"
+#include "backend/cpu/thread_pool.h"
+
+using namespace hypic;
+
+namespace {
+
+using Vec = std::vector<double>;
+
+Tensor randn(Shape s, uint32_t seed, float scale = 1.0f) {
+  Tensor t = Tensor::empty(DType::F32, std::move(s));
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.f, scale);
+  float* p = t.data<float>();
+  for (int64_t i = 0; i < t.numel(); ++i) p[i] = nd(rng);
+  return t;
+}
+
+// f32 tensor converted (rounded) to dt.
+Tensor as(const Tensor& f, DType dt) {
+  Tensor t = Tensor::empty(dt, f.shape());
+  convert_from_f32(f.data<float>(), dt, t.raw(), static_cast<size_t>(f.numel()));
+  return t;
+}
+
+Vec vals(const Tensor& t) {
+  Tensor f = t.to_f32();
+  return Vec(f.data<float>(), f.data<float>() + f.numel());
+}
+
+double rel_l2(const Tensor& got, const Vec& ref) {
+  Vec g = vals(got);
+  EXPECT_EQ(g.size(), ref.size());
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size() && i < g.size(); ++i) {
+    num += (g[i] - ref[i]) * (g[i] - ref[i]);
+    den += ref[i] * ref[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+template <typename F>
+std::string error_of(F f) {
+  try {
+    f();
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  return "<no invalid_argument thrown>";
+}
+
+double sig(double x) {
+  return 1.0 / (1.0 + std::exp(-x));
+}
+double dsilu(double x) {
+  return x * sig(x);
+}
+
+struct CpuOps : ::testing::Test {
+  std::unique_ptr<Backend> be = make_backend("cpu", 2);
+};
+
+}  // namespace
+
+// ---- thread pool ------------------------------------------------------------------------------
+TEST(ThreadPool, CoversEveryIndexOnceAndPropagatesErrors) {
+  for (int threads : {1, 2, 3, 5}) {
+    cpu::ThreadPool pool(threads);
+    EXPECT_EQ(pool.size(), threads);
+    for (int64_t n : {1, 2, 3, 7, 64, 1001}) {
+      std::vector<std::atomic<int>> hit(static_cast<size_t>(n));
+      std::atomic<int> calls{0};
+      pool.parallel_for(n, [&](int64_t b, int64_t e) {
+        ++calls;
+        EXPECT_LT(b, e);
+        for (int64_t i = b; i < e; ++i) hit[i]++;
+      });
+      for (int64_t i = 0; i < n; ++i) ASSERT_EQ(hit[i].load(), 1) << "n=" << n << " i=" << i;
+      EXPECT_LE(calls.load(), std::min<int64_t>(n, threads));
+    }
+    // grain: small ranges run inline as one chunk
+    std::atomic<int> calls{0};
+    pool.parallel_for(
+        10, [&](int64_t, int64_t) { ++calls; }, 100);
+    EXPECT_EQ(calls.load(), 1);
+    // nested calls run inline, exceptions reach the caller
+    std::atomic<int64_t> total{0};
+    pool.parallel_for(
+        8, [&](int64_t b, int64_t e) { pool.parallel_for(e - b, [&](int64_t b2, int64_t e2) { total += e2 - b2; }); });
+    EXPECT_EQ(total.load(), 8);
+    EXPECT_THROW(pool.parallel_for(100,
+                                   [&](int64_t b, int64_t) {
+                                     if (b > 0 || threads == 1) throw std::runtime_error("boom");
+                                   }),
+                 std::runtime_error);
+    // still usable afterwards
+    std::atomic<int64_t> s{0};
+    pool.parallel_for(1000, [&](int64_t b, int64_t e) { s += e - b; });
+    EXPECT_EQ(s.load(), 1000);
+  }
+}
+
+TEST(MakeBackend, NamesAndErrors) {
+  auto be = make_backend("cpu", 3);
+  EXPECT_EQ(be->name(), "cpu");
+  EXPECT_EQ(be->num_threads(), 3);
+  EXPECT_GE(make_backend("cpu")->num_threads(), 1);
+  EXPECT_EQ(error_of([] { make_backend("tpu"); }), "unknown backend 'tpu' (available: cpu)");
+}
+
+// ---- memory -----------------------------------------------------------------------------------
+TEST_F(CpuOps, MemoryOps) {
+  Tensor a = be->alloc(DType::BF16, {3, 5});
+  for (int i = 0; i < 15; ++i) EXPECT_EQ(a.data<uint16_t>()[i], 0);
+  Tensor h = randn({4, 3}, 1);
+  EXPECT_EQ(be->to_device(h).raw(), h.raw());
+  EXPECT_EQ(be->to_host(h).raw(), h.raw());
+  Tensor d = be->alloc(DType::F32, {12});
+  be->copy(h, d);
+  EXPECT_EQ(vals(d), vals(h));
+  Tensor bad = be->alloc(DType::F32, {11});
+  EXPECT_NE(error_of([&] { be->copy(h, bad); }).find("copy: src f32[4, 3] and dst f32[11]"), std::string::npos);
+  be->fill(d, 2.5f);
+  for (double v : vals(d)) EXPECT_EQ(v, 2.5);
+  EXPECT_NE(error_of([&] { be->fill(a, 1.f); }).find("fill: t bf16[3, 5]: must be f32"), std::string::npos);
+}
+
+// ---- matmul -----------------------------------------------------------------------------------
+namespace {
+Vec ref_matmul(const Tensor& x, const Tensor& w) {
+  Vec xv = vals(x), wv = vals(w);
+  int64_t M = x.dim(0), K = x.dim(1), N = w.dim(0);
+  Vec y(static_cast<size_t>(M * N));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      double s = 0;
+      for (int64_t k = 0; k < K; ++k) s += xv[m * K + k] * wv[n * K + k];
+      y[m * N + n] = s;
+    }
+  return y;
+}
+}  // namespace
+
+TEST_F(CpuOps, MatmulAllDtypesAndShapes) {
+  struct C {
+    int64_t M, K, N;
+  };
+  for (C c : {C{1, 67, 45}, C{2, 129, 33}, C{3, 35, 71}, C{5, 1001, 19}, C{7, 9, 13}, C{8, 67, 45}, C{13, 257, 517},
+              C{70, 300, 37}, C{1, 3, 5}}) {
+    Tensor x = randn({c.M, c.K}, 11 + c.M);
+    Tensor w32 = randn({c.N, c.K}, 23 + c.N, 0.5f);
+    for (DType dt : {DType::F32, DType::BF16, DType::F16}) {
+      Tensor w = as(w32, dt);  // reference uses the same rounded weights
+      Vec ref = ref_matmul(x, w);
+      Tensor y = be->alloc(DType::F32, {c.M, c.N});
+      be->matmul(x, w, y);
+      EXPECT_LE(rel_l2(y, ref), 1e-5) << dtype_name(dt) << " M=" << c.M << " K=" << c.K << " N=" << c.N;
+      // accumulate: y += x W^T
+      Vec ref2 = ref;
+      for (auto& v : ref2) v *= 2;
+      be->matmul(x, w, y, true);
+      EXPECT_LE(rel_l2(y, ref2), 1e-5) << "accumulate " << dtype_name(dt) << " M=" << c.M;
+    }
+  }
+}
+
+TEST_F(CpuOps, MatmulValidation) {
+  Tensor x = be->alloc(DType::F32, {3, 64});
+  Tensor w = be->alloc(DType::BF16, {32, 48});
+  Tensor y = be->alloc(DType::F32, {3, 32});
+  EXPECT_EQ(error_of([&] { be->matmul(x, w, y); }), "matmul: x f32[3, 64] and w bf16[32, 48]: inner dims differ");
+  Tensor w2 = be->alloc(DType::BF16, {32, 64});
+  Tensor y2 = be->alloc(DType::F32, {3, 31});
+  EXPECT_EQ(error_of([&] { be->matmul(x, w2, y2); }),
+            "matmul: y f32[3, 31]: expected shape [3, 32] for x f32[3, 64] and w bf16[32, 64]");
+  Tensor xi = be->alloc(DType::I32, {3, 64});
+  EXPECT_EQ(error_of([&] { be->matmul(xi, w2, y); }), "matmul: x i32[3, 64]: must be f32");
+  Tensor x3 = be->alloc(DType::F32, {3, 1, 64});
+  EXPECT_EQ(error_of([&] { be->matmul(x3, w2, y); }), "matmul: x f32[3, 1, 64]: expected 2 dims, got 3");
+  EXPECT_NE(error_of([&] { be->matmul(x, w2, x); }).find("matmul: y f32[3, 64]"), std::string::npos);
+}
+
+// ---- embedding --------------------------------------------------------------------------------
+TEST_F(CpuOps, Embedding) {
+  Tensor t32 = randn({29, 13}, 3);
+  for (DType dt : {DType::F32, DType::BF16, DType::F16}) {
+    Tensor table = as(t32, dt);
+    std::vector<int32_t> ids = {5, 0, 28, 5, 17};
+    Tensor out = be->alloc(DType::F32, {5, 13});
+    be->embedding(table, ids, out);
+    Vec tv = vals(table), ref;
+    for (int32_t id : ids)
+      for (int i = 0; i < 13; ++i) ref.push_back(tv[id * 13 + i]);
+    EXPECT_EQ(vals(out), ref);
+    std::vector<int32_t> bad = {1, 29};
+    Tensor o2 = be->alloc(DType::F32, {2, 13});
+    EXPECT_NE(error_of([&] { be->embedding(table, bad, o2); }).find("embedding: id 29 at 1 out of range"),
+              std::string::npos);
+    EXPECT_NE(
+        error_of([&] { be->embedding(table, ids, o2); }).find("embedding: out f32[2, 13]: expected shape [5, 13]"),
+        std::string::npos);
+  }
+}
+
+// ---- norms and elementwise ----------------------------------------------------------------------
+TEST_F(CpuOps, RmsNorm) {
+  const int64_t R = 7, D = 45;
+  Tensor x = randn({R, 1, D}, 5, 3.0f);
+  Tensor w32 = randn({D}, 6, 0.3f);
+  for (DType dt : {DType::F32, DType::BF16, DType::F16})
+    for (bool one_plus : {false, true}) {
+      Tensor w = as(w32, dt);
+      Tensor out = be->alloc(DType::F32, {R, 1, D});
+      be->rms_norm(x, w, 1e-6f, one_plus, out);
+      Vec xv = vals(x), wv = vals(w), ref(static_cast<size_t>(R * D));
+      for (int64_t r = 0; r < R; ++r) {
+        double ss = 0;
+        for (int64_t i = 0; i < D; ++i) ss += xv[r * D + i] * xv[r * D + i];
+        double inv = 1.0 / std::sqrt(ss / D + 1e-6);
+        for (int64_t i = 0; i < D; ++i) ref[r * D + i] = xv[r * D + i] * inv * (one_plus ? 1.0 + wv[i] : wv[i]);
+      }
+      EXPECT_LE(rel_l2(out, ref), 1e-6) << dtype_name(dt) << " one_plus=" << one_plus;
+    }
+  Tensor wbad = be->alloc(DType::F32, {D + 1});
+  Tensor out = be->alloc(DType::F32, {R, 1, D});
+  EXPECT_EQ(error_of([&] { be->rms_norm(x, wbad, 1e-6f, false, out); }),
+            "rms_norm: w f32[46] does not match the last dim of x f32[7, 1, 45]");
+}
+
+TEST_F(CpuOps, RmsNormGated) {
+  const int64_t R = 9, D = 37;
+  Tensor x = randn({R, D}, 7, 2.0f), z = randn({R, D}, 8, 2.0f);
+  Tensor w = as(randn({D}, 9), DType::BF16);
+  Tensor out = be->alloc(DType::F32, {R, D});
+  be->rms_norm_gated(x, z, w, 1e-6f, out);
+  Vec xv = vals(x), zv = vals(z), wv = vals(w), ref(static_cast<size_t>(R * D));
+  for (int64_t r = 0; r < R; ++r) {
+    double ss = 0;
+    for (int64_t i = 0; i < D; ++i) ss += xv[r * D + i] * xv[r * D + i];
+    double inv = 1.0 / std::sqrt(ss / D + 1e-6);
+    for (int64_t i = 0; i < D; ++i) ref[r * D + i] = xv[r * D + i] * inv * wv[i] * dsilu(zv[r * D + i]);
+  }
+  EXPECT_LE(rel_l2(out, ref), 1e-6);
+  Tensor zbad = be->alloc(DType::F32, {R, D + 2});
+  EXPECT_EQ(error_of([&] { be->rms_norm_gated(x, zbad, w, 1e-6f, out); }),
+            "rms_norm_gated: z f32[9, 39]: expected shape [9, 37]");
+}
+
+TEST_F(CpuOps, Elementwise) {
+  const int64_t n = 40000 + 7;  // large enough to be split over threads
+  Tensor a = randn({n}, 10, 3.f), b = randn({n}, 11, 3.f), out = be->alloc(DType::F32, {n});
+  Vec av = vals(a), bv = vals(b), r1(n), r2(n), r3(n);
+  for (int64_t i = 0; i < n; ++i) {
+    r1[i] = av[i] + bv[i];
+    r2[i] = dsilu(av[i]) * bv[i];
+    r3[i] = av[i] * sig(bv[i]);
+  }
+  be->add(a, b, out);
+  EXPECT_LE(rel_l2(out, r1), 1e-7);
+  be->silu_mul(a, b, out);
+  EXPECT_LE(rel_l2(out, r2), 1e-6);
+  be->sigmoid_mul(a, b, out);
+  EXPECT_LE(rel_l2(out, r3), 1e-6);
+  be->add(a, b, a);  // in place
+  EXPECT_LE(rel_l2(a, r1), 1e-7);
+  Tensor c = be->alloc(DType::F32, {n - 1});
+  EXPECT_EQ(error_of([&] { be->add(a, c, out); }), "add: a f32[40007] and b f32[40006]: shapes differ");
+  EXPECT_EQ(error_of([&] { be->silu_mul(a, b, c); }), "silu_mul: out f32[40006]: expected shape [40007]");
+}
+
+TEST_F(CpuOps, CopyAndSetCols) {
+  Tensor src = randn({5, 3, 11}, 12);  // rows = 15, cols = 11
+  Tensor dst = be->alloc(DType::F32, {15, 4});
+  be->copy_cols(src, 6, dst);
+  Vec sv = vals(src), dv = vals(dst);
+  for (int r = 0; r < 15; ++r)
+    for (int c = 0; c < 4; ++c) EXPECT_EQ(dv[r * 4 + c], sv[r * 11 + 6 + c]);
+  Tensor big = randn({15, 11}, 13);
+  Vec before = vals(big);
+  be->set_cols(dst, 2, big);
+  Vec after = vals(big);
+  for (int r = 0; r < 15; ++r)
+    for (int c = 0; c < 11; ++c)
+      EXPECT_EQ(after[r * 11 + c], (c >= 2 && c < 6) ? dv[r * 4 + c - 2] : before[r * 11 + c]);
+  EXPECT_EQ(error_of([&] { be->copy_cols(src, 8, dst); }),
+            "copy_cols: columns [8, 12) out of range of src f32[5, 3, 11]");
+  Tensor d2 = be->alloc(DType::F32, {14, 4});
+  EXPECT_EQ(error_of([&] { be->set_cols(d2, 0, big); }),
+            "set_cols: dst f32[15, 11] and src f32[14, 4]: row counts differ");
+  Tensor hb = be->alloc(DType::BF16, {15, 4});
+  EXPECT_EQ(error_of([&] { be->copy_cols(src, 0, hb); }),
+            "copy_cols: src f32[5, 3, 11] and dst bf16[15, 4]: dtypes differ");
+}
+
+// ---- rope ---------------------------------------------------------------------------------------
+TEST_F(CpuOps, RopeNeoxPartial) {
+  const int64_t T = 6, H = 3, D = 42;
+  const int rot = 10;  // partial: only the first 10 dims rotate
+  const double theta = 10000000.0;
+  std::vector<int64_t> pos = {0, 1, 7, 123, 4099, 70001};
+  Tensor x = randn({T, H, D}, 14);
+  Vec xv = vals(x);
+  be->rope_neox(x, pos, rot, theta);
+  // Reference: transformers' fp32 inv_freq and angle, then exact (double) trig and rotation.
+  Vec ref = xv;
+  for (int64_t t = 0; t < T; ++t)
+    for (int i = 0; i < rot / 2; ++i) {
+      float e = static_cast<float>(2 * i) / static_cast<float>(rot);
+      float inv = 1.0f / static_cast<float>(std::pow(static_cast<double>(static_cast<float>(theta)), double(e)));
+      float ang = static_cast<float>(pos[t]) * inv;
+      double c = std::cos(double(ang)), s = std::sin(double(ang));
+      for (int64_t h = 0; h < H; ++h) {
+        size_t b = static_cast<size_t>((t * H + h) * D);
+        double x1 = xv[b + i], x2 = xv[b + i + rot / 2];
+        ref[b + i] = x1 * c - x2 * s;
+        ref[b + i + rot / 2] = x2 * c + x1 * s;
+      }
+    }
+  EXPECT_LE(rel_l2(x, ref), 1e-6);
+  Vec got = vals(x);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t d = rot; d < D; ++d) ASSERT_EQ(got[(t * H + h) * D + d], xv[(t * H + h) * D + d]);
+  // position 0 is the identity
+  for (int64_t d = 0; d < D; ++d) EXPECT_FLOAT_EQ(got[d], xv[d]);
+  EXPECT_EQ(error_of([&] { be->rope_neox(x, pos, 43, theta); }),
+            "rope_neox: rot_dim 43 must be even, positive and <= head dim of x f32[6, 3, 42]");
+  std::vector<int64_t> p2 = {1, 2};
+  EXPECT_EQ(error_of([&] { be->rope_neox(x, p2, rot, theta); }),
+            "rope_neox: x f32[6, 3, 42] has 6 rows but 2 positions");
+}
+
+// ---- attention ---------------------------------------------------------------------------------
+namespace {
+Vec ref_attention(const Tensor& q, const Tensor& k, const Tensor& v, int64_t kv_len, int64_t q_offset, double scale) {
+  Vec qv = vals(q), kv = vals(k), vv = vals(v);
+  int64_t T = q.dim(0), Hq = q.dim(1), D = q.dim(2), Hkv = k.dim(1), Dv = v.dim(2), G = Hq / Hkv;
+  Vec out(static_cast<size_t>(T * Hq * Dv), 0.0);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < Hq; ++h) {
+      int64_t g = h / G, n = std::min(kv_len, q_offset + t + 1);
+      Vec s(static_cast<size_t>(n));
+      double mx = -1e300;
+      for (int64_t j = 0; j < n; ++j) {
+        double d = 0;
+        for (int64_t i = 0; i < D; ++i) d += qv[(t * Hq + h) * D + i] * kv[(j * Hkv + g) * D + i];
+        s[j] = d * scale;
+        mx = std::max(mx, s[j]);
+      }
+      double sum = 0;
+      for (auto& x : s) sum += (x = std::exp(x - mx));
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t i = 0; i < Dv; ++i) out[(t * Hq + h) * Dv + i] += s[j] / sum * vv[(j * Hkv + g) * Dv + i];
+    }
+  return out;
+}
+}  // namespace
+
+TEST_F(CpuOps, AttentionGqaOffsetsAndMasks) {
+  struct C {
+    int64_t T, Hq, Hkv, D, Dv, S, kv_len, q_offset;
+  };
+  for (C c : {
+           C{1, 4, 4, 19, 23, 50, 33, 32},       // decode, MHA, cache larger than kv_len
+           C{1, 6, 2, 16, 16, 40, 40, 39},       // decode, G=3
+           C{3, 8, 1, 21, 13, 20, 17, 14},       // few queries, MQA
+           C{37, 4, 2, 19, 23, 90, 37, 0},       // prefill from scratch, G=2
+           C{37, 6, 2, 19, 23, 100, 87, 50},     // prefill continuing a cache (q_offset > 0), G=3
+           C{37, 4, 1, 19, 23, 100, 70, 50},     // kv_len < q_offset + T: later keys masked by kv_len
+           C{301, 8, 2, 33, 17, 700, 600, 299},  // several key tiles (BK=256), G=4
+           C{130, 3, 3, 8, 8, 130, 130, 0},      // many query blocks, MHA
+       }) {
+    float scale = 1.0f / std::sqrt(static_cast<float>(c.D));
+    Tensor q = randn({c.T, c.Hq, c.D}, 100 + c.T, 1.5f), k = randn({c.S, c.Hkv, c.D}, 200 + c.S, 1.5f),
+           v = randn({c.S, c.Hkv, c.Dv}, 300 + c.S);
+    Tensor out = be->alloc(DType::F32, {c.T, c.Hq, c.Dv});
+    be->attention(q, k, v, c.kv_len, c.q_offset, scale, out);
+    EXPECT_LE(rel_l2(out, ref_attention(q, k, v, c.kv_len, c.q_offset, scale)), 1e-5)
+        << "T=" << c.T << " Hq=" << c.Hq << " Hkv=" << c.Hkv << " kv_len=" << c.kv_len << " off=" << c.q_offset;
+  }
+}
+
+TEST_F(CpuOps, AttentionValidation) {
+  Tensor q = be->alloc(DType::F32, {2, 6, 8}), k = be->alloc(DType::F32, {10, 4, 8}),
+         v = be->alloc(DType::F32, {10, 4, 8}), out = be->alloc(DType::F32, {2, 6, 8});
+  EXPECT_EQ(error_of([&] { be->attention(q, k, v, 5, 3, 1.f, out); }),
+            "attention: q f32[2, 6, 8] and k f32[10, 4, 8]: query heads not a multiple of kv heads");
+  Tensor k2 = be->alloc(DType::F32, {10, 2, 8}), v2 = be->alloc(DType::F32, {10, 2, 8});
+  EXPECT_EQ(error_of([&] { be->attention(q, k2, v2, 11, 3, 1.f, out); }),
+            "attention: kv_len 11 out of range for k f32[10, 2, 8]");
+  Tensor v3 = be->alloc(DType::F32, {9, 2, 8});
+  EXPECT_EQ(error_of([&] { be->attention(q, k2, v3, 5, 3, 1.f, out); }),
+            "attention: k f32[10, 2, 8] and v f32[9, 2, 8]: rows or heads differ");
+}
+
+// ---- causal conv1d ------------------------------------------------------------------------------
+TEST_F(CpuOps, CausalConvMatchesReferenceAndSpansCompose) {
+  for (int64_t K : {4, 1, 3}) {
+    const int64_t T = 9, C = 37;
+    Tensor x = randn({T, C}, 20), w32 = randn({C, K}, 21, 0.5f), st0 = randn({std::max<int64_t>(K - 1, 0), C}, 22);
+    for (DType dt : {DType::F32, DType::BF16}) {
+      Tensor w = as(w32, dt);
+      Vec xv = vals(x), wv = vals(w), sv = vals(st0);
+      // xx = state ++ x
+      Vec xx = sv;
+      xx.insert(xx.end(), xv.begin(), xv.end());
+      Vec ref(static_cast<size_t>(T * C));
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t c = 0; c < C; ++c) {
+          double s = 0;
+          for (int64_t j = 0; j < K; ++j) s += wv[c * K + j] * xx[(t + j) * C + c];
+          ref[t * C + c] = dsilu(s);
+        }
+      Vec ref_state(xx.end() - (K - 1) * C, xx.end());
+
+      Tensor state = st0.clone(), out = be->alloc(DType::F32, {T, C});
+      be->causal_conv1d_silu(x, w, state, out);
+      EXPECT_LE(rel_l2(out, ref), 1e-6) << "K=" << K << " " << dtype_name(dt);
+      EXPECT_EQ(vals(state), ref_state);
+
+      // The same tokens in two spans (the first shorter than K-1, so the state mixes) agree.
+      for (int64_t split : {2, 5}) {
+        Tensor s2 = st0.clone(), o1 = be->alloc(DType::F32, {split, C}), o2 = be->alloc(DType::F32, {T - split, C});
+        Tensor x1 = x.slice_rows(0, split).clone(), x2 = x.slice_rows(split, T).clone();
+        be->causal_conv1d_silu(x1, w, s2, o1);
+        be->causal_conv1d_silu(x2, w, s2, o2);
+        Vec both = vals(o1), v2 = vals(o2);
+        both.insert(both.end(), v2.begin(), v2.end());
+        EXPECT_EQ(both, vals(out)) << "split " << split;
+        EXPECT_EQ(vals(s2), ref_state);
+      }
+    }
+  }
+  Tensor x = randn({3, 5}, 1), w = randn({5, 4}, 2), st = be->alloc(DType::F32, {2, 5}),
+         out = be->alloc(DType::F32, {3, 5});
+  EXPECT_EQ(error_of([&] { be->causal_conv1d_silu(x, w, st, out); }),
+            "causal_conv1d_silu: state f32[2, 5]: expected shape [3, 5]");
+  Tensor st3 = be->alloc(DType::F32, {3, 5});
+  EXPECT_EQ(error_of([&] { be->causal_conv1d_silu(x, w, st3, x); }),
+            "causal_conv1d_silu: out, x and state must not overlap");
+}
+
+// ---- gdn gates ------------------------------------------------------------------------------------
+TEST_F(CpuOps, GdnGates) {
+  const int64_t T = 5, H = 7;
+  Tensor a = randn({T, H}, 30, 8.f), b = randn({T, H}, 31, 3.f);
+  a.data<float>()[3] = 25.f;  // above softplus threshold
+  a.data<float>()[4] = -30.f;
+  for (DType dt : {DType::F32, DType::BF16}) {
+    Tensor A_log = as(randn({H}, 32), dt), dt_bias = as(randn({H}, 33), dt);
+    Tensor g = be->alloc(DType::F32, {T, H}), beta = be->alloc(DType::F32, {T, H});
+    be->gdn_gates(a, b, A_log, dt_bias, g, beta);
+    Vec av = vals(a), bv = vals(b), al = vals(A_log), db = vals(dt_bias), rg, rb;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < H; ++h) {
+        double u = av[t * H + h] + db[h];
+        double sp = u > 20 ? u : std::log1p(std::exp(u));
+        rg.push_back(-std::exp(al[h]) * sp);
+        rb.push_back(sig(bv[t * H + h]));
+      }
+    EXPECT_LE(rel_l2(g, rg), 1e-6);
+    EXPECT_LE(rel_l2(beta, rb), 1e-6);
+    Tensor bad = be->alloc(DType::F32, {H + 1});
+    EXPECT_EQ(error_of([&] { be->gdn_gates(a, b, bad, dt_bias, g, beta); }),
+              "gdn_gates: A_log f32[8]: expected shape [7]");
+  }
+}
+
+// ---- gated delta rule ------------------------------------------------------------------------------
+namespace {
+// Token-by-token recurrence of src/linear/gated_delta.h in double, with the transition product.
+void ref_gdn(int64_t T, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, Vec q, Vec k, const Vec& v, const Vec& g,
+             const Vec& beta, bool l2, Vec& state, Vec& out, Vec& trans) {
+  const int64_t R = Hv / Hk;
+  out.assign(static_cast<size_t>(T * Hv * dv), 0.0);
+  trans.assign(static_cast<size_t>(Hv * dk * dk), 0.0);
+  for (int64_t h = 0; h < Hv; ++h)
+    for (int64_t i = 0; i < dk; ++i) trans[(h * dk + i) * dk + i] = 1;
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t hk = 0; hk < Hk; ++hk) {
+      double* qq = &q[(t * Hk + hk) * dk];
+      double* kk = &k[(t * Hk + hk) * dk];
+      if (l2) {
+        double nq = 0, nk = 0;
+        for (int64_t i = 0; i < dk; ++i) nq += qq[i] * qq[i], nk += kk[i] * kk[i];
+        for (int64_t i = 0; i < dk; ++i) qq[i] /= std::sqrt(nq + 1e-6), kk[i] /= std::sqrt(nk + 1e-6);
+      }
+      for (int64_t i = 0; i < dk; ++i) qq[i] /= std::sqrt(double(dk));
+    }
+    for (int64_t h = 0; h < Hv; ++h) {
+      const double* qq = &q[(t * Hk + h / R) * dk];
+      const double* kk = &k[(t * Hk + h / R) * dk];
+      double a = std::exp(g[t * Hv + h]), b = beta[t * Hv + h];
+      double* S = &state[h * dk * dv];
+      // S = a (I - b k k^T) S + b k v^T
+      std::vector<double> kS(static_cast<size_t>(dv), 0.0);
+      for (int64_t i = 0; i < dk; ++i)
+        for (int64_t j = 0; j < dv; ++j) kS[j] += kk[i] * S[i * dv + j];
+      for (int64_t i = 0; i < dk; ++i)
+        for (int64_t j = 0; j < dv; ++j)
+          S[i * dv + j] = a * (S[i * dv + j] - b * kk[i] * kS[j]) + b * kk[i] * v[(t * Hv + h) * dv + j];
+      for (int64_t j = 0; j < dv; ++j) {
+        double o = 0;
+        for (int64_t i = 0; i < dk; ++i) o += S[i * dv + j] * qq[i];
+        out[(t * Hv + h) * dv + j] = o;
+      }
+      // Tr = A_t Tr
+      double* Tr = &trans[h * dk * dk];
+      std::vector<double> kT(static_cast<size_t>(dk), 0.0);
+      for (int64_t i = 0; i < dk; ++i)
+        for (int64_t j = 0; j < dk; ++j) kT[j] += kk[i] * Tr[i * dk + j];
+      for (int64_t i = 0; i < dk; ++i)
+        for (int64_t j = 0; j < dk; ++j) Tr[i * dk + j] = a * (Tr[i * dk + j] - b * kk[i] * kT[j]);
+    }
+  }
+}
+}  // namespace
+
+TEST_F(CpuOps, GatedDeltaRuleMatchesRecurrence) {
+  const int64_t T = 21, Hk = 2, Hv = 4, dk = 12, dv = 9;
+  for (bool l2 : {true, false}) {
+    Tensor q = randn({T, Hk, dk}, 40, l2 ? 1.f : 0.3f), k = randn({T, Hk, dk}, 41, l2 ? 1.f : 0.3f),
+           v = randn({T, Hv, dv}, 42);
+    Tensor g = randn({T, Hv}, 43, 0.2f), beta = randn({T, Hv}, 44);
+    for (int64_t i = 0; i < T * Hv; ++i) {
+      g.data<float>()[i] = -std::abs(g.data<float>()[i]);
+      beta.data<float>()[i] = 1.f / (1.f + std::exp(-beta.data<float>()[i]));
+    }
+    Tensor state = randn({Hv, dk, dv}, 45, 0.5f), out = be->alloc(DType::F32, {T, Hv, dv}),
+           tr = be->alloc(DType::F32, {Hv, dk, dk});
+    Vec rs = vals(state), ro, rt;
+    ref_gdn(T, Hk, Hv, dk, dv, vals(q), vals(k), vals(v), vals(g), vals(beta), l2, rs, ro, rt);
+    be->gated_delta_rule(q, k, v, g, beta, l2, state, out, &tr);
+    EXPECT_LE(rel_l2(out, ro), 1e-4) << "l2=" << l2;
+    EXPECT_LE(rel_l2(state, rs), 1e-4) << "l2=" << l2;
+    EXPECT_LE(rel_l2(tr, rt), 1e-4) << "l2=" << l2;
+  }
+  Tensor q = be->alloc(DType::F32, {3, 2, 4}), k = be->alloc(DType::F32, {3, 2, 4}),
+         v = be->alloc(DType::F32, {3, 3, 5});
+  Tensor g = be->alloc(DType::F32, {3, 3}), beta = be->alloc(DType::F32, {3, 3}), st = be->alloc(DType::F32, {3, 4, 5}),
+         out = be->alloc(DType::F32, {3, 3, 5});
+  EXPECT_EQ(error_of([&] { be->gated_delta_rule(q, k, v, g, beta, true, st, out); }),
+            "gated_delta_rule: v f32[3, 3, 5] and k f32[3, 2, 4]: value heads not a multiple of key heads");
+}
+
+// ---- segment summaries ---------------------------------------------------------------------------
+TEST_F(CpuOps, ComposeStateAndIdentity) {
+  const int64_t H = 3, dk = 13, dv = 7;
+  Tensor T = randn({H, dk, dk}, 90), S = randn({H, dk, dv}, 91), B = randn({H, dk, dv}, 92);
+  Vec tv = vals(T), sv = vals(S), bv = vals(B);
+  for (float alpha : {1.f, -1.f, 0.5f}) {
+    Vec ref(static_cast<size_t>(H * dk * dv));
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < dk; ++i)
+        for (int64_t j = 0; j < dv; ++j) {
+          double s = 0;
+          for (int64_t l = 0; l < dk; ++l) s += tv[(h * dk + i) * dk + l] * sv[(h * dk + l) * dv + j];
+          ref[(h * dk + i) * dv + j] = alpha * s + bv[(h * dk + i) * dv + j];
+        }
+    Tensor out = be->alloc(DType::F32, {H, dk, dv});
+    be->compose_state(T, S, B, alpha, out);
+    EXPECT_LE(rel_l2(out, ref), 1e-6) << alpha;
+    Tensor b2 = B.clone();  // out may be B itself
+    be->compose_state(T, S, b2, alpha, b2);
+    EXPECT_LE(rel_l2(b2, ref), 1e-6) << alpha;
+  }
+  EXPECT_EQ(error_of([&] { be->compose_state(T, S, B, 1.f, S); }), "compose_state: out must not overlap T or S");
+  Tensor Sbad = be->alloc(DType::F32, {H, dk + 1, dv});
+  Tensor out = be->alloc(DType::F32, {H, dk + 1, dv});
+  EXPECT_EQ(error_of([&] { be->compose_state(T, Sbad, out, 1.f, out); }),
+            "compose_state: T f32[3, 13, 13] and S f32[3, 14, 7]: shapes do not chain");
+  Tensor I = randn({2, 5, 5}, 93);
+  be->set_identity(I);
+  Vec iv = vals(I);
+  for (int h = 0; h < 2; ++h)
+    for (int i = 0; i < 5; ++i)
+      for (int j = 0; j < 5; ++j) EXPECT_EQ(iv[(h * 5 + i) * 5 + j], i == j ? 1.0 : 0.0);
+  EXPECT_EQ(error_of([&] { be->set_identity(S); }), "set_identity: t f32[3, 13, 7]: matrices must be square");
+}
+
+// ---- moe ---------------------------------------------------------------------------------------------
+TEST_F(CpuOps, MoeExpertsWithTies) {
+  const int64_t T = 13, H = 19, I = 11, E = 7;
+  const int top_k = 3;
+  Tensor x = randn({T, H}, 50), logits = randn({T, E}, 51, 2.f);
+  float* lg = logits.data<float>();
+  for (int e = 0; e < E; ++e) lg[0 * E + e] = 0.5f;  // token 0: all tied -> experts 0, 1, 2
+  lg[1 * E + 6] = 3.f, lg[1 * E + 2] = 2.f, lg[1 * E + 4] = 2.f, lg[1 * E + 5] = 2.f;  // tie at the boundary -> 6, 2, 4
+  for (int e : {0, 1, 3}) lg[1 * E + e] = -1.f;
+  for (DType dt : {DType::F32, DType::BF16})
+    for (bool norm : {true, false}) {
+      ExpertWeights ex;
+      for (int e = 0; e < E; ++e) {
+        ex.gate.push_back(as(randn({I, H}, 60 + e, 0.4f), dt));
+        ex.up.push_back(as(randn({I, H}, 70 + e, 0.4f), dt));
+        ex.down.push_back(as(randn({H, I}, 80 + e, 0.4f), dt));
+      }
+      Tensor out = be->alloc(DType::F32, {T, H});
+      be->fill(out, 7.f);  // overwritten
+      be->moe_experts(x, logits, top_k, norm, ex, out);
+      Vec xv = vals(x), lv = vals(logits), ref(static_cast<size_t>(T * H), 0.0);
+      for (int64_t t = 0; t < T; ++t) {
+        Vec p(E);
+        double mx = *std::max_element(lv.begin() + t * E, lv.begin() + (t + 1) * E), s = 0;
+        for (int e = 0; e < E; ++e) s += (p[e] = std::exp(lv[t * E + e] - mx));
+        for (auto& v : p) v /= s;
+        std::vector<int> idx(E);
+        std::iota(idx.begin(), idx.end(), 0);
+        std::stable_sort(idx.begin(), idx.end(), [&](int a, int b) { return p[a] > p[b]; });
+        if (t == 0) {
+          EXPECT_EQ(std::vector<int>(idx.begin(), idx.begin() + 3), (std::vector<int>{0, 1, 2}));
+        }
+        if (t == 1) {
+          EXPECT_EQ(std::vector<int>(idx.begin(), idx.begin() + 3), (std::vector<int>{6, 2, 4}));
+        }
+        double ws = 0;
+        for (int j = 0; j < top_k; ++j) ws += p[idx[j]];
+        for (int j = 0; j < top_k; ++j) {
+          int e = idx[j];
+          double wgt = norm ? p[e] / ws : p[e];
+          Vec gv = vals(ex.gate[e]), uv = vals(ex.up[e]), dv = vals(ex.down[e]), hmid(I);
+          for (int64_t i = 0; i < I; ++i) {
+            double a = 0, b = 0;
+            for (int64_t c = 0; c < H; ++c) a += gv[i * H + c] * xv[t * H + c], b += uv[i * H + c] * xv[t * H + c];
+            hmid[i] = dsilu(a) * b;
+          }
+          for (int64_t c = 0; c < H; ++c) {
+            double o = 0;
+            for (int64_t i = 0; i < I; ++i) o += dv[c * I + i] * hmid[i];
+            ref[t * H + c] += wgt * o;
+          }
+        }
+      }
+      EXPECT_LE(rel_l2(out, ref), 1e-5) << dtype_name(dt) << " norm=" << norm;
+      // Decode-size call (one token) agrees with the batched one.
+      Tensor x0 = x.slice_rows(1, 2).clone(), l0 = logits.slice_rows(1, 2).clone(), o0 = be->alloc(DType::F32, {1, H});
+      be->moe_experts(x0, l0, top_k, norm, ex, o0);
+      Vec o0v = vals(o0), ov = vals(out);
+      for (int64_t c = 0; c < H; ++c) EXPECT_NEAR(o0v[c], ov[H + c], 1e-5);
+    }
+  ExpertWeights few;
+  few.gate.resize(2), few.up.resize(2), few.down.resize(2);
+  Tensor out = be->alloc(DType::F32, {T, H});
+  EXPECT_EQ(error_of([&] { be->moe_experts(x, logits, 2, true, few, out); }),
+            "moe_experts: expected 7 experts in gate/up/down, got 2/2/2");
+  EXPECT_EQ(error_of([&] { be->moe_experts(x, logits, 8, true, few, out); }),
+            "moe_experts: top_k 8 out of range for 7 experts");
+}

@@ -1,0 +1,105 @@
+#include "engine/sampler.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+#include <random>
+
+using namespace hypic;
+
+namespace {
+std::vector<float> random_logits(int n, uint64_t seed) {
+  std::mt19937_64 r(seed);
+  std::normal_distribution<float> d(0, 3);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (auto& x : v) x = d(r);
+  return v;
+}
+int32_t argmax(const std::vector<float>& v) { return static_cast<int32_t>(std::max_element(v.begin(), v.end()) - v.begin()); }
+}  // namespace
+
+TEST(Sampler, GreedyAndDegenerateSettingsPickArgmax) {
+  for (uint64_t s = 0; s < 20; ++s) {
+    auto l = random_logits(97, s);
+    EXPECT_EQ(Sampler({0.f, 0, 1.f, s}).sample(l), argmax(l));
+    EXPECT_EQ(Sampler({1.f, 1, 1.f, s}).sample(l), argmax(l));      // top-k 1
+    EXPECT_EQ(Sampler({1.f, 0, 1e-6f, s}).sample(l), argmax(l));    // tiny nucleus
+  }
+}
+
+TEST(Sampler, SeededRunsRepeatAndSeedsDiffer) {
+  auto l = random_logits(50, 7);
+  for (auto& x : l) x /= 4;  // flat enough that seeds matter
+  std::vector<int32_t> a, b, c;
+  Sampler s1({1.f, 0, 1.f, 42}), s2({1.f, 0, 1.f, 42}), s3({1.f, 0, 1.f, 43});
+  for (int i = 0; i < 64; ++i) {
+    a.push_back(s1.sample(l));
+    b.push_back(s2.sample(l));
+    c.push_back(s3.sample(l));
+  }
+  EXPECT_EQ(a, b);
+  EXPECT_NE(a, c);
+}
+
+TEST(Sampler, TopKAndTopPRestrictTheSupport) {
+  auto l = random_logits(200, 3);
+  std::vector<int32_t> order(l.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int32_t>(i);
+  std::sort(order.begin(), order.end(), [&](int32_t x, int32_t y) { return l[x] > l[y]; });
+  Sampler k5({1.5f, 5, 1.f, 1});
+  for (int i = 0; i < 500; ++i) {
+    int32_t t = k5.sample(l);
+    EXPECT_NE(std::find(order.begin(), order.begin() + 5, t), order.begin() + 5);
+  }
+  // Nucleus: tokens outside the smallest prefix with mass >= p never appear.
+  auto lp = log_softmax(l);
+  double acc = 0;
+  size_t keep = 0;
+  while (acc < 0.5) acc += std::exp(lp[static_cast<size_t>(order[keep++])]);
+  Sampler p5({1.f, 0, 0.5f, 9});
+  for (int i = 0; i < 500; ++i) {
+    int32_t t = p5.sample(l);
+    EXPECT_NE(std::find(order.begin(), order.begin() + static_cast<long>(keep), t), order.begin() + static_cast<long>(keep));
+  }
+}
+
+TEST(Sampler, FrequenciesFollowTheSoftmax) {
+  std::vector<float> l = {0.f, 1.f, 2.f, -1.f};
+  auto lp = log_softmax(l);
+  Sampler s({1.f, 0, 1.f, 123});
+  std::map<int32_t, int> n;
+  const int N = 40000;
+  for (int i = 0; i < N; ++i) ++n[s.sample(l)];
+  for (int i = 0; i < 4; ++i) {
+    double p = std::exp(lp[static_cast<size_t>(i)]), f = double(n[i]) / N;
+    EXPECT_NEAR(f, p, 5 * std::sqrt(p * (1 - p) / N)) << "token " << i;
+  }
+}
+
+TEST(Sampler, LogprobsAreNormalisedAndTopIsSorted) {
+  auto l = random_logits(300, 11);
+  auto lp = log_softmax(l);
+  double s = 0;
+  for (float v : lp) s += std::exp(double(v));
+  EXPECT_NEAR(s, 1.0, 1e-6);
+  auto t = token_logprob(l, 17, 5);
+  EXPECT_FLOAT_EQ(t.logprob, lp[17]);
+  ASSERT_EQ(t.top.size(), 5u);
+  EXPECT_EQ(t.top[0].first, argmax(l));
+  for (size_t i = 1; i < t.top.size(); ++i) EXPECT_GE(t.top[i - 1].second, t.top[i].second);
+}
+
+TEST(Sampler, RejectsBadParameters) {
+  EXPECT_THROW(Sampler({-1.f, 0, 1.f, 0}), std::invalid_argument);
+  EXPECT_THROW(Sampler({NAN, 0, 1.f, 0}), std::invalid_argument);
+  EXPECT_THROW(Sampler({1.f, -3, 1.f, 0}), std::invalid_argument);
+  EXPECT_THROW(Sampler({1.f, 0, 0.f, 0}), std::invalid_argument);
+  EXPECT_THROW(Sampler({1.f, 0, 1.5f, 0}), std::invalid_argument);
+  try {
+    Sampler({1.f, 0, 2.f, 0});
+    FAIL();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("top_p"), std::string::npos);
+  }
+}

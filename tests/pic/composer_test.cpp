@@ -1,0 +1,179 @@
+// Exactness properties of the PIC composer on the conformance checkpoints.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <random>
+
+#include "engine/loader.h"
+#include "engine/sampler.h"
+#include "pic/composer.h"
+
+namespace fs = std::filesystem;
+using namespace hypic;
+
+namespace {
+
+std::vector<int32_t> rand_ids(size_t n, int64_t vocab, std::mt19937_64& rng) {
+  std::uniform_int_distribution<int64_t> d(0, vocab - 1);
+  std::vector<int32_t> v(n);
+  for (auto& x : v) x = static_cast<int32_t>(d(rng));
+  return v;
+}
+
+std::vector<float> host_logprobs(Backend& be, const Tensor& logits) {
+  Tensor h = be.to_host(logits);
+  return log_softmax(std::span<const float>(h.data<float>(), static_cast<size_t>(h.numel())));
+}
+
+double max_abs(const std::vector<float>& a, const std::vector<float>& b) {
+  double e = 0;
+  for (size_t i = 0; i < a.size(); ++i) e = std::max(e, std::abs(double(a[i]) - b[i]));
+  return e;
+}
+
+double rel_l2(Backend& be, const Tensor& a, const Tensor& b) {
+  Tensor x = be.to_host(a), y = be.to_host(b);
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    double d = double(x.data<float>()[i]) - y.data<float>()[i];
+    num += d * d;
+    den += double(y.data<float>()[i]) * y.data<float>()[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
+class Pic : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    lm_ = std::make_unique<LoadedModel>(load_model((fs::path(HYPIC_TEST_DATA) / "models" / GetParam()).string(), "cpu", 2));
+    std::mt19937_64 rng(1234);
+    const int64_t V = lm_->model->config().vocab_size;
+    segs_ = {rand_ids(20, V, rng), rand_ids(70, V, rng), rand_ids(41, V, rng), rand_ids(90, V, rng),
+             rand_ids(12, V, rng)};
+  }
+  std::vector<float> run(PicEngine& eng, const std::vector<std::vector<int32_t>>& s, PicOptions o,
+                         SequenceState* keep = nullptr, CacheReport* rep = nullptr) {
+    PrefillResult r = eng.prefill(s, o);
+    if (rep) *rep = r.report;
+    auto lp = host_logprobs(*lm_->backend, r.logits);
+    if (keep) *keep = std::move(r.state);
+    return lp;
+  }
+  std::unique_ptr<LoadedModel> lm_;
+  std::vector<std::vector<int32_t>> segs_;
+};
+
+TEST_P(Pic, OneSegmentEqualsFull) {
+  PicEngine eng(*lm_->model, 64 << 20);
+  std::vector<std::vector<int32_t>> one = {segs_[1]};
+  auto full = run(eng, one, {PicMode::Full});
+  auto pic = run(eng, one, {PicMode::Pic});
+  EXPECT_LE(max_abs(full, pic), 1e-6);
+}
+
+TEST_P(Pic, SeamCoveringEverySegmentEqualsFull) {
+  PicEngine eng(*lm_->model, 64 << 20);
+  auto full = run(eng, segs_, {PicMode::Full});
+  auto pic = run(eng, segs_, {PicMode::Pic, 1000});
+  EXPECT_LE(max_abs(full, pic), 2e-4);
+}
+
+TEST_P(Pic, PrefixModeIsExact) {
+  PicEngine eng(*lm_->model, 64 << 20);
+  auto full = run(eng, segs_, {PicMode::Full});
+  CacheReport cold, warm;
+  auto p1 = run(eng, segs_, {PicMode::Prefix}, nullptr, &cold);
+  auto p2 = run(eng, segs_, {PicMode::Prefix}, nullptr, &warm);
+  EXPECT_LE(max_abs(full, p1), 2e-4);
+  EXPECT_LE(max_abs(full, p2), 2e-4);
+  EXPECT_EQ(cold.reused_tokens, 0);
+  EXPECT_EQ(warm.reused_tokens, 20 + 70 + 41 + 90);  // everything but the question
+}
+
+TEST_P(Pic, LayerZeroComposedStateMatchesFull) {
+  PicEngine eng(*lm_->model, 64 << 20);
+  SequenceState sf, sp;
+  run(eng, segs_, {PicMode::Full}, &sf);
+  run(eng, segs_, {PicMode::Pic, 8}, &sp);
+  const auto& types = lm_->model->config().layer_types;
+  size_t first_linear = std::find(types.begin(), types.end(), LayerKind::Linear) - types.begin();
+  ASSERT_LT(first_linear, types.size());
+  ASSERT_EQ(first_linear, 0u);
+  EXPECT_LE(rel_l2(*lm_->backend, sp.layers[0].ssm, sf.layers[0].ssm), 1e-5);
+  EXPECT_LE(rel_l2(*lm_->backend, sp.layers[0].conv, sf.layers[0].conv), 1e-6);
+}
+
+TEST_P(Pic, AnswersDoNotDependOnCacheHistory) {
+  PicEngine cold(*lm_->model, 64 << 20), warm(*lm_->model, 64 << 20);
+  // Warm the second engine with the documents in another order and another prefix.
+  auto shuffled = segs_;
+  std::swap(shuffled[1], shuffled[3]);
+  shuffled[0][0] = (shuffled[0][0] + 1) % 7;
+  run(warm, shuffled, {PicMode::Pic});
+  CacheReport rc, rw;
+  auto a = run(cold, segs_, {PicMode::Pic}, nullptr, &rc);
+  auto b = run(warm, segs_, {PicMode::Pic}, nullptr, &rw);
+  EXPECT_EQ(a, b);  // bitwise: hits are used exactly as fresh entries
+  EXPECT_EQ(rc.miss_segments, 4);
+  EXPECT_EQ(rw.hit_segments, 3);
+  EXPECT_EQ(rw.miss_segments, 1);
+  EXPECT_EQ(rw.reused_tokens, 20 + (70 - 8) + (41 - 8) + (90 - 8));
+  EXPECT_EQ(rw.computed_tokens, 20 + 8 * 3 + 12);  // new prefix prefilled + seams + question
+}
+
+TEST_P(Pic, NaiveAdditionIsMeasurablyWrongAndPicIsCloser) {
+  PicEngine eng(*lm_->model, 64 << 20);
+  auto full = run(eng, segs_, {PicMode::Full});
+  auto pic = run(eng, segs_, {PicMode::Pic, 8});
+  auto naive = run(eng, segs_, {PicMode::Naive});
+  const double e_naive = max_abs(full, naive), e_pic = max_abs(full, pic);
+  EXPECT_GT(e_naive, 0.05);
+  EXPECT_LT(e_pic, e_naive);
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, Pic, ::testing::Values("qwen3_5_dense", "qwen3_5_moe", "qwen3_next"),
+                         [](const auto& i) { return i.param; });
+
+TEST(PicErrors, BadRequestsGiveClearErrors) {
+  auto lm = load_model((fs::path(HYPIC_TEST_DATA) / "models" / "qwen3_5_dense").string(), "cpu", 1);
+  PicEngine eng(*lm.model, 64 << 20);
+  auto expect_msg = [&](const std::vector<std::vector<int32_t>>& s, PicOptions o, const std::string& needle) {
+    try {
+      eng.prefill(s, o);
+      ADD_FAILURE() << "no error for " << needle;
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect_msg({}, {}, "no segments");
+  expect_msg({{1, 2}, {}, {3}}, {}, "segment 1 is empty");
+  const int64_t ctx = lm.model->config().max_position_embeddings;
+  expect_msg({std::vector<int32_t>(static_cast<size_t>(ctx) + 1, 5)}, {}, "exceeds the model's context");
+  expect_msg({{1}, {2}}, {PicMode::Pic, -1}, "seam");
+  // A budget smaller than one entry.
+  PicEngine tiny(*lm.model, 1024);
+  try {
+    tiny.prefill({{1, 2, 3}, {4, 5, 6}, {7}}, {});
+    ADD_FAILURE();
+  } catch (const std::length_error& e) {
+    EXPECT_NE(std::string(e.what()).find("budget"), std::string::npos) << e.what();
+  }
+}
+
+TEST(PicErrors, PinnedEntriesAreNeverEvicted) {
+  auto lm = load_model((fs::path(HYPIC_TEST_DATA) / "models" / "qwen3_5_dense").string(), "cpu", 1);
+  PicEngine eng(*lm.model, 64 << 20);
+  auto a = eng.build_entry({1, 2, 3, 4}, 0);
+  SegmentCache cache(a->bytes + a->bytes / 2);  // room for one entry
+  auto pinned = cache.insert(a);
+  auto b = eng.build_entry({5, 6, 7, 8}, 0);
+  EXPECT_THROW(cache.insert(b), std::length_error);  // the only other entry is in use
+  EXPECT_NE(cache.find(a->key), nullptr);
+  pinned.reset();
+  a.reset();
+  EXPECT_NO_THROW(cache.insert(b));  // now the old entry can go
+  EXPECT_EQ(cache.stats().evictions, 1u);
+}
+
+}  // namespace
