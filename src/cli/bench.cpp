@@ -5,10 +5,14 @@
 #include <cstdio>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <cmath>
 #include <random>
+#include <sstream>
 
 #include "cli/commands.h"
 #include "engine/loader.h"
+#include "engine/sampler.h"
+#include "pic/composer.h"
 
 namespace hypic::cli {
 
@@ -109,6 +113,86 @@ double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
 }
+
+// A synthetic RAG workload: a system prefix, N documents, and fresh questions; every request
+// shuffles the documents, as retrieval does.
+struct RagOpts {
+  int segments = 16, segment_tokens = 512, query_tokens = 32, prefix_tokens = 32, requests = 5, seam = 8;
+  std::string modes = "full,prefix,pic,naive", seams = "0,4,8,16,32";
+  double cache_mib = 8192;
+};
+
+struct RagWorkload {
+  std::vector<int32_t> prefix;
+  std::vector<std::vector<int32_t>> docs;
+  std::mt19937_64 rng;
+  int64_t vocab;
+  int query_tokens;
+  RagWorkload(const RagOpts& o, int64_t V, uint64_t seed) : rng(seed), vocab(V), query_tokens(o.query_tokens) {
+    prefix = random_ids(o.prefix_tokens, V, rng());
+    for (int i = 0; i < o.segments; ++i) docs.push_back(random_ids(o.segment_tokens, V, rng()));
+  }
+  // Documents in a fresh random order between the prefix and a fresh question.
+  std::vector<std::vector<int32_t>> request(bool shuffle = true) {
+    std::vector<std::vector<int32_t>> s{prefix};
+    auto d = docs;
+    if (shuffle) std::shuffle(d.begin(), d.end(), rng);
+    s.insert(s.end(), d.begin(), d.end());
+    s.push_back(random_ids(query_tokens, vocab, rng()));
+    return s;
+  }
+};
+
+std::vector<std::string> split_csv(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ','))
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+void add_rag(CLI::App* c, RagOpts& r) {
+  c->add_option("--segments", r.segments, "Documents per request")->capture_default_str();
+  c->add_option("--segment-tokens", r.segment_tokens, "Tokens per document")->capture_default_str();
+  c->add_option("--query-tokens", r.query_tokens, "Question tokens")->capture_default_str();
+  c->add_option("--prefix-tokens", r.prefix_tokens, "System prefix tokens")->capture_default_str();
+  c->add_option("--requests", r.requests, "Timed requests (shuffled documents)")->capture_default_str();
+  c->add_option("--cache-budget-mib", r.cache_mib, "Segment cache budget")->capture_default_str();
+}
+
+void check_rag(const RagOpts& r) {
+  if (r.segments <= 0 || r.segment_tokens <= 0 || r.query_tokens <= 0 || r.prefix_tokens <= 0 || r.requests <= 0)
+    throw std::invalid_argument("--segments, --segment-tokens, --query-tokens, --prefix-tokens and --requests must be positive");
+}
+
+double rel_l2(Backend& be, const Tensor& a, const Tensor& ref) {
+  Tensor x = be.to_host(a), y = be.to_host(ref);
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    const double d = double(x.data<float>()[i]) - y.data<float>()[i];
+    num += d * d;
+    den += double(y.data<float>()[i]) * y.data<float>()[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
+// Runs the question through every layer from a prefilled context, keeping each layer's output.
+std::vector<Tensor> question_hidden(Model& m, SequenceState& st, const std::vector<int32_t>& q, Tensor& logits) {
+  Backend& be = m.backend();
+  Tensor x = m.embed(q);
+  std::vector<Tensor> out;
+  const int64_t pos = st.n_past;
+  for (int64_t l = 0; l < m.config().num_hidden_layers; ++l) {
+    m.layer_forward(l, x, st.layers[static_cast<size_t>(l)], pos);
+    Tensor c = be.alloc(DType::F32, x.shape());
+    be.copy(x, c);
+    out.push_back(c);
+  }
+  st.n_past += static_cast<int64_t>(q.size());
+  logits = m.logits(x.slice_rows(x.dim(0) - 1, x.dim(0)));
+  return out;
+}
 }  // namespace
 
 void register_bench(CLI::App& app) {
@@ -196,6 +280,154 @@ void register_bench(CLI::App& app) {
       if (!o.json)
         std::printf("decode %d tokens after %d: %.2f ms/token, %.1f tok/s, weights streamed at %.2f GB/s\n", o.tokens,
                     o.context, 1000 * t / o.tokens, o.tokens / t, gbps);
+    });
+  });
+
+  auto to = std::make_shared<BenchOpts>();
+  auto tr = std::make_shared<RagOpts>();
+  auto* t = b->add_subcommand("ttft", "Time to first token per mode on a warm RAG workload with shuffled documents");
+  add_common(t, *to);
+  add_rag(t, *tr);
+  t->add_option("--modes", tr->modes, "Modes to compare")->capture_default_str();
+  t->add_option("--seam", tr->seam, "Seam width for pic")->capture_default_str();
+  t->callback([to, tr] {
+    guarded([&] {
+      const auto& o = *to;
+      const auto& ro = *tr;
+      check_rag(ro);
+      std::vector<PicMode> modes;
+      for (auto& m : split_csv(ro.modes)) modes.push_back(parse_pic_mode(m));
+      LoadedModel lm = open(o);
+      auto& m = *lm.model;
+      nlohmann::json res = nlohmann::json::array();
+      std::map<std::string, double> med;
+      for (PicMode mode : modes) {
+        RagWorkload w(ro, m.config().vocab_size, o.seed);  // same documents and orders for every mode
+        PicEngine eng(m, static_cast<size_t>(ro.cache_mib * 1048576.0));
+        PicOptions po{mode, ro.seam};
+        eng.prefill(w.request(false), po);  // warm-up: every document seen once
+        std::vector<double> ttft;
+        std::vector<double> computed;
+        for (int r = 0; r < ro.requests; ++r) {
+          auto segs = w.request();
+          auto t0 = Clock::now();
+          PrefillResult pr = eng.prefill(segs, po);
+          Tensor h = m.backend().to_host(pr.logits);
+          Sampler({}).sample(std::span<const float>(h.data<float>(), static_cast<size_t>(h.numel())));
+          ttft.push_back(secs(t0, Clock::now()) * 1000);
+          computed.push_back(static_cast<double>(pr.report.computed_tokens));
+        }
+        const double mt = median(ttft);
+        med[pic_mode_name(mode)] = mt;
+        res.push_back({{"mode", pic_mode_name(mode)},
+                       {"ttft_ms_median", mt},
+                       {"ttft_ms", ttft},
+                       {"computed_tokens_median", median(computed)},
+                       {"cache_bytes", eng.cache().stats().bytes}});
+      }
+      const int64_t prompt = ro.prefix_tokens + int64_t(ro.segments) * ro.segment_tokens + ro.query_tokens;
+      nlohmann::json j{{"bench", "ttft"},
+                       {"model", lm.description},
+                       {"threads", m.backend().num_threads()},
+                       {"segments", ro.segments},
+                       {"segment_tokens", ro.segment_tokens},
+                       {"query_tokens", ro.query_tokens},
+                       {"prefix_tokens", ro.prefix_tokens},
+                       {"prompt_tokens", prompt},
+                       {"seam", ro.seam},
+                       {"requests", ro.requests},
+                       {"modes", res}};
+      if (med.count("prefix") && med.count("pic")) j["prefix_over_pic"] = med["prefix"] / med["pic"];
+      if (med.count("full") && med.count("pic")) j["full_over_pic"] = med["full"] / med["pic"];
+      std::cout << j.dump(o.json ? -1 : 2) << "\n";
+      if (!o.json) {
+        std::printf("%-8s %14s %16s\n", "mode", "TTFT p50 (ms)", "computed tokens");
+        for (auto& e : res)
+          std::printf("%-8s %14.1f %16.0f\n", e["mode"].get<std::string>().c_str(), e["ttft_ms_median"].get<double>(),
+                      e["computed_tokens_median"].get<double>());
+        if (j.contains("prefix_over_pic")) std::printf("prefix / pic TTFT: %.2fx\n", j["prefix_over_pic"].get<double>());
+      }
+    });
+  });
+
+  auto fo = std::make_shared<BenchOpts>();
+  auto fr = std::make_shared<RagOpts>();
+  fr->segments = 8;
+  fr->segment_tokens = 256;
+  fr->requests = 4;
+  auto* f = b->add_subcommand("fidelity", "Per-layer drift of pic/naive/prefix against full at the question tokens");
+  add_common(f, *fo);
+  add_rag(f, *fr);
+  f->add_option("--seams", fr->seams, "Seam widths for pic")->capture_default_str();
+  f->add_option("--modes", fr->modes, "Modes besides full")->capture_default_str();
+  f->callback([fo, fr] {
+    guarded([&] {
+      const auto& o = *fo;
+      const auto& ro = *fr;
+      check_rag(ro);
+      LoadedModel lm = open(o);
+      auto& m = *lm.model;
+      Backend& be = m.backend();
+      struct Config {
+        std::string name;
+        PicOptions opt;
+      };
+      std::vector<Config> configs;
+      for (auto& ms : split_csv(ro.modes)) {
+        PicMode mode = parse_pic_mode(ms);
+        if (mode == PicMode::Full) continue;
+        if (mode == PicMode::Pic)
+          for (auto& sw : split_csv(ro.seams)) configs.push_back({"pic/seam=" + sw, {mode, std::stoi(sw)}});
+        else
+          configs.push_back({ms, {mode, 0}});
+      }
+      RagWorkload w(ro, m.config().vocab_size, o.seed);
+      std::vector<std::vector<std::vector<int32_t>>> requests;
+      for (int r = 0; r < ro.requests; ++r) requests.push_back(w.request());
+      const size_t L = static_cast<size_t>(m.config().num_hidden_layers);
+      nlohmann::json rows = nlohmann::json::array();
+      for (auto& cfg : configs) {
+        PicEngine eng(m, static_cast<size_t>(ro.cache_mib * 1048576.0)), ref(m, 1 << 20);
+        PicOptions opt = cfg.opt;
+        opt.skip_question = true;
+        eng.prefill(w.request(), opt);  // warm: documents seen before in another order
+        std::vector<double> drift(L, 0.0);
+        double kl = 0, agree = 0;
+        for (auto& segs : requests) {
+          PrefillResult pf = ref.prefill(segs, {PicMode::Full, 0, true, true});
+          PrefillResult pm = eng.prefill(segs, opt);
+          Tensor lf, lmo;
+          auto hf = question_hidden(m, pf.state, segs.back(), lf);
+          auto hm = question_hidden(m, pm.state, segs.back(), lmo);
+          for (size_t l = 0; l < L; ++l) drift[l] += rel_l2(be, hm[l], hf[l]) / requests.size();
+          Tensor a = be.to_host(lf), bb = be.to_host(lmo);
+          auto pa = log_softmax(std::span<const float>(a.data<float>(), static_cast<size_t>(a.numel())));
+          auto pb = log_softmax(std::span<const float>(bb.data<float>(), static_cast<size_t>(bb.numel())));
+          double k = 0;
+          for (size_t i = 0; i < pa.size(); ++i) k += std::exp(double(pa[i])) * (double(pa[i]) - pb[i]);
+          kl += k / requests.size();
+          agree += (std::max_element(pa.begin(), pa.end()) - pa.begin() == std::max_element(pb.begin(), pb.end()) - pb.begin())
+                       ? 1.0 / requests.size()
+                       : 0.0;
+        }
+        rows.push_back({{"config", cfg.name}, {"layer_rel_l2", drift}, {"kl", kl}, {"top1_agreement", agree}});
+      }
+      std::string map;
+      for (auto k : m.config().layer_types) map += (k == LayerKind::Linear ? 'L' : 'F');
+      nlohmann::json j{{"bench", "fidelity"},          {"model", lm.description},
+                       {"layer_map", map},             {"segments", ro.segments},
+                       {"segment_tokens", ro.segment_tokens}, {"query_tokens", ro.query_tokens},
+                       {"requests", ro.requests},      {"results", rows}};
+      std::cout << j.dump(o.json ? -1 : 2) << "\n";
+      if (!o.json) {
+        std::printf("%-14s %10s %8s  rel L2 per layer (%s)\n", "config", "KL", "top1", map.c_str());
+        for (auto& r : rows) {
+          std::printf("%-14s %10.4g %8.2f ", r["config"].get<std::string>().c_str(), r["kl"].get<double>(),
+                      r["top1_agreement"].get<double>());
+          for (auto& d : r["layer_rel_l2"]) std::printf(" %.3f", d.get<double>());
+          std::printf("\n");
+        }
+      }
     });
   });
 }

@@ -1,5 +1,6 @@
 #include "cli/commands.h"
 
+#include <chrono>
 #include <cstdio>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -7,6 +8,8 @@
 
 #include "engine/generate.h"
 #include "engine/loader.h"
+#include "pic/composer.h"
+#include "pic/requests.h"
 
 namespace hypic::cli {
 
@@ -51,8 +54,9 @@ std::vector<int32_t> parse_ids(const std::string& csv) {
 // ---- generate -----------------------------------------------------------------------------
 void register_generate(CLI::App& app) {
   struct Opts {
-    std::string model = default_model_dir(), prompt, prompt_ids, backend = "cpu";
-    int max_tokens = 64, top_k = 0, logprobs = -1, threads = 0;
+    std::string model = default_model_dir(), prompt, prompt_ids, backend = "cpu", segments_file, mode = "pic";
+    int max_tokens = 64, top_k = 0, logprobs = -1, threads = 0, seam = 8;
+    double cache_mib = 4096;
     float temperature = 0.f, top_p = 1.f;
     uint64_t seed = 0;
     std::vector<std::string> stop;
@@ -63,7 +67,14 @@ void register_generate(CLI::App& app) {
   c->add_option("--model", o->model, "Model folder (Hugging Face layout)")->capture_default_str();
   auto* p = c->add_option("--prompt", o->prompt, "Prompt text");
   auto* pi = c->add_option("--prompt-ids", o->prompt_ids, "Prompt as comma-separated token ids");
+  auto* sf = c->add_option("--segments-file", o->segments_file,
+                           "JSON {\"segments\": [{\"text\": ...} | {\"ids\": [...]}, ...]}");
   p->excludes(pi);
+  sf->excludes(p);
+  sf->excludes(pi);
+  c->add_option("--mode", o->mode, "Prefill mode: full, prefix, pic, naive")->capture_default_str();
+  c->add_option("--seam", o->seam, "Recomputed head tokens of each reused segment (0: none)")->capture_default_str();
+  c->add_option("--cache-budget-mib", o->cache_mib, "Segment cache budget in MiB")->capture_default_str();
   c->add_option("--max-tokens", o->max_tokens, "Maximum tokens to generate")->capture_default_str();
   c->add_option("--temperature", o->temperature, "Sampling temperature (0: greedy)")->capture_default_str();
   c->add_option("--top-k", o->top_k, "Keep the k most likely tokens (0: all)")->capture_default_str();
@@ -77,22 +88,39 @@ void register_generate(CLI::App& app) {
   c->add_flag("--json", o->json, "Print one JSON object");
   c->callback([o] {
     guarded([&] {
-      if (o->prompt.empty() && o->prompt_ids.empty()) throw std::invalid_argument("give --prompt or --prompt-ids");
+      if (o->prompt.empty() && o->prompt_ids.empty() && o->segments_file.empty())
+        throw std::invalid_argument("give --prompt, --prompt-ids or --segments-file");
+      PicOptions popt;
+      popt.mode = parse_pic_mode(o->mode);
+      popt.seam = o->seam;
+      if (o->seam < 0) throw std::invalid_argument("--seam must be >= 0");
+      if (!(o->cache_mib > 0)) throw std::invalid_argument("--cache-budget-mib must be positive");
       LoadedModel lm = load_model(o->model, o->backend, o->threads);
       GenerateRequest req;
+      std::vector<std::vector<int32_t>> segments;
       if (!o->prompt_ids.empty()) {
-        req.prompt = parse_ids(o->prompt_ids);
+        segments.push_back(parse_ids(o->prompt_ids));
       } else {
-        if (!lm.tokenizer) throw std::invalid_argument("model folder " + o->model + " has no tokenizer.json: use --prompt-ids");
-        req.prompt = lm.tokenizer->encode(o->prompt);
+        auto specs = o->segments_file.empty() ? split_prompt(o->prompt) : load_segments_file(o->segments_file);
+        if (!lm.tokenizer && !o->prompt.empty())
+          throw std::invalid_argument("model folder " + o->model + " has no tokenizer.json: use --prompt-ids");
+        segments = tokenize_segments(specs, lm.tokenizer.get());
       }
+      for (auto& sgm : segments) req.prompt.insert(req.prompt.end(), sgm.begin(), sgm.end());
       req.max_tokens = o->max_tokens;
       req.sampling = {o->temperature, o->top_k, o->top_p, o->seed};
       req.stop = o->stop;
       req.logprobs = o->logprobs;
       if (!o->ignore_eos) req.eos_ids = lm.dir->config.eos_token_ids;
       const bool stream = !o->json;
-      GenerateResult r = generate(*lm.model, lm.tokenizer.get(), req, [&](int32_t id, const std::string& piece) {
+      // Validate sampling and lengths before any work (generate() repeats these checks).
+      validate_request(*lm.model, lm.tokenizer.get(), req);
+      PicEngine engine(*lm.model, static_cast<size_t>(o->cache_mib * 1048576.0));
+      const auto t0 = std::chrono::steady_clock::now();
+      PrefillResult pre = engine.prefill(segments, popt);
+      const double prefill_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      GenerateResult r;
+      auto on_token = [&](int32_t id, const std::string& piece) {
         if (stream) {
           if (lm.tokenizer)
             std::fwrite(piece.data(), 1, piece.size(), stdout);
@@ -101,10 +129,25 @@ void register_generate(CLI::App& app) {
           std::fflush(stdout);
         }
         return true;
-      });
+      };
+      if (req.max_tokens > 0) {
+        r = decode_from(*lm.model, lm.tokenizer.get(), req, pre.state, pre.logits, on_token);
+        r.ttft_ms += prefill_ms;
+      } else {
+        r.finish_reason = "length";
+        r.ttft_ms = prefill_ms;
+      }
+      r.prompt_tokens = static_cast<int64_t>(req.prompt.size());
+      const auto& cr = pre.report;
       if (o->json) {
         nlohmann::json j;
         j["ids"] = r.ids;
+        j["mode"] = pic_mode_name(popt.mode);
+        j["segments"] = segments.size();
+        j["cache"] = {{"hit_segments", cr.hit_segments},
+                      {"miss_segments", cr.miss_segments},
+                      {"reused_tokens", cr.reused_tokens},
+                      {"computed_tokens", cr.computed_tokens}};
         if (lm.tokenizer) j["text"] = r.text;
         j["finish_reason"] = r.finish_reason;
         j["prompt_tokens"] = r.prompt_tokens;
@@ -122,8 +165,12 @@ void register_generate(CLI::App& app) {
                   << "\n";
       } else {
         std::printf("\n");
-        std::fprintf(stderr, "[%lld prompt tokens, %zu generated, TTFT %.1f ms, %s]\n",
-                     static_cast<long long>(r.prompt_tokens), r.ids.size(), r.ttft_ms, r.finish_reason.c_str());
+        std::fprintf(stderr,
+                     "[%s: %zu segments, %lld prompt tokens (%lld reused, %lld computed; %d hit / %d missed segments), "
+                     "%zu generated, TTFT %.1f ms, %s]\n",
+                     pic_mode_name(popt.mode), segments.size(), static_cast<long long>(r.prompt_tokens),
+                     static_cast<long long>(cr.reused_tokens), static_cast<long long>(cr.computed_tokens),
+                     cr.hit_segments, cr.miss_segments, r.ids.size(), r.ttft_ms, r.finish_reason.c_str());
       }
     });
   });

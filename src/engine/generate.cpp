@@ -13,7 +13,9 @@ double ms_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
 
-void check_request(const Model& model, const Tokenizer* tok, const GenerateRequest& req) {
+}  // namespace
+
+void validate_request(const Model& model, const Tokenizer* tok, const GenerateRequest& req) {
   if (req.prompt.empty()) throw std::invalid_argument("the prompt is empty");
   if (req.max_tokens < 0) throw std::invalid_argument("max_tokens must be >= 0, got " + std::to_string(req.max_tokens));
   validate(req.sampling);
@@ -25,7 +27,6 @@ void check_request(const Model& model, const Tokenizer* tok, const GenerateReque
     throw std::length_error("prompt of " + std::to_string(req.prompt.size()) + " tokens exceeds the model's context of " +
                             std::to_string(ctx) + " tokens");
 }
-}  // namespace
 
 GenerateResult decode_from(Model& model, const Tokenizer* tok, const GenerateRequest& req, SequenceState& st,
                            Tensor logits, const TokenCallback& on_token) {
@@ -88,7 +89,7 @@ GenerateResult decode_from(Model& model, const Tokenizer* tok, const GenerateReq
 }
 
 GenerateResult generate(Model& model, const Tokenizer* tok, const GenerateRequest& req, const TokenCallback& on_token) {
-  check_request(model, tok, req);
+  validate_request(model, tok, req);
   auto t0 = Clock::now();
   SequenceState st = model.new_state(static_cast<int64_t>(req.prompt.size()) + req.max_tokens);
   Tensor logits = model.forward(req.prompt, st);

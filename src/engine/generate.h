@@ -34,6 +34,10 @@ struct GenerateResult {
 // Called with each new token and its decoded text piece; return false to stop early.
 using TokenCallback = std::function<bool(int32_t id, const std::string& piece)>;
 
+// Checks a request before any work: empty prompt, max_tokens, sampling ranges, stop strings,
+// context length. Throws std::invalid_argument / std::length_error naming the problem.
+void validate_request(const Model& model, const Tokenizer* tok, const GenerateRequest& req);
+
 // Validates the request (empty prompt, max_tokens, context length, sampling ranges) and throws
 // std::invalid_argument / std::length_error with a message naming the problem.
 GenerateResult generate(Model& model, const Tokenizer* tok, const GenerateRequest& req,

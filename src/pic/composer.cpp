@@ -171,10 +171,71 @@ std::shared_ptr<SegmentEntry> PicEngine::build_entry(const std::vector<int32_t>&
   return e;
 }
 
+void PicEngine::attach_store(std::shared_ptr<SegmentStore> store) {
+  // Expected summary shapes, taken from a one-token state of this model.
+  const auto& cfg = model_.config();
+  SequenceState st = model_.new_state(1);
+  expect_.clear();
+  for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
+    const auto& ls = st.layers[static_cast<size_t>(l)];
+    if (cfg.layer_types[static_cast<size_t>(l)] == LayerKind::Linear) {
+      const auto& sh = ls.ssm.shape();  // [Hv, dk, dv]
+      expect_.push_back({sh[0], sh[1], sh[1]});
+      expect_.push_back(sh);
+      expect_.push_back(ls.conv.shape());
+    } else {
+      expect_.push_back({ls.k.dim(1), ls.k.dim(2)});
+      expect_.push_back({ls.v.dim(1), ls.v.dim(2)});
+    }
+  }
+  cache_.attach_store(std::move(store));
+}
+
+std::shared_ptr<SegmentStore> PicEngine::attach_cache_dir(const std::string& dir, size_t disk_budget_bytes) {
+  auto s = std::make_shared<SegmentStore>(dir, model_.backend(), disk_budget_bytes);
+  attach_store(s);
+  return s;
+}
+
+std::string PicEngine::check_entry(const SegmentEntry& e) const {
+  const auto& cfg = model_.config();
+  if (e.layers.size() != static_cast<size_t>(cfg.num_hidden_layers))
+    return "has " + std::to_string(e.layers.size()) + " layers, the model " + std::to_string(cfg.num_hidden_layers);
+  const int64_t L = static_cast<int64_t>(e.key.ids.size());
+  size_t x = 0;
+  for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
+    const auto& s = e.layers[static_cast<size_t>(l)];
+    const std::string at = "layer " + std::to_string(l) + ": ";
+    auto want = [&](const Tensor& t, const char* name, const Shape& shape) -> std::string {
+      if (!t.defined()) return at + name + " missing";
+      if (t.dtype() != DType::F32 || t.shape() != shape)
+        return at + name + " is " + t.str() + ", expected f32" + shape_str(shape);
+      return "";
+    };
+    std::string why;
+    if (cfg.layer_types[static_cast<size_t>(l)] == LayerKind::Linear) {
+      if (why.empty()) why = want(s.T, "T", expect_[x]);
+      if (why.empty()) why = want(s.S, "S", expect_[x + 1]);
+      if (why.empty()) why = want(s.conv_tail, "conv_tail", expect_[x + 2]);
+      if (why.empty() && (s.k.defined() || s.v.defined())) why = at + "unexpected k/v in a linear layer";
+      x += 3;
+    } else {
+      if (why.empty()) why = want(s.k, "k", {L, expect_[x][0], expect_[x][1]});
+      if (why.empty()) why = want(s.v, "v", {L, expect_[x + 1][0], expect_[x + 1][1]});
+      if (why.empty() && (s.T.defined() || s.S.defined() || s.conv_tail.defined()))
+        why = at + "unexpected linear state in a full-attention layer";
+      x += 2;
+    }
+    if (!why.empty()) return why;
+  }
+  return "";
+}
+
 std::shared_ptr<const SegmentEntry> PicEngine::get_or_build(const std::vector<int32_t>& ids, int seam,
                                                             CacheReport& rep) {
   SegmentKey key{model_.fingerprint(), seam, ids};
-  if (auto hit = cache_.find(key)) {
+  if (auto hit = cache_.store() ? cache_.find_or_load(key, [this](const SegmentEntry& e) { return check_entry(e); })
+                                : cache_.find(key)) {
     ++rep.hit_segments;
     return hit;
   }
@@ -187,25 +248,25 @@ PrefillResult PicEngine::prefill(const std::vector<std::vector<int32_t>>& segs, 
   check_segments(model_, segs);
   if (opt.seam < 0) throw std::invalid_argument("seam must be >= 0, got " + std::to_string(opt.seam));
   switch (opt.mode) {
-    case PicMode::Full: return prefill_full(segs);
-    case PicMode::Prefix: return prefill_prefix(segs);
+    case PicMode::Full: return prefill_full(segs, opt.skip_question);
+    case PicMode::Prefix: return prefill_prefix(segs, opt.skip_question);
     case PicMode::Pic:
     case PicMode::Naive: return prefill_composed(segs, opt);
   }
   throw std::logic_error("bad mode");
 }
 
-PrefillResult PicEngine::prefill_full(const std::vector<std::vector<int32_t>>& segs) {
+PrefillResult PicEngine::prefill_full(const std::vector<std::vector<int32_t>>& segs, bool skip_question) {
   std::vector<int32_t> all;
-  for (auto& s : segs) all.insert(all.end(), s.begin(), s.end());
+  for (size_t i = 0; i + (skip_question ? 1 : 0) < segs.size(); ++i) all.insert(all.end(), segs[i].begin(), segs[i].end());
   PrefillResult r;
-  r.state = model_.new_state(static_cast<int64_t>(all.size()));
-  r.logits = model_.forward(all, r.state);
+  r.state = model_.new_state(static_cast<int64_t>(all.size()) + static_cast<int64_t>(segs.back().size()));
+  if (!all.empty()) r.logits = model_.forward(all, r.state);
   r.report.computed_tokens = static_cast<int64_t>(all.size());
   return r;
 }
 
-PrefillResult PicEngine::prefill_prefix(const std::vector<std::vector<int32_t>>& segs) {
+PrefillResult PicEngine::prefill_prefix(const std::vector<std::vector<int32_t>>& segs, bool skip_question) {
   std::vector<int32_t> all;
   std::vector<size_t> bounds;  // segment ends before the question
   for (size_t i = 0; i < segs.size(); ++i) {
@@ -227,7 +288,7 @@ PrefillResult PicEngine::prefill_prefix(const std::vector<std::vector<int32_t>>&
   for (size_t b : bounds) r.report.hit_segments += b <= done ? 1 : 0;
   // Recompute the rest segment by segment, snapshotting each new boundary.
   size_t pos = 0;
-  for (size_t i = 0; i < segs.size(); ++i) {
+  for (size_t i = 0; i + (skip_question ? 1 : 0) < segs.size(); ++i) {
     const size_t end = pos + segs[i].size();
     if (end > done) {
       const size_t from = std::max(pos, done);
@@ -303,6 +364,7 @@ PrefillResult PicEngine::prefill_composed(const std::vector<std::vector<int32_t>
     pos += L;
   }
   st.n_past = pos;
+  if (opt.skip_question) return r;
   r.logits = m.forward(segs.back(), st);
   r.report.computed_tokens += static_cast<int64_t>(segs.back().size());
   return r;

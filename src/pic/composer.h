@@ -13,12 +13,14 @@
 // The last segment (the question) is always computed, never cached.
 #pragma once
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "models/model.h"
 #include "pic/segment_cache.h"
+#include "pic/segment_store.h"
 
 namespace hypic {
 
@@ -30,6 +32,9 @@ struct PicOptions {
   PicMode mode = PicMode::Pic;
   int seam = 8;           // recomputed head tokens of each reused segment after the first
   bool rerotate = true;   // re-rotate cached keys to the segment's real start (pic only)
+  // Stop after the context, leaving the question (last segment) unprocessed: the state then
+  // holds the context only and logits is undefined. For drift measurements.
+  bool skip_question = false;
 };
 
 struct CacheReport {
@@ -52,6 +57,13 @@ class PicEngine {
   // segments: token ids of each segment, in prompt order; none may be empty.
   PrefillResult prefill(const std::vector<std::vector<int32_t>>& segments, const PicOptions& opt);
   SegmentCache& cache() { return cache_; }
+  // Optional disk tier (--cache-dir): memory misses look on disk before computing, new entries are
+  // written through. Loaded entries are also checked against this model's layer layout and shapes.
+  // Disk errors never fail a request. Call before serving requests.
+  void attach_store(std::shared_ptr<SegmentStore> store);
+  // Convenience: a SegmentStore over `dir` on this model's backend, attached and returned.
+  std::shared_ptr<SegmentStore> attach_cache_dir(const std::string& dir,
+                                                 size_t disk_budget_bytes = std::numeric_limits<size_t>::max());
   Model& model() { return model_; }
 
   // The summary of one segment computed in isolation from position 0 (exposed for tests).
@@ -59,12 +71,14 @@ class PicEngine {
 
  private:
   std::shared_ptr<const SegmentEntry> get_or_build(const std::vector<int32_t>& ids, int seam, CacheReport& rep);
-  PrefillResult prefill_full(const std::vector<std::vector<int32_t>>& segs);
-  PrefillResult prefill_prefix(const std::vector<std::vector<int32_t>>& segs);
+  PrefillResult prefill_full(const std::vector<std::vector<int32_t>>& segs, bool skip_question);
+  PrefillResult prefill_prefix(const std::vector<std::vector<int32_t>>& segs, bool skip_question);
   PrefillResult prefill_composed(const std::vector<std::vector<int32_t>>& segs, const PicOptions& opt);
 
   Model& model_;
   SegmentCache cache_;
+  std::string check_entry(const SegmentEntry& e) const;  // "" when e fits this model
+  std::vector<Shape> expect_;  // per layer: T, S, conv_tail (linear) or k row, v row (full) shapes
   struct PrefixCache;
   std::unique_ptr<PrefixCache> prefix_;
 };

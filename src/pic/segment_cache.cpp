@@ -4,6 +4,8 @@
 
 #include <stdexcept>
 
+#include "pic/segment_store.h"
+
 namespace hypic {
 
 uint64_t SegmentKey::hash() const {
@@ -67,7 +69,24 @@ void SegmentCache::evict_for(size_t need) {
                             std::to_string(budget_) + " and every other entry is in use");
 }
 
+void SegmentCache::attach_store(std::shared_ptr<SegmentStore> store) { store_ = std::move(store); }
+
 std::shared_ptr<const SegmentEntry> SegmentCache::insert(std::shared_ptr<SegmentEntry> e) {
+  auto r = insert_memory(e);
+  if (store_) store_->save(*r);  // outside mu_: disk I/O must not block other lookups
+  return r;
+}
+
+std::shared_ptr<const SegmentEntry> SegmentCache::find_or_load(
+    const SegmentKey& key, const std::function<std::string(const SegmentEntry&)>& check) {
+  if (auto hit = find(key)) return hit;
+  if (!store_) return nullptr;
+  auto e = store_->load(key, check);
+  if (!e) return nullptr;
+  return insert_memory(std::move(e));
+}
+
+std::shared_ptr<const SegmentEntry> SegmentCache::insert_memory(std::shared_ptr<SegmentEntry> e) {
   if (e->bytes == 0) e->account();
   std::lock_guard<std::mutex> g(mu_);
   if (e->bytes > budget_)
@@ -118,8 +137,21 @@ void SegmentCache::clear() {
 }
 
 SegmentCacheStats SegmentCache::stats() const {
-  std::lock_guard<std::mutex> g(mu_);
-  return st_;
+  SegmentCacheStats s;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    s = st_;
+  }
+  if (store_) {
+    const SegmentStoreStats d = store_->stats();
+    s.disk_hits = d.disk_hits;
+    s.disk_writes = d.disk_writes;
+    s.disk_write_errors = d.write_errors;
+    s.corrupt_files = d.corrupt_files;
+    s.disk_bytes = d.disk_bytes;
+    s.disk_entries = d.disk_entries;
+  }
+  return s;
 }
 
 }  // namespace hypic

@@ -5,6 +5,7 @@
 // a hash finds candidates, a full comparison confirms a hit.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <list>
 #include <memory>
 #include <mutex>
@@ -42,9 +43,14 @@ struct SegmentEntry {
 };
 
 struct SegmentCacheStats {
-  uint64_t hits = 0, misses = 0, evictions = 0, inserts = 0;
+  uint64_t hits = 0, misses = 0, evictions = 0, inserts = 0;  // memory tier (a disk hit is a memory miss)
   size_t bytes = 0, entries = 0, budget = 0;
+  // Disk tier (all zero without an attached SegmentStore); see SegmentStoreStats.
+  uint64_t disk_hits = 0, disk_writes = 0, disk_write_errors = 0, corrupt_files = 0;
+  size_t disk_bytes = 0, disk_entries = 0;
 };
+
+class SegmentStore;
 
 // Thread-safe LRU under a byte budget. Entries handed out are shared_ptr "pins": an entry in use
 // is never evicted (it stays alive even if dropped from the index), and eviction skips it.
@@ -54,7 +60,16 @@ class SegmentCache {
   std::shared_ptr<const SegmentEntry> find(const SegmentKey& key);
   // Inserts (replacing an equal key); evicts least-recently-used unpinned entries to fit. Throws
   // std::length_error if the entry alone exceeds the budget, or if everything else is pinned.
+  // With a store attached, the entry is also written through to disk (write errors are logged and
+  // counted by the store, never thrown).
   std::shared_ptr<const SegmentEntry> insert(std::shared_ptr<SegmentEntry> e);
+  // Optional disk tier. Attach before the cache is shared between threads.
+  void attach_store(std::shared_ptr<SegmentStore> store);
+  SegmentStore* store() const { return store_.get(); }
+  // find(), then on a memory miss the disk tier: a valid file is loaded (checked by `check` as
+  // well, see SegmentStore::load), put in memory without being written back, and returned.
+  std::shared_ptr<const SegmentEntry> find_or_load(const SegmentKey& key,
+                                                   const std::function<std::string(const SegmentEntry&)>& check = {});
   bool erase(const SegmentKey& key);
   void clear();
   SegmentCacheStats stats() const;
@@ -66,6 +81,8 @@ class SegmentCache {
     std::list<uint64_t>::iterator lru;  // position in lru_ (front = most recent)
   };
   void evict_for(size_t need);  // mu_ held
+  std::shared_ptr<const SegmentEntry> insert_memory(std::shared_ptr<SegmentEntry> e);
+  std::shared_ptr<SegmentStore> store_;
   size_t budget_;
   mutable std::mutex mu_;
   std::unordered_multimap<uint64_t, Node> index_;
