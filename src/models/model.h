@@ -47,6 +47,23 @@ struct ForwardOptions {
   bool all_logits = false;  // logits for every input row instead of only the last
 };
 
+// One sequence's share of a layer call: its state, the position of its first row, its rows.
+struct LayerSpan {
+  LayerState* state;
+  int64_t pos0;
+  int64_t rows;
+  Tensor* transition = nullptr;  // linear layers: receives T_C of this span when set
+  // Runs right after this span's token mixer (also for an empty span): PIC composes a cached
+  // segment body into the running state here, between one seam and the next.
+  const std::function<void()>* after = nullptr;
+};
+
+// One sequence in a batched forward: new tokens appended to its state.
+struct BatchItem {
+  SequenceState* state;
+  std::span<const int32_t> ids;
+};
+
 class Model {
  public:
   // Builds the model from a weight source. Throws with the tensor name and shapes on mismatch.
@@ -70,6 +87,10 @@ class Model {
   // Runs ids at positions n_past.. through every layer, advancing st. Returns logits [R, V]
   // (R = 1, or ids.size() with all_logits) on the backend's device.
   Tensor forward(std::span<const int32_t> ids, SequenceState& st, const ForwardOptions& opt = {});
+  // Several sequences in one pass (continuous batching: decode steps of many requests, possibly
+  // with a prefill span among them). Weight GEMMs run once over all rows; mixers per sequence.
+  // Returns logits [items, V] of each sequence's last new token.
+  Tensor forward_batch(std::span<const BatchItem> items);
 
   // Building blocks for PIC.
   Tensor embed(std::span<const int32_t> ids);
@@ -77,6 +98,8 @@ class Model {
   // positions pos0.. with state ls. For a linear layer, `transition` (if given, [Hv, dk, dk])
   // receives the span's transition operator T_C.
   void layer_forward(int64_t layer, Tensor& x, LayerState& ls, int64_t pos0, Tensor* transition = nullptr);
+  // Rows of x are the spans' tokens concatenated, each span against its own state.
+  void layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> spans);
   // Final norm + LM head over x [R, H] -> logits [R, V].
   Tensor logits(const Tensor& x);
 

@@ -349,9 +349,22 @@ Tensor Model::embed(std::span<const int32_t> ids) {
 }
 
 void Model::layer_forward(int64_t layer, Tensor& x, LayerState& ls, int64_t pos0, Tensor* transition) {
+  const LayerSpan span{&ls, pos0, x.dim(0), transition};
+  layer_forward(layer, x, std::span<const LayerSpan>(&span, 1));
+}
+
+// Rows of x are the concatenation of the spans' tokens. Norms, projections and MLPs run once
+// over all rows (one GEMM per weight for the whole batch); only the token mixers (conv,
+// recurrence, KV writes, attention) run per span, each against its own state.
+void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> spans) {
   auto& m = *impl_;
   auto& L = m.layers[static_cast<size_t>(layer)];
   const int64_t T = x.dim(0);
+  {
+    int64_t rows = 0;
+    for (const auto& sp : spans) rows += sp.rows;
+    if (rows != T) throw std::invalid_argument("layer_forward: spans cover " + std::to_string(rows) + " rows, x has " + std::to_string(T));
+  }
   const float eps = static_cast<float>(cfg_.rms_norm_eps);
   Tensor xn = be_.alloc(DType::F32, {T, m.H});
   Tensor mix = be_.alloc(DType::F32, {T, m.H});
@@ -368,19 +381,34 @@ void Model::layer_forward(int64_t layer, Tensor& x, LayerState& ls, int64_t pos0
     be_.matmul(xn, g.in_b, b);
     be_.matmul(xn, g.in_a, a);
     Tensor conv_out = be_.alloc(DType::F32, {T, m.C});
-    be_.causal_conv1d_silu(qkv, g.conv, ls.conv, conv_out);
     Tensor q = be_.alloc(DType::F32, {T, m.Hk, m.dk});
     Tensor k = be_.alloc(DType::F32, {T, m.Hk, m.dk});
     Tensor v = be_.alloc(DType::F32, {T, m.Hv, m.dv});
-    Tensor q2 = q.reshape({T, m.Hk * m.dk}), k2 = k.reshape({T, m.Hk * m.dk}), v2 = v.reshape({T, m.Hv * m.dv});
-    be_.copy_cols(conv_out, 0, q2);
-    be_.copy_cols(conv_out, m.Hk * m.dk, k2);
-    be_.copy_cols(conv_out, 2 * m.Hk * m.dk, v2);
     Tensor gdec = be_.alloc(DType::F32, {T, m.Hv});
     Tensor beta = be_.alloc(DType::F32, {T, m.Hv});
-    be_.gdn_gates(a, b, g.A_log, g.dt_bias, gdec, beta);
     Tensor o = be_.alloc(DType::F32, {T, m.Hv, m.dv});
-    be_.gated_delta_rule(q, k, v, gdec, beta, true, ls.ssm, o, transition);
+    be_.gdn_gates(a, b, g.A_log, g.dt_bias, gdec, beta);
+    int64_t r0 = 0;
+    for (const auto& sp : spans) {
+      if (sp.rows == 0) {
+        if (sp.after) (*sp.after)();
+        continue;
+      }
+      const int64_t r1 = r0 + sp.rows;
+      Tensor co = conv_out.slice_rows(r0, r1);
+      be_.causal_conv1d_silu(qkv.slice_rows(r0, r1), g.conv, sp.state->conv, co);
+      Tensor qs = q.slice_rows(r0, r1), ks = k.slice_rows(r0, r1), vs = v.slice_rows(r0, r1);
+      Tensor q2 = qs.reshape({sp.rows, m.Hk * m.dk}), k2 = ks.reshape({sp.rows, m.Hk * m.dk}),
+             v2 = vs.reshape({sp.rows, m.Hv * m.dv});
+      be_.copy_cols(co, 0, q2);
+      be_.copy_cols(co, m.Hk * m.dk, k2);
+      be_.copy_cols(co, 2 * m.Hk * m.dk, v2);
+      Tensor os = o.slice_rows(r0, r1);
+      be_.gated_delta_rule(qs, ks, vs, gdec.slice_rows(r0, r1), beta.slice_rows(r0, r1), true, sp.state->ssm, os,
+                           sp.transition);
+      if (sp.after) (*sp.after)();
+      r0 = r1;
+    }
     Tensor o2 = o.reshape({T * m.Hv, m.dv});
     be_.rms_norm_gated(o2, z.reshape({T * m.Hv, m.dv}), g.norm, eps, o2);
     be_.matmul(o.reshape({T, m.Hv * m.dv}), g.out_proj, mix);
@@ -399,16 +427,33 @@ void Model::layer_forward(int64_t layer, Tensor& x, LayerState& ls, int64_t pos0
     be_.rms_norm(qr, at.q_norm, eps, true, qr);
     be_.rms_norm(kr, at.k_norm, eps, true, kr);
     std::vector<int64_t> pos(static_cast<size_t>(T));
-    for (int64_t t = 0; t < T; ++t) pos[static_cast<size_t>(t)] = pos0 + t;
+    {
+      size_t i = 0;
+      for (const auto& sp : spans)
+        for (int64_t t = 0; t < sp.rows; ++t) pos[i++] = sp.pos0 + t;
+    }
     const int rot = static_cast<int>(cfg_.rotary_dim());
     be_.rope_neox(q, pos, rot, cfg_.rope_theta);
     be_.rope_neox(k, pos, rot, cfg_.rope_theta);
-    if (pos0 + T > ls.k.dim(0)) throw std::logic_error("KV cache too small: call Model::reserve first");
-    Tensor kd = ls.k.slice_rows(pos0, pos0 + T), vd = ls.v.slice_rows(pos0, pos0 + T);
-    be_.copy(k, kd);
-    be_.copy(v, vd);
     Tensor o = be_.alloc(DType::F32, {T, m.Hq, m.D});
-    be_.attention(q, ls.k, ls.v, pos0 + T, pos0, 1.0f / std::sqrt(static_cast<float>(m.D)), o);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(m.D));
+    int64_t r0 = 0;
+    for (const auto& sp : spans) {
+      if (sp.rows == 0) {
+        if (sp.after) (*sp.after)();
+        continue;
+      }
+      const int64_t r1 = r0 + sp.rows;
+      LayerState& ls = *sp.state;
+      if (sp.pos0 + sp.rows > ls.k.dim(0)) throw std::logic_error("KV cache too small: call Model::reserve first");
+      Tensor kd = ls.k.slice_rows(sp.pos0, sp.pos0 + sp.rows), vd = ls.v.slice_rows(sp.pos0, sp.pos0 + sp.rows);
+      be_.copy(k.slice_rows(r0, r1), kd);
+      be_.copy(v.slice_rows(r0, r1), vd);
+      Tensor os = o.slice_rows(r0, r1);
+      be_.attention(q.slice_rows(r0, r1), ls.k, ls.v, sp.pos0 + sp.rows, sp.pos0, scale, os);
+      if (sp.after) (*sp.after)();
+      r0 = r1;
+    }
     Tensor o2 = o.reshape({T, m.Hq * m.D});
     be_.sigmoid_mul(o2, gate, o2);
     be_.matmul(o2, at.o, mix);
@@ -453,6 +498,37 @@ Tensor Model::logits(const Tensor& x) {
   Tensor out = be_.alloc(DType::F32, {R, cfg_.vocab_size});
   be_.matmul(xn, m.lm_head, out);
   return out;
+}
+
+Tensor Model::forward_batch(std::span<const BatchItem> items) {
+  if (items.empty()) throw std::invalid_argument("forward_batch: empty batch");
+  std::vector<int32_t> ids;
+  for (const auto& it : items) {
+    if (it.ids.empty()) throw std::invalid_argument("forward_batch: a sequence has no tokens");
+    const int64_t n = static_cast<int64_t>(it.ids.size());
+    if (cfg_.max_position_embeddings > 0 && it.state->n_past + n > cfg_.max_position_embeddings)
+      throw std::length_error("sequence of " + std::to_string(it.state->n_past + n) +
+                              " tokens exceeds the model's context of " + std::to_string(cfg_.max_position_embeddings));
+    reserve(*it.state, it.state->n_past + n);
+    ids.insert(ids.end(), it.ids.begin(), it.ids.end());
+  }
+  Tensor x = embed(ids);
+  std::vector<LayerSpan> spans(items.size());
+  for (size_t l = 0; l < impl_->layers.size(); ++l) {
+    for (size_t i = 0; i < items.size(); ++i)
+      spans[i] = LayerSpan{&items[i].state->layers[l], items[i].state->n_past, static_cast<int64_t>(items[i].ids.size()), nullptr};
+    layer_forward(static_cast<int64_t>(l), x, spans);
+  }
+  // Last row of each sequence.
+  Tensor last = be_.alloc(DType::F32, {static_cast<int64_t>(items.size()), impl_->H});
+  int64_t r = 0;
+  for (size_t i = 0; i < items.size(); ++i) {
+    r += static_cast<int64_t>(items[i].ids.size());
+    Tensor dst = last.slice_rows(static_cast<int64_t>(i), static_cast<int64_t>(i) + 1);
+    be_.copy(x.slice_rows(r - 1, r), dst);
+    items[i].state->n_past += static_cast<int64_t>(items[i].ids.size());
+  }
+  return logits(last);
 }
 
 Tensor Model::forward(std::span<const int32_t> ids, SequenceState& st, const ForwardOptions& opt) {

@@ -3,6 +3,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <functional>
 #include <list>
 #include <mutex>
 #include <stdexcept>
@@ -318,6 +319,15 @@ PrefillResult PicEngine::prefill_composed(const std::vector<std::vector<int32_t>
   r.state = m.new_state(total);
   SequenceState& st = r.state;
   const int rot = static_cast<int>(cfg.rotary_dim());
+
+  // Entries for every context segment (built in isolation when missing), and the rows this
+  // request computes: the seams of all segments, then the question.
+  struct Part {
+    std::shared_ptr<const SegmentEntry> e;
+    int64_t pos, len, head;
+  };
+  std::vector<Part> parts;
+  std::vector<int32_t> rows;
   int64_t pos = 0;
   for (size_t i = 0; i + 1 < segs.size(); ++i) {
     const auto& ids = segs[i];
@@ -328,16 +338,36 @@ PrefillResult PicEngine::prefill_composed(const std::vector<std::vector<int32_t>
     const int64_t head = std::min<int64_t>(seam, L);
     r.report.reused_tokens += L - head;
     r.report.computed_tokens += head;
-    Tensor x;
-    if (head > 0) x = m.embed(std::span<const int32_t>(ids.data(), static_cast<size_t>(head)));
-    for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
-      auto& ls = st.layers[static_cast<size_t>(l)];
-      const auto& sum = e->layers[static_cast<size_t>(l)];
-      if (cfg.layer_types[static_cast<size_t>(l)] == LayerKind::Linear) {
-        // Seam tokens advance the running state at their true positions, conv warmed by the
-        // previous segment's tail (already in ls.conv); then the body composes in.
-        if (head > 0) m.layer_forward(l, x, ls, pos);
-        if (head < L) {
+    rows.insert(rows.end(), ids.begin(), ids.begin() + head);
+    parts.push_back({std::move(e), pos, L, head});
+    pos += L;
+  }
+  const bool with_q = !opt.skip_question;
+  const int64_t Q = static_cast<int64_t>(segs.back().size());
+  if (with_q) {
+    rows.insert(rows.end(), segs.back().begin(), segs.back().end());
+    r.report.computed_tokens += Q;
+  }
+
+  // One pass over the layers for all of those rows: projections and MLPs run once per layer over
+  // every seam and the question together; the token mixers walk the segments in order, and
+  // each segment's cached body is composed in right after its seam (LayerSpan::after).
+  Tensor x;
+  if (!rows.empty()) x = m.embed(rows);
+  std::vector<std::function<void()>> hooks(parts.size());
+  std::vector<LayerSpan> spans;
+  for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
+    LayerState& ls = st.layers[static_cast<size_t>(l)];
+    const bool linear = cfg.layer_types[static_cast<size_t>(l)] == LayerKind::Linear;
+    spans.clear();
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const Part& p = parts[i];
+      const LayerSummary& sum = p.e->layers[static_cast<size_t>(l)];
+      if (linear) {
+        // Seam tokens have advanced the running state from the prefix state (conv warmed by the
+        // previous segment's tail); now S <- T_body S + S_body and the conv tail moves on.
+        hooks[i] = [&be, &ls, &sum, &p, naive] {
+          if (p.head >= p.len) return;
           if (naive) {
             be.add(ls.ssm, sum.S, ls.ssm);
           } else {
@@ -346,27 +376,30 @@ PrefillResult PicEngine::prefill_composed(const std::vector<std::vector<int32_t>
             ls.ssm = next;
           }
           be.copy(sum.conv_tail, ls.conv);
+        };
+      } else if (p.head < p.len) {
+        // Splice the body's K/V; keys were stored at relative positions and RoPE angles add, so
+        // rotating them by the segment's start is exact (only the rotary dims change).
+        Tensor kd = ls.k.slice_rows(p.pos + p.head, p.pos + p.len), vd = ls.v.slice_rows(p.pos + p.head, p.pos + p.len);
+        be.copy(sum.k.slice_rows(p.head, p.len), kd);
+        be.copy(sum.v.slice_rows(p.head, p.len), vd);
+        if (!naive && opt.rerotate && p.pos > 0) {
+          std::vector<int64_t> shift(static_cast<size_t>(p.len - p.head), p.pos);
+          be.rope_neox(kd, shift, rot, cfg.rope_theta);
         }
-      } else {
-        if (head < L) {
-          Tensor kd = ls.k.slice_rows(pos + head, pos + L), vd = ls.v.slice_rows(pos + head, pos + L);
-          be.copy(sum.k.slice_rows(head, L), kd);
-          be.copy(sum.v.slice_rows(head, L), vd);
-          if (!naive && opt.rerotate && pos > 0) {
-            // RoPE angles add: R(pos + r) = R(pos) R(r), so rotating relative keys by pos is exact.
-            std::vector<int64_t> shift(static_cast<size_t>(L - head), pos);
-            be.rope_neox(kd, shift, rot, cfg.rope_theta);
-          }
-        }
-        if (head > 0) m.layer_forward(l, x, ls, pos);
       }
+      spans.push_back(LayerSpan{&ls, p.pos, p.head, nullptr, linear ? &hooks[i] : nullptr});
     }
-    pos += L;
+    if (with_q) spans.push_back(LayerSpan{&ls, pos, Q, nullptr, nullptr});
+    if (x.defined()) {
+      m.layer_forward(l, x, spans);
+    } else {
+      for (auto& sp : spans)
+        if (sp.after) (*sp.after)();
+    }
   }
-  st.n_past = pos;
-  if (opt.skip_question) return r;
-  r.logits = m.forward(segs.back(), st);
-  r.report.computed_tokens += static_cast<int64_t>(segs.back().size());
+  st.n_past = pos + (with_q ? Q : 0);
+  if (with_q) r.logits = m.logits(x.slice_rows(x.dim(0) - 1, x.dim(0)));
   return r;
 }
 

@@ -69,7 +69,9 @@ void SegmentCache::evict_for(size_t need) {
                             std::to_string(budget_) + " and every other entry is in use");
 }
 
-void SegmentCache::attach_store(std::shared_ptr<SegmentStore> store) { store_ = std::move(store); }
+void SegmentCache::attach_store(std::shared_ptr<SegmentStore> store) {
+  store_ = std::move(store);
+}
 
 std::shared_ptr<const SegmentEntry> SegmentCache::insert(std::shared_ptr<SegmentEntry> e) {
   auto r = insert_memory(e);

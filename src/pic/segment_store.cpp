@@ -42,9 +42,13 @@ Tensor& field_of(LayerSummary& l, int f) {
   Tensor* t[kFields] = {&l.T, &l.S, &l.conv_tail, &l.k, &l.v};
   return *t[f];
 }
-const Tensor& field_of(const LayerSummary& l, int f) { return field_of(const_cast<LayerSummary&>(l), f); }
+const Tensor& field_of(const LayerSummary& l, int f) {
+  return field_of(const_cast<LayerSummary&>(l), f);
+}
 
-std::string errno_str(int e) { return std::strerror(e); }
+std::string errno_str(int e) {
+  return std::strerror(e);
+}
 
 struct Bad {
   std::string reason;
@@ -151,8 +155,7 @@ std::string key_diff(const SegmentKey& want, const SegmentKey& got) {
     return fmt::format("written by another model (fingerprint {:016x}, expected {:016x})", got.model_fingerprint,
                        want.model_fingerprint);
   if (want.seam != got.seam) return fmt::format("holds seam {} (expected {})", got.seam, want.seam);
-  return fmt::format("holds another segment ({} token ids, expected {}; ids differ)", got.ids.size(),
-                     want.ids.size());
+  return fmt::format("holds another segment ({} token ids, expected {}; ids differ)", got.ids.size(), want.ids.size());
 }
 
 bool parse_name(const std::string& name, uint64_t& h) {
@@ -169,8 +172,7 @@ SegmentStore::SegmentStore(std::string dir, Backend& backend, size_t budget_byte
   std::error_code ec;
   std::filesystem::create_directories(dir_, ec);
   if (ec) {
-    spdlog::warn("segment store: cannot use cache dir {}: {}; continuing without a disk tier", dir_,
-                 ec.message());
+    spdlog::warn("segment store: cannot use cache dir {}: {}; continuing without a disk tier", dir_, ec.message());
     return;
   }
   scan();
@@ -273,17 +275,23 @@ void SegmentStore::scan() {
   std::lock_guard<std::mutex> g(mu_);
   for (const auto& f : found) touch(f.h, f.bytes);  // oldest first, so the newest ends at the front
   evict_for(0, 0);
-  if (!found.empty())
-    spdlog::info("segment store: {} has {} entries, {} bytes", dir_, index_.size(), st_.disk_bytes);
+  if (!found.empty()) spdlog::info("segment store: {} has {} entries, {} bytes", dir_, index_.size(), st_.disk_bytes);
 }
 
-void SegmentStore::quarantine(const std::string& path, uint64_t h, const std::string& reason) {
-  spdlog::warn("segment store: ignoring {}: {}; moved to {}.bad", path, reason, path);
-  if (::rename(path.c_str(), (path + ".bad").c_str()) != 0 && errno != ENOENT) ::unlink(path.c_str());
+void SegmentStore::quarantine(const std::string& path, uint64_t h, uint64_t dev, uint64_t ino,
+                              const std::string& reason) {
+  struct stat now;
+  const bool same = ::stat(path.c_str(), &now) == 0 && now.st_dev == dev && now.st_ino == ino;
+  if (same) {
+    spdlog::warn("segment store: ignoring {}: {}; moved to {}.bad", path, reason, path);
+    if (::rename(path.c_str(), (path + ".bad").c_str()) != 0 && errno != ENOENT) ::unlink(path.c_str());
+  } else {
+    spdlog::warn("segment store: ignoring {}: {} (already replaced by a newer file)", path, reason);
+  }
   std::lock_guard<std::mutex> g(mu_);
   ++st_.corrupt_files;
   ++st_.disk_misses;
-  forget(h);
+  if (same) forget(h);
 }
 
 std::shared_ptr<SegmentEntry> SegmentStore::load(const SegmentKey& key, const Validator& check) {
@@ -305,7 +313,7 @@ std::shared_ptr<SegmentEntry> SegmentStore::load(const SegmentKey& key, const Va
   Fd fd{::open(path.c_str(), O_RDONLY | O_CLOEXEC)};
   if (fd.fd < 0) {
     const int e = errno;
-    if (e != ENOENT) spdlog::warn("segment store: cannot open {}: {}", path, errno_str(e));
+    if (e != ENOENT && e != ENOTDIR) spdlog::warn("segment store: cannot open {}: {}", path, errno_str(e));
     std::lock_guard<std::mutex> g(mu_);
     ++st_.disk_misses;
     forget(h);  // deleted behind our back
@@ -360,8 +368,7 @@ std::shared_ptr<SegmentEntry> SegmentStore::load(const SegmentKey& key, const Va
       const auto nbytes = r.get<uint64_t>("tensor size");
       uint64_t expect;
       if (__builtin_mul_overflow(numel, uint64_t{dtype_size(dt)}, &expect) || nbytes != expect)
-        throw Bad{where + ": size " + std::to_string(nbytes) + " does not match " + dtype_name(dt) +
-                  shape_str(shape)};
+        throw Bad{where + ": size " + std::to_string(nbytes) + " does not match " + dtype_name(dt) + shape_str(shape)};
       if (nbytes > r.remaining()) throw Bad{"truncated: " + where + " needs " + std::to_string(nbytes) + " bytes"};
       Tensor& dst = field_of(e->layers[layer], b[0]);
       if (dst.defined())
@@ -376,10 +383,10 @@ std::shared_ptr<SegmentEntry> SegmentStore::load(const SegmentKey& key, const Va
     if (sum != want) throw Bad{fmt::format("checksum mismatch (stored {:016x}, computed {:016x})", sum, want)};
     if (r.remaining() != 0) throw Bad{std::to_string(r.remaining()) + " trailing bytes after the checksum"};
   } catch (const Bad& b) {
-    quarantine(path, h, b.reason);
+    quarantine(path, h, sb.st_dev, sb.st_ino, b.reason);
     return nullptr;
   } catch (const std::exception& x) {  // e.g. allocation failure
-    quarantine(path, h, x.what());
+    quarantine(path, h, sb.st_dev, sb.st_ino, x.what());
     return nullptr;
   }
 
@@ -392,13 +399,13 @@ std::shared_ptr<SegmentEntry> SegmentStore::load(const SegmentKey& key, const Va
       ++st_.disk_misses;
       return nullptr;
     }
-    quarantine(path, h, key_diff(key, e->key));
+    quarantine(path, h, sb.st_dev, sb.st_ino, key_diff(key, e->key));
     return nullptr;
   }
   if (check) {
     std::string why = check(*e);
     if (!why.empty()) {
-      quarantine(path, h, why);
+      quarantine(path, h, sb.st_dev, sb.st_ino, why);
       return nullptr;
     }
   }
@@ -423,8 +430,8 @@ void SegmentStore::write_error(const std::string& path, const std::string& what)
   }
   // Every failure is counted; the log gets the 1st, 2nd, 4th, 8th, ... so a full disk cannot flood it.
   if ((n & (n - 1)) == 0)
-    spdlog::warn("segment store: cannot write {}: {} ({} write error{} so far; requests go on uncached on disk)",
-                 path, what, n, n == 1 ? "" : "s");
+    spdlog::warn("segment store: cannot write {}: {} ({} write error{} so far; requests go on uncached on disk)", path,
+                 what, n, n == 1 ? "" : "s");
 }
 
 bool SegmentStore::save(const SegmentEntry& e) {

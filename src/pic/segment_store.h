@@ -81,9 +81,11 @@ class SegmentStore {
     std::list<uint64_t>::iterator lru;  // front = most recent
   };
   void scan();
-  void quarantine(const std::string& path, uint64_t h, const std::string& reason);
-  void touch(uint64_t h, size_t bytes);  // mu_ held: mark most recent (adding if new)
-  void forget(uint64_t h);               // mu_ held
+  // Reports and renames the file to *.bad, unless a writer has replaced it since it was opened
+  // (device/inode differ from `dev`/`ino`).
+  void quarantine(const std::string& path, uint64_t h, uint64_t dev, uint64_t ino, const std::string& reason);
+  void touch(uint64_t h, size_t bytes);        // mu_ held: mark most recent (adding if new)
+  void forget(uint64_t h);                     // mu_ held
   void evict_for(size_t need, uint64_t keep);  // mu_ held
   void write_error(const std::string& path, const std::string& what);
 

@@ -360,18 +360,30 @@ void CpuBackend::matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accumu
   const float* xp = x.data<float>();
   const DType wd = w.dtype();
 
-  if (M < 8) {
+  // Few rows: the fused kernel, looping over row blocks of up to 7 inside 16-row tiles of W so a
+  // tile stays in L1 while every block of x passes over it. For half-precision weights this
+  // beats converting whole panels up to a few dozen rows (seams, questions, batched decode),
+  // because the panel path converts all of W whatever M is.
+  if (M < 8 || (wd != DType::F32 && M < 48)) {
     // ~16 KiB of weights per chunk at least, so tiny products are not split.
     int64_t grain = std::max<int64_t>(1, 8192 / K);
     pool_.parallel_for(
         N,
         [&](int64_t n0, int64_t n1) {
-          if (wd == DType::F32)
-            gemv_dispatch<WF32>(M, xp, K, w.data<float>(), N, n0, n1, yp, accumulate);
-          else if (wd == DType::BF16)
-            gemv_dispatch<WBF16>(M, xp, K, w.data<uint16_t>(), N, n0, n1, yp, accumulate);
-          else
-            gemv_dispatch<WF16>(M, xp, K, w.data<uint16_t>(), N, n0, n1, yp, accumulate);
+          for (int64_t t0 = n0; t0 < n1; t0 += 16) {
+            const int64_t t1 = std::min(n1, t0 + 16);
+            for (int64_t m0 = 0; m0 < M; m0 += 7) {
+              const int64_t mm = std::min<int64_t>(7, M - m0);
+              const float* xm = xp + m0 * K;
+              float* ym = yp + m0 * N;
+              if (wd == DType::F32)
+                gemv_dispatch<WF32>(mm, xm, K, w.data<float>(), N, t0, t1, ym, accumulate);
+              else if (wd == DType::BF16)
+                gemv_dispatch<WBF16>(mm, xm, K, w.data<uint16_t>(), N, t0, t1, ym, accumulate);
+              else
+                gemv_dispatch<WF16>(mm, xm, K, w.data<uint16_t>(), N, t0, t1, ym, accumulate);
+            }
+          }
         },
         grain);
     return;

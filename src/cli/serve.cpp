@@ -1,0 +1,161 @@
+// hypic serve: the OpenAI-compatible HTTP server (src/server/, docs/serving.md).
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <csignal>
+#include <cstdio>
+#include <mutex>
+#include <thread>
+
+#include "cli/commands.h"
+#include "engine/loader.h"
+
+#ifdef HYPIC_HAVE_HTTPLIB
+#include "server/http_server.h"
+#endif
+
+namespace hypic::cli {
+
+namespace {
+int g_sig_pipe[2] = {-1, -1};
+void on_signal(int) {
+  const char c = 's';
+  [[maybe_unused]] ssize_t n = write(g_sig_pipe[1], &c, 1);
+}
+}  // namespace
+
+void register_serve(CLI::App& app) {
+  struct Opts {
+    std::string model = default_model_dir(), host = "127.0.0.1", mode = "pic", name, backend = "cpu";
+    int port = 8080, seam = 8, max_queue = 64, max_running = 8, threads = 0, prefill_chunk = 512, http_threads = 0;
+    double cache_mib = 4096, max_body_mib = 32;
+    int max_json_depth = 64;
+  };
+  auto o = std::make_shared<Opts>();
+  auto* c = app.add_subcommand("serve", "Serve the model over an OpenAI-compatible HTTP API");
+  c->add_option("--model", o->model, "Model folder (Hugging Face layout)")->capture_default_str();
+  c->add_option("--host", o->host, "Address to listen on")->capture_default_str();
+  c->add_option("--port", o->port, "Port to listen on (0: any free port, printed at start)")->capture_default_str();
+  c->add_option("--served-model-name", o->name, "Model name in the API (default: the folder's name)");
+  c->add_option("--mode", o->mode, "Default prefill mode: full, prefix, pic, naive")->capture_default_str();
+  c->add_option("--seam", o->seam, "Default recomputed head tokens of each reused segment")->capture_default_str();
+  c->add_option("--cache-budget-mib", o->cache_mib, "Segment cache budget in MiB")->capture_default_str();
+  c->add_option("--max-queue", o->max_queue, "Requests waiting for the engine before 429")->capture_default_str();
+  c->add_option("--max-running", o->max_running, "Requests prefilled/decoded concurrently")->capture_default_str();
+  c->add_option("--prefill-chunk", o->prefill_chunk, "Prompt tokens prefilled per engine iteration (non-PIC prompts)")
+      ->capture_default_str();
+  c->add_option("--threads", o->threads, "CPU threads for the model (0: all cores)")->capture_default_str();
+  c->add_option("--http-threads", o->http_threads, "HTTP worker threads (0: max-running + max-queue + 8)")
+      ->capture_default_str();
+  c->add_option("--max-body-mib", o->max_body_mib, "Largest accepted request body in MiB (larger: 413)")
+      ->capture_default_str();
+  c->add_option("--max-json-depth", o->max_json_depth, "Deepest accepted JSON nesting (deeper: 400)")
+      ->capture_default_str();
+  c->add_option("--backend", o->backend, "Compute backend")->capture_default_str();
+  c->callback([o] {
+    guarded([&] {
+#ifndef HYPIC_HAVE_HTTPLIB
+      throw std::runtime_error("this hypic was built without cpp-httplib; install libcpp-httplib-dev and rebuild");
+#else
+      server::ServerOptions so;
+      so.host = o->host;
+      so.port = o->port;
+      so.model_name = o->name;
+      so.pic.mode = parse_pic_mode(o->mode);
+      if (o->seam < 0) throw std::invalid_argument("--seam must be >= 0");
+      so.pic.seam = o->seam;
+      if (!(o->cache_mib > 0)) throw std::invalid_argument("--cache-budget-mib must be positive");
+      so.sched.cache_budget_bytes = static_cast<size_t>(o->cache_mib * 1048576.0);
+      so.sched.max_queue = o->max_queue;
+      so.sched.max_running = o->max_running;
+      so.sched.prefill_chunk = o->prefill_chunk;
+      so.http_threads = o->http_threads;
+      if (!(o->max_body_mib > 0)) throw std::invalid_argument("--max-body-mib must be positive");
+      so.max_body_bytes = static_cast<size_t>(o->max_body_mib * 1048576.0);
+      if (o->max_json_depth < 2) throw std::invalid_argument("--max-json-depth must be >= 2");
+      so.max_json_depth = o->max_json_depth;
+      if (o->port < 0 || o->port > 65535) throw std::invalid_argument("--port must be in 0..65535");
+
+      // SIGINT / SIGTERM: a handler (which may run on any thread, including OpenBLAS's, which exist
+      // before main) writes to a pipe; a watcher thread reads it and stops the server.
+      if (pipe(g_sig_pipe) != 0) throw std::runtime_error("pipe() failed");
+      struct sigaction sa {};
+      sa.sa_handler = on_signal;
+      sigemptyset(&sa.sa_mask);
+      sigaction(SIGINT, &sa, nullptr);
+      sigaction(SIGTERM, &sa, nullptr);
+
+      // Logs go to stderr; stdout carries only the "listening on" line (scripts read the port there).
+      spdlog::set_default_logger(spdlog::stderr_color_mt("hypic"));
+      spdlog::info("loading model from {}", o->model);
+      const auto t0 = std::chrono::steady_clock::now();
+      std::mutex mu;
+      std::condition_variable cv;
+      bool loaded = false;
+      std::thread ticker([&] {
+        std::unique_lock<std::mutex> lk(mu);
+        while (!cv.wait_for(lk, std::chrono::seconds(2), [&] { return loaded; }))
+          spdlog::info("still loading the model ({:.0f} s)",
+                       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      });
+      LoadedModel lm;
+      try {
+        lm = load_model(o->model, o->backend, o->threads);
+      } catch (...) {
+        {
+          std::lock_guard<std::mutex> g(mu);
+          loaded = true;
+        }
+        cv.notify_all();
+        ticker.join();
+        throw;
+      }
+      {
+        std::lock_guard<std::mutex> g(mu);
+        loaded = true;
+      }
+      cv.notify_all();
+      ticker.join();
+      const auto& cfg = lm.model->config();
+      spdlog::info(
+          "model loaded in {:.2f} s: {} ({} layers, {} parameters, {:.1f} MiB weights, context {}, tokenizer {})",
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), cfg.architecture,
+          cfg.num_hidden_layers, lm.model->parameter_count(), lm.model->weight_bytes() / 1048576.0,
+          cfg.max_position_embeddings, lm.tokenizer ? "yes" : "no");
+
+      server::HttpServer srv(lm, so);
+      const int port = srv.bind();
+      std::atomic<bool> run_done{false};
+      std::thread sig([&] {
+        char c = 0;
+        while (read(g_sig_pipe[0], &c, 1) < 0 && errno == EINTR) {
+        }
+        if (c == 's') spdlog::info("signal received: shutting down");
+        // Repeated: a signal that lands before run() starts listening must still end it.
+        while (!run_done) {
+          srv.stop();
+          std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        }
+      });
+      spdlog::info("serving '{}' on http://{}:{} (mode {}, seam {}, cache {:.0f} MiB, max-running {}, max-queue {})",
+                   srv.model_name(), o->host, port, o->mode, o->seam, o->cache_mib, o->max_running, o->max_queue);
+      std::printf("listening on http://%s:%d\n", o->host.c_str(), port);
+      std::fflush(stdout);
+      srv.run();
+      run_done = true;
+      const char q = 'q';
+      if (write(g_sig_pipe[1], &q, 1) < 0) srv.stop();
+      sig.join();
+      srv.stop();
+      spdlog::info("server stopped");
+#endif
+    });
+  });
+}
+
+}  // namespace hypic::cli

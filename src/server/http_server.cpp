@@ -1,0 +1,637 @@
+#include "server/http_server.h"
+
+#include <arpa/inet.h>
+#include <dirent.h>
+#include <httplib.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <spdlog/spdlog.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <csignal>
+#include <ctime>
+#include <filesystem>
+#include <random>
+
+#include "engine/loader.h"
+#include "tokenizer/tokenizer.h"
+
+namespace hypic::server {
+
+using nlohmann::json;
+
+namespace {
+
+std::string dump(const json& j) {
+  return j.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+void send_json(httplib::Response& res, int status, const json& j) {
+  res.status = status;
+  res.set_content(dump(j), "application/json");
+}
+
+void send_error(httplib::Response& res, const ApiError& e) {
+  send_json(res, e.status, error_body(e));
+}
+
+// ---- client-disconnect detection -------------------------------------------------------------
+// cpp-httplib 0.11 has no Request::is_connection_closed, and a handler never sees its socket. The
+// connection's socket is the one whose peer and local ports are the request's; a peer that has
+// closed (or half-closed) it reads as end-of-file.
+int find_socket(const httplib::Request& req) {
+  DIR* d = opendir("/proc/self/fd");
+  if (!d) return -1;
+  int found = -1;
+  while (dirent* e = readdir(d)) {
+    char* end = nullptr;
+    const long fd = std::strtol(e->d_name, &end, 10);
+    if (!end || *end || fd < 0) continue;
+    struct stat st;
+    if (fstat(static_cast<int>(fd), &st) != 0 || !S_ISSOCK(st.st_mode)) continue;
+    sockaddr_storage peer{}, local{};
+    socklen_t pl = sizeof peer, ll = sizeof local;
+    if (getpeername(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&peer), &pl) != 0) continue;
+    if (getsockname(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&local), &ll) != 0) continue;
+    char addr[INET6_ADDRSTRLEN] = {0};
+    int pport = -1, lport = -1;
+    if (peer.ss_family == AF_INET) {
+      auto* p = reinterpret_cast<sockaddr_in*>(&peer);
+      inet_ntop(AF_INET, &p->sin_addr, addr, sizeof addr);
+      pport = ntohs(p->sin_port);
+      lport = ntohs(reinterpret_cast<sockaddr_in*>(&local)->sin_port);
+    } else if (peer.ss_family == AF_INET6) {
+      auto* p = reinterpret_cast<sockaddr_in6*>(&peer);
+      inet_ntop(AF_INET6, &p->sin6_addr, addr, sizeof addr);
+      pport = ntohs(p->sin6_port);
+      lport = ntohs(reinterpret_cast<sockaddr_in6*>(&local)->sin6_port);
+    } else {
+      continue;
+    }
+    if (pport == req.remote_port && lport == req.local_port && req.remote_addr == addr) {
+      found = static_cast<int>(fd);
+      break;
+    }
+  }
+  closedir(d);
+  return found;
+}
+
+bool peer_closed(int fd) {
+  if (fd < 0) return false;
+  pollfd p{fd, static_cast<short>(POLLIN | POLLRDHUP), 0};
+  if (poll(&p, 1, 0) <= 0) return false;
+  if (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) return true;
+  if (p.revents & POLLIN) {
+    char c;
+    const ssize_t n = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+    return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+  }
+  return false;
+}
+
+// ---- per-request context (handler, content provider and logger run on one thread) -------------
+struct ReqCtx {
+  bool active = false;
+  Clock::time_point start;
+  std::shared_ptr<Job> job;
+};
+thread_local ReqCtx t_ctx;
+
+std::string endpoint_label(const std::string& path) {
+  static const char* known[] = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
+                                "/metrics",        "/v1/segments"};
+  for (const char* k : known)
+    if (path == k) return k;
+  if (path.rfind("/v1/segments/", 0) == 0) return "/v1/segments/{id}";
+  return "other";
+}
+
+std::string new_id(const char* prefix) {
+  static std::atomic<uint64_t> n{0};
+  thread_local std::mt19937_64 rng(std::random_device{}() ^
+                                   static_cast<uint64_t>(Clock::now().time_since_epoch().count()));
+  return std::string(prefix) + hex64(rng() ^ (n.fetch_add(1) << 48)).substr(0, 16);
+}
+
+}  // namespace
+
+struct HttpServer::Impl {
+  LoadedModel& lm;
+  ServerOptions opt;
+  ModelFacts facts;
+  Metrics metrics;
+  std::unique_ptr<Scheduler> sched;
+  httplib::Server svr;
+  int bound_port = -1;
+  std::atomic<bool> stopped{false};
+
+  Impl(LoadedModel& m, ServerOptions o) : lm(m), opt(std::move(o)) {
+    const auto& cfg = lm.model->config();
+    facts.name = opt.model_name;
+    if (facts.name.empty()) {
+      std::filesystem::path p(lm.dir ? lm.dir->dir : lm.description);
+      if (!p.has_filename()) p = p.parent_path();
+      facts.name = p.filename().string();
+      if (facts.name.empty()) facts.name = "hypic";
+    }
+    facts.context = cfg.max_position_embeddings;
+    facts.vocab = cfg.vocab_size;
+    facts.tok = lm.tokenizer.get();
+    if (lm.tokenizer) facts.chat_template = lm.tokenizer->chat_template();
+    facts.defaults.temperature = 1.f;
+    if (lm.dir) {
+      facts.eos_ids = lm.dir->config.eos_token_ids;
+      const auto& gd = lm.dir->generation;
+      if (gd.temperature) facts.defaults.temperature = *gd.temperature;
+      if (gd.top_p) facts.defaults.top_p = *gd.top_p;
+      if (gd.top_k) facts.defaults.top_k = *gd.top_k;
+    }
+    facts.pic = opt.pic;
+    sched = std::make_unique<Scheduler>(*lm.model, lm.tokenizer.get(), opt.sched, metrics);
+    sched->start();
+    setup();
+  }
+
+  ~Impl() {
+    sched->stop();
+    svr.stop();
+  }
+
+  // Text of one token for logprobs.
+  std::string token_text(int32_t id) const {
+    if (!lm.tokenizer) return std::to_string(id);
+    try {
+      int32_t one[1] = {id};
+      return lm.tokenizer->decode(one);
+    } catch (...) {
+      return std::to_string(id);
+    }
+  }
+
+  json usage(const Job& j) const {
+    return json{{"prompt_tokens", j.gen.prompt_tokens},
+                {"completion_tokens", j.completion_tokens},
+                {"total_tokens", j.gen.prompt_tokens + j.completion_tokens},
+                {"prompt_tokens_details", {{"cached_tokens", j.report.reused_tokens}}}};
+  }
+  json pic_info(const Job& j) const {
+    return json{{"mode", pic_mode_name(j.gen.pic.mode)},      {"seam", j.gen.pic.seam},
+                {"segments", j.gen.segments.size()},          {"hit_segments", j.report.hit_segments},
+                {"miss_segments", j.report.miss_segments},    {"reused_tokens", j.report.reused_tokens},
+                {"computed_tokens", j.report.computed_tokens}};
+  }
+
+  // Completions-style logprobs for a run of tokens; text_offset counts from `offset`.
+  json completion_logprobs(const std::vector<TokenOut>& toks, size_t offset) const {
+    json tokens = json::array(), lps = json::array(), tops = json::array(), offs = json::array();
+    for (const auto& t : toks) {
+      if (!t.logprob) continue;
+      tokens.push_back(token_text(t.id));
+      lps.push_back(t.logprob->logprob);
+      json top = json::object();
+      for (auto& [id, lp] : t.logprob->top) top[token_text(id)] = lp;
+      tops.push_back(top);
+      offs.push_back(offset);
+      offset += t.text.size();
+    }
+    return json{{"tokens", tokens}, {"token_logprobs", lps}, {"top_logprobs", tops}, {"text_offset", offs}};
+  }
+  json chat_logprobs(const std::vector<TokenOut>& toks) const {
+    json content = json::array();
+    auto bytes = [](const std::string& s) {
+      json b = json::array();
+      for (unsigned char c : s) b.push_back(static_cast<int>(c));
+      return b;
+    };
+    for (const auto& t : toks) {
+      if (!t.logprob) continue;
+      const std::string s = token_text(t.id);
+      json top = json::array();
+      for (auto& [id, lp] : t.logprob->top) {
+        const std::string ts = token_text(id);
+        top.push_back({{"token", ts}, {"logprob", lp}, {"bytes", bytes(ts)}});
+      }
+      content.push_back({{"token", s}, {"logprob", t.logprob->logprob}, {"bytes", bytes(s)}, {"top_logprobs", top}});
+    }
+    return json{{"content", content}};
+  }
+
+  static int64_t now_unix() { return static_cast<int64_t>(std::time(nullptr)); }
+
+  std::shared_ptr<Job> submit_or_throw(std::shared_ptr<Job> job) {
+    t_ctx.job = job;
+    if (!sched->submit(job)) {
+      if (stopped) throw ApiError(503, "the server is shutting down", "server_error", "", "shutting_down");
+      throw ApiError(429, "the request queue is full (" + std::to_string(opt.sched.max_queue) + "); retry later",
+                     "rate_limit_error", "", "queue_full");
+    }
+    return job;
+  }
+
+  static ApiError job_error(const Job& j) {
+    const int st = j.error_status;
+    return ApiError(st, j.error_message, error_type_for(st), "",
+                    st == 499 ? "client_closed" : (st == 503 ? "unavailable" : ""));
+  }
+
+  // Waits for a non-streaming job; cancels it when the client goes away.
+  bool wait_done(Job& job, int fd, std::vector<TokenOut>& toks) {
+    while (!job.wait(toks, std::chrono::milliseconds(50))) {
+      if (peer_closed(fd)) {
+        job.cancelled = true;
+        return false;
+      }
+    }
+    return true;
+  }
+
+  void handle_generate(const httplib::Request& req, httplib::Response& res, Endpoint ep) {
+    const json body = parse_body(req.body, opt.max_json_depth);
+    GenSpec g = ep == Endpoint::Chat ? parse_chat(body, facts) : parse_completion(body, facts);
+    auto job = std::make_shared<Job>();
+    job->kind = Job::Kind::Generate;
+    job->id = new_id(ep == Endpoint::Chat ? "chatcmpl-" : "cmpl-");
+    job->arrived = t_ctx.active ? t_ctx.start : Clock::now();
+    job->gen = std::move(g);
+    const int fd = find_socket(req);
+    submit_or_throw(job);
+    if (job->gen.stream) {
+      start_stream(res, job, fd, ep);
+      return;
+    }
+    std::vector<TokenOut> toks;
+    if (!wait_done(*job, fd, toks)) {
+      send_error(res, ApiError(499, "client closed the connection", "invalid_request_error", "", "client_closed"));
+      return;
+    }
+    if (job->error_status) throw job_error(*job);
+    std::string text;
+    for (auto& t : toks) text += t.text;
+    {
+      std::lock_guard<std::mutex> lk(job->mu);
+      text += job->tail;
+    }
+    json choice{{"index", 0}, {"finish_reason", job->finish_reason}};
+    const bool lp = job->gen.logprobs >= 0;
+    if (ep == Endpoint::Chat) {
+      choice["message"] = {{"role", "assistant"}, {"content", text}};
+      choice["logprobs"] = lp ? chat_logprobs(toks) : json(nullptr);
+    } else {
+      choice["text"] = text;
+      choice["logprobs"] = lp ? completion_logprobs(toks, 0) : json(nullptr);
+    }
+    json out{{"id", job->id},
+             {"object", ep == Endpoint::Chat ? "chat.completion" : "text_completion"},
+             {"created", now_unix()},
+             {"model", facts.name},
+             {"choices", json::array({choice})},
+             {"usage", usage(*job)},
+             {"pic", pic_info(*job)}};
+    send_json(res, 200, out);
+  }
+
+  struct StreamState {
+    std::shared_ptr<Job> job;
+    int fd = -1;
+    Endpoint ep;
+    bool first = true;
+    size_t offset = 0;  // text bytes sent (completions text_offset)
+    int64_t created = 0;
+  };
+
+  json chunk(StreamState& s, const std::string& text, const std::vector<TokenOut>* toks, const json& finish) {
+    const Job& j = *s.job;
+    json choice{{"index", 0}, {"finish_reason", finish}};
+    const bool lp = j.gen.logprobs >= 0 && toks;
+    if (s.ep == Endpoint::Chat) {
+      json delta = json::object();
+      if (s.first) delta["role"] = "assistant";
+      if (!text.empty() || (s.first && finish.is_null())) delta["content"] = text;
+      choice["delta"] = delta;
+      choice["logprobs"] = lp ? chat_logprobs(*toks) : json(nullptr);
+    } else {
+      choice["text"] = text;
+      choice["logprobs"] = lp ? completion_logprobs(*toks, s.offset) : json(nullptr);
+    }
+    s.first = false;
+    s.offset += text.size();
+    json c{{"id", j.id},
+           {"object", s.ep == Endpoint::Chat ? "chat.completion.chunk" : "text_completion"},
+           {"created", s.created},
+           {"model", facts.name},
+           {"choices", json::array({choice})}};
+    if (j.gen.include_usage) c["usage"] = nullptr;
+    return c;
+  }
+
+  static bool send_event(httplib::DataSink& sink, const json& j) {
+    const std::string s = "data: " + dump(j) + "\n\n";
+    return sink.write(s.data(), s.size());
+  }
+
+  void start_stream(httplib::Response& res, std::shared_ptr<Job> job, int fd, Endpoint ep) {
+    auto st = std::make_shared<StreamState>();
+    st->job = job;
+    st->fd = fd;
+    st->ep = ep;
+    st->created = now_unix();
+    res.status = 200;
+    res.set_header("Cache-Control", "no-cache");
+    res.set_header("X-Accel-Buffering", "no");
+    res.set_chunked_content_provider(
+        "text/event-stream",
+        [this, st](size_t, httplib::DataSink& sink) -> bool {
+          Job& j = *st->job;
+          std::vector<TokenOut> toks;
+          bool done = false;
+          while (true) {
+            done = j.wait(toks, std::chrono::milliseconds(50));
+            if (done || !toks.empty()) break;
+            if (peer_closed(st->fd)) {
+              j.cancelled = true;
+              return false;
+            }
+          }
+          for (auto& t : toks) {
+            std::vector<TokenOut> one{t};
+            if (t.text.empty() && !(j.gen.logprobs >= 0)) continue;  // held back: nothing to show yet
+            if (!send_event(sink, chunk(*st, t.text, &one, nullptr))) {
+              j.cancelled = true;
+              return false;
+            }
+          }
+          if (!done) return true;
+          bool ok = true;
+          if (j.error_status) {
+            ok = send_event(sink, error_body(job_error(j)));
+          } else {
+            std::string tail;
+            {
+              std::lock_guard<std::mutex> lk(j.mu);
+              tail = j.tail;
+            }
+            if (!tail.empty()) ok = ok && send_event(sink, chunk(*st, tail, nullptr, nullptr));
+            ok = ok && send_event(sink, chunk(*st, "", nullptr, j.finish_reason));
+            if (j.gen.include_usage) {
+              json u{{"id", j.id},
+                     {"object", st->ep == Endpoint::Chat ? "chat.completion.chunk" : "text_completion"},
+                     {"created", st->created},
+                     {"model", facts.name},
+                     {"choices", json::array()},
+                     {"usage", usage(j)},
+                     {"pic", pic_info(j)}};
+              ok = ok && send_event(sink, u);
+            }
+          }
+          static const std::string kDone = "data: [DONE]\n\n";
+          ok = ok && sink.write(kDone.data(), kDone.size());
+          if (!ok) return false;
+          sink.done();
+          return true;
+        },
+        [st](bool success) {
+          if (!success) st->job->cancelled = true;
+        });
+  }
+
+  void handle_segments_post(const httplib::Request& req, httplib::Response& res) {
+    const json body = parse_body(req.body, opt.max_json_depth);
+    SegmentsSpec spec = parse_segments(body, facts);
+    auto job = std::make_shared<Job>();
+    job->kind = Job::Kind::Segments;
+    job->id = new_id("seg-");
+    job->arrived = t_ctx.active ? t_ctx.start : Clock::now();
+    job->segs = std::move(spec);
+    const int fd = find_socket(req);
+    submit_or_throw(job);
+    std::vector<TokenOut> toks;
+    if (!wait_done(*job, fd, toks)) {
+      send_error(res, ApiError(499, "client closed the connection", "invalid_request_error", "", "client_closed"));
+      return;
+    }
+    if (job->error_status) throw job_error(*job);
+    int64_t tokens = 0;
+    for (auto& s : job->segs.segments) tokens += static_cast<int64_t>(s.size());
+    send_json(res, 200,
+              json{{"object", "list"},
+                   {"data", job->segments_result},
+                   {"hit_segments", job->report.hit_segments},
+                   {"miss_segments", job->report.miss_segments},
+                   {"tokens", tokens}});
+  }
+
+  json cache_json() const {
+    const auto c = sched->cache_stats();
+    return json{{"hits", c.hits},   {"misses", c.misses},   {"evictions", c.evictions}, {"inserts", c.inserts},
+                {"bytes", c.bytes}, {"entries", c.entries}, {"budget_bytes", c.budget}};
+  }
+
+  static json segment_json(const SegmentInfo& s) {
+    return json{{"id", s.id}, {"object", "segment"}, {"tokens", s.tokens}, {"bytes", s.bytes}, {"seam", s.seam}};
+  }
+
+  void setup() {
+    svr.new_task_queue = [n = opt.http_threads > 0 ? opt.http_threads
+                                                   : std::min(opt.sched.max_running + opt.sched.max_queue + 8, 1024)] {
+      return new httplib::ThreadPool(static_cast<size_t>(n));
+    };
+    svr.set_payload_max_length(opt.max_body_bytes);
+    svr.set_pre_routing_handler([](const httplib::Request&, httplib::Response&) {
+      t_ctx = ReqCtx{};
+      t_ctx.active = true;
+      t_ctx.start = Clock::now();
+      return httplib::Server::HandlerResponse::Unhandled;
+    });
+    svr.set_error_handler([](const httplib::Request& req, httplib::Response& res) {
+      if (!res.body.empty()) return;
+      std::string msg;
+      switch (res.status) {
+        case 404:
+          msg = "no route " + req.method + " " + req.path;
+          break;
+        case 405:
+          msg = "method " + req.method + " is not allowed on " + req.path;
+          break;
+        case 413:
+          msg = "the request body is too large";
+          break;
+        case 400:
+          msg = "bad request";
+          break;
+        default:
+          msg = "HTTP status " + std::to_string(res.status);
+      }
+      res.set_content(dump(error_body(res.status, msg)), "application/json");
+    });
+    svr.set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
+      std::string msg = "internal error";
+      try {
+        if (ep) std::rethrow_exception(ep);
+      } catch (const std::exception& e) {
+        msg = std::string("internal error: ") + e.what();
+      } catch (...) {
+      }
+      send_json(res, 500, error_body(500, msg));
+    });
+    svr.set_logger([this](const httplib::Request& req, const httplib::Response& res) { log_request(req, res); });
+
+    auto guarded = [](auto fn) {
+      return [fn](const httplib::Request& req, httplib::Response& res) {
+        try {
+          fn(req, res);
+        } catch (const ApiError& e) {
+          send_error(res, e);
+        } catch (const std::bad_alloc&) {
+          send_json(res, 503, error_body(503, "out of memory for this request"));
+        } catch (const std::exception& e) {
+          send_json(res, 500, error_body(500, std::string("internal error: ") + e.what()));
+        } catch (...) {
+          send_json(res, 500, error_body(500, "internal error"));
+        }
+      };
+    };
+
+    svr.Post("/v1/completions",
+             guarded([this](const auto& q, auto& r) { handle_generate(q, r, Endpoint::Completions); }));
+    svr.Post("/v1/chat/completions",
+             guarded([this](const auto& q, auto& r) { handle_generate(q, r, Endpoint::Chat); }));
+    svr.Get("/v1/models", guarded([this](const auto&, auto& r) {
+              send_json(r, 200,
+                        json{{"object", "list"},
+                             {"data", json::array({json{{"id", facts.name},
+                                                        {"object", "model"},
+                                                        {"created", now_unix()},
+                                                        {"owned_by", "hypic"},
+                                                        {"max_model_len", facts.context}}})}});
+            }));
+    svr.Get("/health", guarded([](const auto&, auto& r) { send_json(r, 200, json{{"status", "ok"}}); }));
+    svr.Get("/metrics", guarded([this](const auto&, auto& r) {
+              r.set_content(metrics.render(sched->cache_stats()), "text/plain; version=0.0.4; charset=utf-8");
+            }));
+    svr.Post("/v1/segments", guarded([this](const auto& q, auto& r) { handle_segments_post(q, r); }));
+    svr.Get("/v1/segments", guarded([this](const auto&, auto& r) {
+              json data = json::array();
+              for (auto& s : sched->list_segments()) data.push_back(segment_json(s));
+              send_json(r, 200, json{{"object", "list"}, {"data", data}, {"cache", cache_json()}});
+            }));
+    svr.Delete("/v1/segments", guarded([this](const auto&, auto& r) {
+                 const size_t n = sched->list_segments().size();
+                 sched->clear_segments();
+                 send_json(r, 200, json{{"object", "list"}, {"deleted", n}});
+               }));
+    const std::string seg_id = R"(/v1/segments/([^/]+))";
+    svr.Get(seg_id, guarded([this](const auto& q, auto& r) {
+              const std::string id = q.matches[1];
+              for (auto& s : sched->list_segments())
+                if (s.id == id) return send_json(r, 200, segment_json(s));
+              throw ApiError(404, "no segment with id '" + id + "'", "not_found_error", "id", "segment_not_found");
+            }));
+    svr.Delete(seg_id, guarded([this](const auto& q, auto& r) {
+                 const std::string id = q.matches[1];
+                 if (!sched->erase_segment(id))
+                   throw ApiError(404, "no segment with id '" + id + "'", "not_found_error", "id", "segment_not_found");
+                 send_json(r, 200, json{{"id", id}, {"object", "segment"}, {"deleted", true}});
+               }));
+
+    // 405 for known paths with another method.
+    struct Route {
+      std::string path;
+      std::vector<std::string> allowed;
+    };
+    const std::vector<Route> routes = {{"/v1/completions", {"POST"}}, {"/v1/chat/completions", {"POST"}},
+                                       {"/v1/models", {"GET"}},       {"/health", {"GET"}},
+                                       {"/metrics", {"GET"}},         {"/v1/segments", {"GET", "POST", "DELETE"}},
+                                       {seg_id, {"GET", "DELETE"}}};
+    for (const auto& rt : routes) {
+      std::string allow;
+      for (auto& m : rt.allowed) allow += (allow.empty() ? "" : ", ") + m;
+      auto h = [allow](const httplib::Request& req, httplib::Response& res) {
+        res.set_header("Allow", allow);
+        send_json(
+            res, 405,
+            error_body(405, "method " + req.method + " is not allowed on " + req.path + " (allowed: " + allow + ")",
+                       "invalid_request_error", "", "method_not_allowed"));
+      };
+      auto allowed = [&](const char* m) {
+        return std::find(rt.allowed.begin(), rt.allowed.end(), m) != rt.allowed.end();
+      };
+      if (!allowed("GET")) svr.Get(rt.path, h);
+      if (!allowed("POST")) svr.Post(rt.path, h);
+      if (!allowed("PUT")) svr.Put(rt.path, h);
+      if (!allowed("PATCH")) svr.Patch(rt.path, h);
+      if (!allowed("DELETE")) svr.Delete(rt.path, h);
+    }
+  }
+
+  void log_request(const httplib::Request& req, const httplib::Response& res) {
+    int status = res.status;
+    const std::string ep = endpoint_label(req.path);
+    std::shared_ptr<Job> job = t_ctx.job;
+    const double ms = t_ctx.active ? std::chrono::duration<double, std::milli>(Clock::now() - t_ctx.start).count() : 0;
+    if (job && job->cancelled.load()) status = 499;
+    metrics.count_request(ep, status);
+    if (job) {
+      std::lock_guard<std::mutex> lk(job->mu);
+      if (job->kind == Job::Kind::Generate)
+        spdlog::info(
+            "{} {} {} status={} prompt_tokens={} cached_tokens={} completion_tokens={} ttft_ms={:.1f} total_ms={:.1f} "
+            "mode={} segments={} finish={}",
+            job->id, req.method, req.path, status, job->gen.prompt_tokens, job->report.reused_tokens,
+            job->completion_tokens, job->ttft_ms, ms, pic_mode_name(job->gen.pic.mode), job->gen.segments.size(),
+            job->finish_reason.empty() ? "-" : job->finish_reason);
+      else
+        spdlog::info("{} {} {} status={} segments={} built={} total_ms={:.1f}", job->id, req.method, req.path, status,
+                     job->segs.segments.size(), job->report.miss_segments, ms);
+    } else if (status < 400 && (ep == "/metrics" || ep == "/health")) {
+      spdlog::debug("{} {} status={} total_ms={:.1f}", req.method, req.path, status, ms);  // scrapes and probes
+    } else {
+      spdlog::info("{} {} status={} total_ms={:.1f}", req.method, req.path, status, ms);
+    }
+    t_ctx = ReqCtx{};
+  }
+};
+
+HttpServer::HttpServer(LoadedModel& lm, ServerOptions opt) : impl_(std::make_unique<Impl>(lm, std::move(opt))) {
+  std::signal(SIGPIPE, SIG_IGN);
+}
+
+HttpServer::~HttpServer() {
+  stop();
+}
+
+int HttpServer::bind() {
+  auto& s = *impl_;
+  if (s.opt.port == 0) {
+    s.bound_port = s.svr.bind_to_any_port(s.opt.host);
+    if (s.bound_port <= 0) throw std::runtime_error("cannot bind to " + s.opt.host + " (any port)");
+  } else {
+    if (!s.svr.bind_to_port(s.opt.host, s.opt.port))
+      throw std::runtime_error("cannot bind to " + s.opt.host + ":" + std::to_string(s.opt.port));
+    s.bound_port = s.opt.port;
+  }
+  return s.bound_port;
+}
+
+void HttpServer::run() {
+  impl_->svr.listen_after_bind();
+}
+
+void HttpServer::stop() {
+  if (!impl_) return;
+  if (!impl_->stopped.exchange(true)) impl_->sched->stop();
+  impl_->svr.stop();
+}
+
+const std::string& HttpServer::model_name() const {
+  return impl_->facts.name;
+}
+Metrics& HttpServer::metrics() {
+  return impl_->metrics;
+}
+
+}  // namespace hypic::server

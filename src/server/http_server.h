@@ -1,0 +1,50 @@
+// `hypic serve`: an OpenAI-compatible HTTP server over one loaded model (cpp-httplib).
+//   POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics,
+//   POST|GET|DELETE /v1/segments, GET|DELETE /v1/segments/{id}.
+// See docs/serving.md for the request fields, the PIC extension and the metrics.
+#pragma once
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "pic/composer.h"
+#include "server/scheduler.h"
+
+namespace hypic {
+struct LoadedModel;
+}
+
+namespace hypic::server {
+
+struct ServerOptions {
+  std::string host = "127.0.0.1";
+  int port = 8080;         // 0: any free port (see HttpServer::bind)
+  std::string model_name;  // served name; default: the model folder's base name
+  PicOptions pic;          // defaults for requests without a "pic" object
+  SchedulerOptions sched;
+  size_t max_body_bytes = size_t(32) << 20;  // larger bodies get 413
+  int max_json_depth = 64;                   // deeper JSON gets 400
+  int http_threads = 0;                      // 0: max_running + max_queue + 8
+};
+
+class HttpServer {
+ public:
+  // The model must outlive the server. Starts the engine thread.
+  HttpServer(LoadedModel& lm, ServerOptions opt);
+  ~HttpServer();
+  // Binds the listening socket; returns the port (the chosen one when opt.port == 0). Throws
+  // std::runtime_error when the address cannot be bound.
+  int bind();
+  // Serves until stop(); call bind() first.
+  void run();
+  // Stops accepting, fails queued/running jobs with 503, returns once handlers are released.
+  void stop();
+  const std::string& model_name() const;
+  Metrics& metrics();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace hypic::server

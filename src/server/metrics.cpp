@@ -1,0 +1,118 @@
+#include "server/metrics.h"
+
+#include <cstdio>
+
+namespace hypic::server {
+
+namespace {
+std::string num(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.12g", v);
+  return buf;
+}
+void header(std::string& out, const char* name, const char* type, const char* help) {
+  out += "# HELP ";
+  out += name;
+  out += ' ';
+  out += help;
+  out += "\n# TYPE ";
+  out += name;
+  out += ' ';
+  out += type;
+  out += '\n';
+}
+void scalar(std::string& out, const char* name, const char* type, const char* help, double v) {
+  header(out, name, type, help);
+  out += name;
+  out += ' ';
+  out += num(v);
+  out += '\n';
+}
+const std::vector<double> kLatencyBounds = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120};
+}  // namespace
+
+Histogram::Histogram(std::vector<double> bounds) : bounds_(std::move(bounds)), counts_(bounds_.size() + 1, 0) {}
+
+void Histogram::observe(double v) {
+  std::lock_guard<std::mutex> g(mu_);
+  size_t i = 0;
+  while (i < bounds_.size() && v > bounds_[i]) ++i;
+  ++counts_[i];
+  sum_ += v;
+  ++n_;
+}
+
+void Histogram::render(std::string& out, const std::string& name) const {
+  std::lock_guard<std::mutex> g(mu_);
+  uint64_t cum = 0;
+  for (size_t i = 0; i < bounds_.size(); ++i) {
+    cum += counts_[i];
+    out += name + "_bucket{le=\"" + num(bounds_[i]) + "\"} " + std::to_string(cum) + "\n";
+  }
+  cum += counts_.back();
+  out += name + "_bucket{le=\"+Inf\"} " + std::to_string(cum) + "\n";
+  out += name + "_sum " + num(sum_) + "\n";
+  out += name + "_count " + std::to_string(n_) + "\n";
+}
+
+Metrics::Metrics() : ttft_(kLatencyBounds), latency_(kLatencyBounds) {}
+
+void Metrics::count_request(const std::string& endpoint, int status) {
+  std::lock_guard<std::mutex> g(mu_);
+  ++requests_[{endpoint, status}];
+}
+
+void Metrics::observe_generation(double ttft_s, double total_s, int64_t prompt_computed, int64_t prompt_reused,
+                                 int64_t generated, int hit_segments, int miss_segments) {
+  if (ttft_s >= 0) ttft_.observe(ttft_s);
+  latency_.observe(total_s);
+  prompt_computed_ += static_cast<uint64_t>(std::max<int64_t>(prompt_computed, 0));
+  prompt_reused_ += static_cast<uint64_t>(std::max<int64_t>(prompt_reused, 0));
+  generated_ += static_cast<uint64_t>(std::max<int64_t>(generated, 0));
+  seg_hits_ += static_cast<uint64_t>(std::max(hit_segments, 0));
+  seg_misses_ += static_cast<uint64_t>(std::max(miss_segments, 0));
+}
+
+std::string Metrics::render(const SegmentCacheStats& c) const {
+  std::string out;
+  header(out, "hypic_requests_total", "counter", "HTTP requests by endpoint and status (499: client went away)");
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    for (const auto& [k, v] : requests_)
+      out += "hypic_requests_total{endpoint=\"" + k.first + "\",status=\"" + std::to_string(k.second) + "\"} " +
+             std::to_string(v) + "\n";
+  }
+  header(out, "hypic_time_to_first_token_seconds", "histogram", "Request arrival to first generated token");
+  ttft_.render(out, "hypic_time_to_first_token_seconds");
+  header(out, "hypic_request_latency_seconds", "histogram", "Generation request arrival to last token");
+  latency_.render(out, "hypic_request_latency_seconds");
+  scalar(out, "hypic_prompt_tokens_prefilled_total", "counter",
+         "Prompt tokens run through the model (isolated segment prefills, seams, questions)",
+         static_cast<double>(prompt_computed_.load()));
+  scalar(out, "hypic_prompt_tokens_reused_total", "counter", "Prompt tokens taken from the cache without recompute",
+         static_cast<double>(prompt_reused_.load()));
+  scalar(out, "hypic_generation_tokens_total", "counter", "Generated tokens", static_cast<double>(generated_.load()));
+  scalar(out, "hypic_segment_cache_hits_total", "counter", "Prompt segments found in the segment cache",
+         static_cast<double>(seg_hits_.load()));
+  scalar(out, "hypic_segment_cache_misses_total", "counter", "Prompt segments prefilled in isolation and cached",
+         static_cast<double>(seg_misses_.load()));
+  scalar(out, "hypic_segment_cache_evictions_total", "counter", "Segment cache LRU evictions",
+         static_cast<double>(c.evictions));
+  scalar(out, "hypic_segment_cache_inserts_total", "counter", "Segment cache insertions",
+         static_cast<double>(c.inserts));
+  scalar(out, "hypic_segment_cache_bytes", "gauge", "Bytes held by the segment cache", static_cast<double>(c.bytes));
+  scalar(out, "hypic_segment_cache_entries", "gauge", "Entries in the segment cache", static_cast<double>(c.entries));
+  scalar(out, "hypic_segment_cache_budget_bytes", "gauge", "Segment cache byte budget", static_cast<double>(c.budget));
+  scalar(out, "hypic_queue_depth", "gauge", "Requests waiting for the engine", static_cast<double>(queue_depth.load()));
+  scalar(out, "hypic_running_requests", "gauge", "Requests being prefilled or decoded",
+         static_cast<double>(running.load()));
+  scalar(out, "hypic_cancelled_requests_total", "counter", "Requests cancelled because the client went away",
+         static_cast<double>(cancelled.load()));
+  scalar(out, "hypic_prefill_steps_total", "counter", "Engine iterations that ran a prefill unit",
+         static_cast<double>(prefill_chunks.load()));
+  scalar(out, "hypic_decode_steps_total", "counter", "Engine iterations that advanced running sequences",
+         static_cast<double>(decode_steps.load()));
+  return out;
+}
+
+}  // namespace hypic::server

@@ -1,0 +1,48 @@
+// Server metrics, rendered in the Prometheus text exposition format (version 0.0.4).
+#pragma once
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "pic/segment_cache.h"
+
+namespace hypic::server {
+
+class Histogram {
+ public:
+  explicit Histogram(std::vector<double> bounds);
+  void observe(double v);
+  // Appends `name_bucket{le=...}`, `name_sum`, `name_count` lines.
+  void render(std::string& out, const std::string& name) const;
+
+ private:
+  std::vector<double> bounds_;
+  std::vector<uint64_t> counts_;  // one per bound, plus +Inf
+  double sum_ = 0;
+  uint64_t n_ = 0;
+  mutable std::mutex mu_;
+};
+
+struct Metrics {
+  Metrics();
+  void count_request(const std::string& endpoint, int status);
+  // Generation requests that finished (any status): latency figures and token counts.
+  void observe_generation(double ttft_s, double total_s, int64_t prompt_computed, int64_t prompt_reused,
+                          int64_t generated, int hit_segments, int miss_segments);
+  std::string render(const SegmentCacheStats& cache) const;
+
+  std::atomic<int64_t> queue_depth{0}, running{0};
+  std::atomic<uint64_t> cancelled{0}, prefill_chunks{0}, decode_steps{0};
+
+ private:
+  mutable std::mutex mu_;
+  std::map<std::pair<std::string, int>, uint64_t> requests_;
+  Histogram ttft_, latency_;
+  std::atomic<uint64_t> prompt_computed_{0}, prompt_reused_{0}, generated_{0}, seg_hits_{0}, seg_misses_{0};
+};
+
+}  // namespace hypic::server

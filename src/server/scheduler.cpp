@@ -1,0 +1,456 @@
+#include "server/scheduler.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "tokenizer/tokenizer.h"
+
+namespace hypic::server {
+
+namespace {
+double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+}  // namespace
+
+bool Job::wait(std::vector<TokenOut>& got, std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lk(mu);
+  cv.wait_for(lk, timeout, [&] { return done || !out.empty(); });
+  for (auto& t : out) got.push_back(std::move(t));
+  out.clear();
+  return done;
+}
+
+// Engine-side state of one admitted job.
+struct Scheduler::Seq {
+  std::shared_ptr<Job> job;
+  enum class Stage { Start, Warm, Compose, Chunked, Decode } stage = Stage::Start;
+  // prefill progress
+  size_t warm_next = 0;
+  std::vector<std::shared_ptr<const SegmentEntry>> pins;  // keeps this request's entries resident
+  int hits = 0, misses = 0;
+  int64_t built_reused = 0, built_computed = 0;
+  std::vector<int32_t> flat;
+  size_t flat_done = 0;
+  // decoding
+  SequenceState st;
+  Tensor logits;
+  std::unique_ptr<Sampler> sampler;
+  std::unique_ptr<Tokenizer::StreamDecoder> dec;
+  std::string text;    // decoded so far (cut at a stop string)
+  size_t emitted = 0;  // bytes of text released to the handler
+  int generated = 0;
+  int32_t next_id = 0;
+  bool finished = false;
+};
+
+Scheduler::Scheduler(Model& model, const Tokenizer* tok, SchedulerOptions opt, Metrics& metrics)
+    : model_(model), tok_(tok), opt_(opt), metrics_(metrics), engine_(model, opt.cache_budget_bytes) {
+  if (opt_.max_running < 1) throw std::invalid_argument("--max-running must be >= 1");
+  if (opt_.max_queue < 1) throw std::invalid_argument("--max-queue must be >= 1");
+  if (opt_.prefill_chunk < 1) throw std::invalid_argument("--prefill-chunk must be >= 1");
+}
+
+Scheduler::~Scheduler() {
+  stop();
+}
+
+void Scheduler::start() {
+  std::lock_guard<std::mutex> g(mu_);
+  if (thread_.joinable()) return;
+  stopping_ = false;
+  thread_ = std::thread([this] { loop(); });
+}
+
+void Scheduler::stop() {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  std::deque<std::shared_ptr<Job>> left;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    left.swap(queue_);
+  }
+  for (auto& j : left) fail(*j, 503, "the server is shutting down");
+  for (auto& s : running_) fail(*s->job, 503, "the server is shutting down");
+  running_.clear();
+  metrics_.queue_depth = 0;
+  metrics_.running = 0;
+}
+
+bool Scheduler::submit(const std::shared_ptr<Job>& job) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (stopping_ || !thread_.joinable()) return false;
+    if (static_cast<int>(queue_.size()) >= opt_.max_queue) return false;
+    queue_.push_back(job);
+    metrics_.queue_depth = static_cast<int64_t>(queue_.size());
+  }
+  cv_.notify_all();
+  return true;
+}
+
+void Scheduler::fail(Job& j, int status, const std::string& msg) {
+  {
+    std::lock_guard<std::mutex> g(j.mu);
+    if (j.done) return;
+    j.error_status = status;
+    j.error_message = msg;
+    j.total_ms = ms_since(j.arrived);
+    j.done = true;
+  }
+  j.cv.notify_all();
+}
+
+void Scheduler::loop() {
+  while (true) {
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      cv_.wait(lk, [&] { return stopping_ || !queue_.empty() || !running_.empty(); });
+      if (stopping_) return;
+      while (static_cast<int>(running_.size()) < opt_.max_running && !queue_.empty()) {
+        auto s = std::make_unique<Seq>();
+        s->job = std::move(queue_.front());
+        queue_.pop_front();
+        running_.push_back(std::move(s));
+      }
+      metrics_.queue_depth = static_cast<int64_t>(queue_.size());
+      metrics_.running = static_cast<int64_t>(running_.size());
+    }
+    try {
+      step();
+    } catch (const std::exception& e) {  // never expected: per-job errors are caught inside
+      spdlog::error("engine iteration failed: {}", e.what());
+      for (auto& s : running_) fail(*s->job, 500, std::string("engine error: ") + e.what());
+      running_.clear();
+    }
+    running_.erase(std::remove_if(running_.begin(), running_.end(), [](const auto& s) { return s->finished; }),
+                   running_.end());
+    metrics_.running = static_cast<int64_t>(running_.size());
+  }
+}
+
+void Scheduler::step() {
+  // Client went away: free the sequence now.
+  for (auto& s : running_)
+    if (s->job->cancelled.load()) {
+      {
+        std::lock_guard<std::mutex> g(s->job->mu);
+        s->job->completion_tokens = s->generated;
+      }
+      fail(*s->job, 499, "the client closed the connection");
+      metrics_.cancelled++;
+      s->finished = true;
+    }
+  // One prefill unit for the oldest job still prefilling.
+  for (auto& s : running_) {
+    if (s->finished || s->stage == Seq::Stage::Decode) continue;
+    metrics_.prefill_chunks++;
+    try {
+      if (prefill_unit(*s) && s->job->kind == Job::Kind::Generate) start_decode(*s);
+    } catch (const std::length_error& e) {
+      fail(*s->job, 503, e.what());
+      s->finished = true;
+    } catch (const std::invalid_argument& e) {
+      fail(*s->job, 400, e.what());
+      s->finished = true;
+    } catch (const std::exception& e) {
+      fail(*s->job, 500, std::string("engine error: ") + e.what());
+      s->finished = true;
+    }
+    break;
+  }
+  // Sample the next token of every decoding sequence, then advance them together.
+  std::vector<Seq*> cont;
+  for (auto& s : running_) {
+    if (s->finished || s->stage != Seq::Stage::Decode) continue;
+    try {
+      decode_sample(*s);
+      if (!s->finished) cont.push_back(s.get());
+    } catch (const std::exception& e) {
+      fail(*s->job, 500, std::string("engine error: ") + e.what());
+      s->finished = true;
+    }
+  }
+  if (!cont.empty()) {
+    metrics_.decode_steps++;
+    decode_step(cont);
+  }
+}
+
+void Scheduler::remember(const std::shared_ptr<const SegmentEntry>& e) {
+  std::lock_guard<std::mutex> g(index_mu_);
+  auto& x = index_[e->key.hash()];
+  x.key = e->key;
+  x.entry = e;
+  x.bytes = e->bytes;
+}
+
+std::shared_ptr<const SegmentEntry> Scheduler::get_or_build(const std::vector<int32_t>& ids, int seam, bool& built) {
+  SegmentKey key{model_.fingerprint(), seam, ids};
+  auto e = engine_.cache().find(key);
+  built = !e;
+  if (!e) e = engine_.cache().insert(engine_.build_entry(ids, seam));
+  remember(e);
+  return e;
+}
+
+bool Scheduler::prefill_unit(Seq& s) {
+  Job& j = *s.job;
+  if (j.kind == Job::Kind::Segments) {
+    if (s.warm_next == 0) j.segments_result = nlohmann::json::array();
+    while (s.warm_next < j.segs.segments.size()) {
+      const auto& ids = j.segs.segments[s.warm_next++];
+      bool built = false;
+      auto e = get_or_build(ids, j.segs.seam, built);
+      j.segments_result.push_back({{"id", hex64(e->key.hash())},
+                                   {"tokens", ids.size()},
+                                   {"bytes", e->bytes},
+                                   {"seam", j.segs.seam},
+                                   {"cached", !built}});
+      if (built) {
+        ++s.misses;
+        break;  // one isolated prefill per iteration
+      }
+      ++s.hits;
+    }
+    if (s.warm_next < j.segs.segments.size()) return false;
+    {
+      std::lock_guard<std::mutex> g(j.mu);
+      j.report.hit_segments = s.hits;
+      j.report.miss_segments = s.misses;
+      j.total_ms = ms_since(j.arrived);
+      j.finish_reason = "stop";
+      j.done = true;
+    }
+    j.cv.notify_all();
+    s.finished = true;
+    return true;
+  }
+
+  GenSpec& g = j.gen;
+  const auto& segs = g.segments;
+  const int64_t ctx = model_.config().max_position_embeddings;
+  const int64_t want = g.prompt_tokens + std::max(g.max_tokens, 0);
+  const int64_t cap = ctx > 0 ? std::min(want, ctx) : want;
+  if (s.stage == Seq::Stage::Start) {
+    const bool composed = segs.size() > 1 && (g.pic.mode == PicMode::Pic || g.pic.mode == PicMode::Naive);
+    if (segs.size() > 1 && g.pic.mode == PicMode::Prefix) {
+      // The context through the prefix cache in one unit; a question longer than a prefill
+      // chunk then goes in chunks.
+      PicOptions po = g.pic;
+      po.skip_question = segs.back().size() > static_cast<size_t>(opt_.prefill_chunk);
+      PrefillResult r = engine_.prefill(segs, po);
+      s.st = std::move(r.state);
+      model_.reserve(s.st, std::max<int64_t>(cap, 1));
+      j.report = r.report;
+      if (!po.skip_question) {
+        s.logits = r.logits;
+        return true;
+      }
+      s.flat = segs.back();
+      s.stage = Seq::Stage::Chunked;
+      return false;
+    }
+    if (composed) {
+      s.stage = Seq::Stage::Warm;
+    } else {
+      for (auto& x : segs) s.flat.insert(s.flat.end(), x.begin(), x.end());
+      s.st = model_.new_state(std::max<int64_t>(cap, 1));
+      s.stage = Seq::Stage::Chunked;
+    }
+  }
+  if (s.stage == Seq::Stage::Chunked) {
+    const size_t n = std::min(static_cast<size_t>(opt_.prefill_chunk), s.flat.size() - s.flat_done);
+    s.logits = model_.forward(std::span<const int32_t>(s.flat.data() + s.flat_done, n), s.st);
+    s.flat_done += n;
+    if (s.flat_done < s.flat.size()) return false;
+    j.report.computed_tokens += static_cast<int64_t>(s.flat.size());
+    return true;
+  }
+  if (s.stage == Seq::Stage::Warm) {
+    // Every context segment is looked up; a missing one is built in isolation (one per
+    // iteration) and pinned, so the composition below finds them all.
+    const bool naive = g.pic.mode == PicMode::Naive;
+    bool built_one = false;
+    while (s.warm_next + 1 < segs.size() && !built_one) {
+      const size_t i = s.warm_next++;
+      const int seam = (i == 0 || naive) ? 0 : g.pic.seam;
+      bool built = false;
+      s.pins.push_back(get_or_build(segs[i], seam, built));
+      if (built) {
+        const int64_t L = static_cast<int64_t>(segs[i].size());
+        ++s.misses;
+        s.built_reused += L - std::min<int64_t>(seam, L);
+        s.built_computed += L;
+        built_one = true;
+      } else {
+        ++s.hits;
+      }
+    }
+    if (s.warm_next + 1 < segs.size() || built_one) return false;
+    s.stage = Seq::Stage::Compose;
+  }
+  if (s.stage == Seq::Stage::Compose) {
+    // Composition of the context (all hits now). The engine runs the seams and the question in
+    // one pass; a question longer than a prefill chunk is left out and prefilled in chunks after.
+    PicOptions po = g.pic;
+    po.skip_question = segs.back().size() > static_cast<size_t>(opt_.prefill_chunk);
+    PrefillResult r = engine_.prefill(segs, po);
+    s.st = std::move(r.state);
+    model_.reserve(s.st, std::max<int64_t>(cap, 1));
+    s.pins.clear();
+    // The composition saw every segment as a hit; segments built for this request count as
+    // computed, not reused.
+    CacheReport rep = r.report;
+    rep.reused_tokens = std::max<int64_t>(0, rep.reused_tokens - s.built_reused);
+    rep.computed_tokens += s.built_computed;
+    rep.miss_segments += s.misses;
+    rep.hit_segments = std::max(0, rep.hit_segments - s.misses);
+    j.report = rep;
+    if (!po.skip_question) {
+      s.logits = r.logits;
+      return true;
+    }
+    s.flat = segs.back();
+    s.stage = Seq::Stage::Chunked;
+    return false;
+  }
+  return false;
+}
+
+void Scheduler::start_decode(Seq& s) {
+  Job& j = *s.job;
+  s.stage = Seq::Stage::Decode;
+  const int64_t ctx = model_.config().max_position_embeddings;
+  int64_t want = s.st.n_past + std::max(j.gen.max_tokens, 0);
+  if (ctx > 0) want = std::min(want, ctx);
+  model_.reserve(s.st, std::max<int64_t>(want, 1));
+  s.sampler = std::make_unique<Sampler>(j.gen.sampling);
+  if (tok_) s.dec = std::make_unique<Tokenizer::StreamDecoder>(*tok_, /*skip_special=*/true);
+  if (j.gen.max_tokens <= 0) finish(s, "length");
+}
+
+void Scheduler::decode_sample(Seq& s) {
+  Job& j = *s.job;
+  const GenSpec& g = j.gen;
+  Backend& be = model_.backend();
+  Tensor host = be.to_host(s.logits);
+  std::span<const float> row(host.data<float>(), static_cast<size_t>(host.numel()));
+  const int32_t id = s.sampler->sample(row);
+  TokenOut t;
+  t.id = id;
+  if (g.logprobs >= 0) t.logprob = token_logprob(row, id, g.logprobs);
+  ++s.generated;
+  bool is_eos = false;
+  for (auto e : g.eos_ids) is_eos |= (e == id);
+  std::string reason;
+  bool cut_at_stop = false;
+  if (s.dec) {
+    const size_t before = s.text.size();
+    s.text += s.dec->push(id);
+    if (!g.stop.empty()) {
+      size_t cut = std::string::npos;
+      for (const auto& stop : g.stop) {
+        const size_t from = before >= stop.size() ? before - stop.size() + 1 : 0;
+        const size_t p = s.text.find(stop, from);
+        if (p != std::string::npos) cut = std::min(cut, p);
+      }
+      if (cut != std::string::npos) {
+        s.text.resize(cut);
+        reason = "stop";
+        cut_at_stop = true;
+      }
+    }
+  }
+  if (reason.empty() && is_eos) reason = "stop";
+  const int64_t ctx = model_.config().max_position_embeddings;
+  if (reason.empty() && (s.generated >= g.max_tokens || (ctx > 0 && s.st.n_past + 1 > ctx))) reason = "length";
+  if (!reason.empty() && !cut_at_stop && s.dec) s.text += s.dec->flush();
+  // Release what can no longer turn into a stop string.
+  const size_t safe = reason.empty() ? s.text.size() - stop_holdback(s.text, g.stop) : s.text.size();
+  if (safe > s.emitted) {
+    t.text = s.text.substr(s.emitted, safe - s.emitted);
+    s.emitted = safe;
+  }
+  {
+    std::lock_guard<std::mutex> lk(j.mu);
+    if (s.generated == 1) j.ttft_ms = ms_since(j.arrived);
+    j.out.push_back(std::move(t));
+  }
+  j.cv.notify_all();
+  if (!reason.empty()) {
+    finish(s, reason);
+    return;
+  }
+  s.next_id = id;
+}
+
+void Scheduler::decode_step(std::vector<Seq*>& seqs) {
+  for (Seq* s : seqs) {
+    try {
+      s->logits = model_.forward(std::span<const int32_t>(&s->next_id, 1), s->st);
+    } catch (const std::exception& e) {
+      fail(*s->job, 500, std::string("engine error: ") + e.what());
+      s->finished = true;
+    }
+  }
+}
+
+void Scheduler::finish(Seq& s, const std::string& reason) {
+  Job& j = *s.job;
+  {
+    std::lock_guard<std::mutex> lk(j.mu);
+    if (s.emitted < s.text.size()) j.tail = s.text.substr(s.emitted);
+    s.emitted = s.text.size();
+    j.finish_reason = reason;
+    j.completion_tokens = s.generated;
+    j.total_ms = ms_since(j.arrived);
+    j.done = true;
+  }
+  j.cv.notify_all();
+  metrics_.observe_generation(j.ttft_ms >= 0 ? j.ttft_ms / 1000.0 : -1, j.total_ms / 1000.0, j.report.computed_tokens,
+                              j.report.reused_tokens, s.generated, j.report.hit_segments, j.report.miss_segments);
+  s.finished = true;
+}
+
+std::vector<SegmentInfo> Scheduler::list_segments() {
+  std::vector<SegmentInfo> out;
+  std::lock_guard<std::mutex> g(index_mu_);
+  for (auto it = index_.begin(); it != index_.end();) {
+    if (it->second.entry.expired()) {
+      it = index_.erase(it);
+      continue;
+    }
+    out.push_back(
+        {hex64(it->first), static_cast<int64_t>(it->second.key.ids.size()), it->second.bytes, it->second.key.seam});
+    ++it;
+  }
+  return out;
+}
+
+bool Scheduler::erase_segment(const std::string& id) {
+  uint64_t h = 0;
+  if (id.empty() || id.size() > 16 || id.find_first_not_of("0123456789abcdefABCDEF") != std::string::npos) return false;
+  h = std::stoull(id, nullptr, 16);
+  std::lock_guard<std::mutex> g(index_mu_);
+  auto it = index_.find(h);
+  if (it == index_.end()) return false;
+  const bool alive = !it->second.entry.expired();
+  const bool erased = engine_.cache().erase(it->second.key);
+  index_.erase(it);
+  return erased || alive;
+}
+
+void Scheduler::clear_segments() {
+  std::lock_guard<std::mutex> g(index_mu_);
+  engine_.cache().clear();
+  index_.clear();
+}
+
+}  // namespace hypic::server

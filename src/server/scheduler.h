@@ -1,0 +1,146 @@
+// The engine thread of `hypic serve`. The model and its caches are not safe for concurrent
+// forwards, so one thread owns them; HTTP handler threads submit Jobs into a bounded queue and
+// wait on each job's output channel.
+//
+// Each engine iteration (continuous batching):
+//   1. admits queued jobs while fewer than max_running are running;
+//   2. drops jobs whose client went away (their sequence state is freed);
+//   3. runs ONE prefill unit for the oldest job still prefilling: a span of at most
+//      prefill_chunk tokens (full mode, or a prompt without segments), one missing segment built
+//      in isolation (pic / naive, and the segments API), or the final composition;
+//   4. advances every decoding sequence by one token (decode_step: one Model::forward per
+//      sequence today; a batched Model call replaces that one function).
+// So a long prompt is spread over many iterations and never stalls the streams already running.
+#pragma once
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine/sampler.h"
+#include "models/model.h"
+#include "pic/composer.h"
+#include "server/api.h"
+#include "server/metrics.h"
+
+namespace hypic {
+class Tokenizer;
+}
+
+namespace hypic::server {
+
+using Clock = std::chrono::steady_clock;
+
+// One generated token as the handler sees it: the text that may be shown now (held back while it
+// could still be the start of a stop string, so streamed text always equals the final text).
+struct TokenOut {
+  int32_t id = 0;
+  std::string text;
+  std::optional<TokenLogprob> logprob;
+};
+
+struct Job {
+  enum class Kind { Generate, Segments };
+  Kind kind = Kind::Generate;
+  std::string id;  // request id (cmpl-..., chatcmpl-..., seg-...)
+  GenSpec gen;
+  SegmentsSpec segs;
+  Clock::time_point arrived = Clock::now();
+  std::atomic<bool> cancelled{false};
+
+  // ---- output channel (guarded by mu) ----
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<TokenOut> out;  // produced, not yet taken by the handler
+  std::string tail;           // text released at the end (held-back bytes, decoder flush)
+  bool done = false;
+  int error_status = 0;  // != 0: the job failed (499: cancelled)
+  std::string error_message;
+  // Final figures (valid once done).
+  std::string finish_reason;
+  int64_t completion_tokens = 0;
+  CacheReport report;  // hit/miss segments, reused / computed prompt tokens for THIS request
+  double ttft_ms = -1, total_ms = 0;
+  nlohmann::json segments_result;  // Segments jobs: [{"id", "tokens", "bytes", "cached"}]
+
+  // Handler side: waits up to `timeout` for output; moves new tokens into `got`. Returns done.
+  bool wait(std::vector<TokenOut>& got, std::chrono::milliseconds timeout);
+};
+
+struct SchedulerOptions {
+  size_t cache_budget_bytes = size_t(4096) << 20;
+  int max_queue = 64;
+  int max_running = 8;
+  int prefill_chunk = 512;
+};
+
+struct SegmentInfo {
+  std::string id;
+  int64_t tokens = 0;
+  size_t bytes = 0;
+  int seam = 0;
+};
+
+class Scheduler {
+ public:
+  Scheduler(Model& model, const Tokenizer* tok, SchedulerOptions opt, Metrics& metrics);
+  ~Scheduler();
+  void start();
+  // Fails every queued and running job with 503 and joins the engine thread.
+  void stop();
+  // false: the queue is full (or the scheduler stopped) and the job was not taken.
+  bool submit(const std::shared_ptr<Job>& job);
+
+  SegmentCacheStats cache_stats() const { return engine_.cache().stats(); }
+  // Entries this server put in (or found in) the segment cache and that are still there.
+  std::vector<SegmentInfo> list_segments();
+  bool erase_segment(const std::string& id);  // false: unknown id
+  void clear_segments();
+
+ private:
+  struct Seq;
+  void loop();
+  void step();
+  bool prefill_unit(Seq& s);  // true when the sequence is ready to decode (or finished)
+  void start_decode(Seq& s);
+  void decode_sample(Seq& s);  // samples from s.logits, emits; may finish the job
+  // Advances each sequence by its next token. One Model::forward per sequence for now; a
+  // batched Model call (all rows through the weights at once) replaces this function.
+  void decode_step(std::vector<Seq*>& seqs);
+  void finish(Seq& s, const std::string& reason);
+  void fail(Job& j, int status, const std::string& msg);
+  std::shared_ptr<const SegmentEntry> get_or_build(const std::vector<int32_t>& ids, int seam, bool& built);
+  void remember(const std::shared_ptr<const SegmentEntry>& e);
+
+  Model& model_;
+  const Tokenizer* tok_;
+  SchedulerOptions opt_;
+  Metrics& metrics_;
+  mutable PicEngine engine_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<Job>> queue_;
+  bool stopping_ = false;
+  std::thread thread_;
+  std::vector<std::unique_ptr<Seq>> running_;  // engine thread only
+
+  struct IndexEntry {
+    SegmentKey key;
+    std::weak_ptr<const SegmentEntry> entry;
+    size_t bytes = 0;
+  };
+  std::mutex index_mu_;
+  std::map<uint64_t, IndexEntry> index_;
+};
+
+}  // namespace hypic::server

@@ -1,0 +1,121 @@
+// End-to-end checks of the hypic binary: JSON shapes and clear errors for bad input.
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+namespace {
+
+struct Run {
+  int rc;
+  std::string out;
+};
+
+Run run(const std::string& args) {
+  std::string cmd = std::string(HYPIC_BIN) + " " + args + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  std::string out;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
+  int st = pclose(p);
+  return {WEXITSTATUS(st), out};
+}
+
+std::string model() { return std::string(HYPIC_TEST_DATA) + "/models/qwen3_5_dense"; }
+
+TEST(Cli, GenerateJsonWithLogprobs) {
+  auto r = run("generate --model " + model() + " --prompt 'Hello world' --max-tokens 6 --logprobs 3 --json --ignore-eos");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  auto j = nlohmann::json::parse(r.out);
+  ASSERT_EQ(j["ids"].size(), 6u);
+  ASSERT_TRUE(j["text"].is_string());
+  ASSERT_EQ(j["logprobs"].size(), 6u);
+  for (size_t i = 0; i < 6; ++i) {
+    auto& e = j["logprobs"][i];
+    EXPECT_EQ(e["id"], j["ids"][i]);
+    ASSERT_EQ(e["top"].size(), 3u);
+    EXPECT_LE(e["logprob"].get<double>(), 0.0);
+    EXPECT_EQ(e["top"][0][0], e["id"]);  // greedy picks the most likely token
+  }
+}
+
+TEST(Cli, SegmentedPromptReportsCacheUse) {
+  auto r = run("generate --model " + model() +
+               " --prompt 'System.<<PIC_SEP>>Doc one text here.<<PIC_SEP>>Doc two text.<<PIC_SEP>>Q?' --max-tokens 2 --json");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["segments"], 4);
+  EXPECT_EQ(j["mode"], "pic");
+  EXPECT_EQ(j["cache"]["miss_segments"], 3);
+  EXPECT_GT(j["cache"]["reused_tokens"].get<int>(), 0);
+}
+
+TEST(Cli, ModesAgreeOnOneSegment) {
+  auto a = run("generate --model " + model() + " --prompt-ids 5,6,7,8,9 --max-tokens 8 --json --mode full");
+  auto b = run("generate --model " + model() + " --prompt-ids 5,6,7,8,9 --max-tokens 8 --json --mode pic");
+  ASSERT_EQ(a.rc, 0);
+  ASSERT_EQ(b.rc, 0);
+  EXPECT_EQ(nlohmann::json::parse(a.out)["ids"], nlohmann::json::parse(b.out)["ids"]);
+}
+
+TEST(Cli, SeededSamplingRepeats) {
+  const std::string args = "generate --model " + model() + " --prompt-ids 1,2,3 --max-tokens 12 --temperature 1 --top-p 0.9 --top-k 50 --seed 7 --json --ignore-eos";
+  auto a = run(args), b = run(args);
+  ASSERT_EQ(a.rc, 0) << a.out;
+  EXPECT_EQ(nlohmann::json::parse(a.out)["ids"], nlohmann::json::parse(b.out)["ids"]);
+}
+
+TEST(Cli, BadInputGivesClearErrors) {
+  struct Case {
+    std::string args, needle;
+  };
+  const std::string m = " --model " + model();
+  auto tmp = std::filesystem::temp_directory_path() / "hypic_cli_test_segments.json";
+  std::ofstream(tmp) << "{\"segments\": [{\"text\": 3}]}";
+  const Case cases[] = {
+      {"generate --model /nonexistent/dir --prompt x", "/nonexistent/dir"},
+      {"generate" + m + " --prompt x --top-p 2", "top_p"},
+      {"generate" + m + " --prompt x --temperature -1", "temperature"},
+      {"generate" + m + " --prompt-ids 1,abc", "abc"},
+      {"generate" + m + " --prompt-ids 99999", "99999"},
+      {"generate" + m + " --prompt x --mode fast", "unknown mode"},
+      {"generate" + m + " --segments-file " + tmp.string(), "segments[0].text"},
+      {"generate" + m + " --segments-file /nonexistent.json", "/nonexistent.json"},
+      {"generate" + m + " --prompt 'a<<PIC_SEP>><<PIC_SEP>>b'", "segment 1 is empty"},
+      {"tokenize" + m + " --ids 1,2,-5", "-5"},
+      {"bench prefill --config /nonexistent.json --random-weights --tokens 8", "/nonexistent.json"},
+  };
+  for (const auto& c : cases) {
+    auto r = run(c.args);
+    EXPECT_NE(r.rc, 0) << c.args;
+    EXPECT_NE(r.out.find(c.needle), std::string::npos) << c.args << "\n" << r.out;
+  }
+  // An over-long prompt is refused before any work.
+  std::string ids = "1";
+  for (int i = 0; i < 4200; ++i) ids += ",1";
+  auto r = run("generate" + m + " --prompt-ids " + ids);
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.out.find("exceeds the model's context"), std::string::npos) << r.out;
+}
+
+TEST(Cli, InfoAndTokenize) {
+  auto r = run("info --json --model " + model());
+  ASSERT_EQ(r.rc, 0) << r.out;
+  auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["layer_map"], "LLLFLLLF");
+  EXPECT_GT(j["parameters"].get<int64_t>(), 0);
+  auto t = run("tokenize --json --text 'hello there' --model " + model());
+  ASSERT_EQ(t.rc, 0) << t.out;
+  auto ids = nlohmann::json::parse(t.out)["ids"];
+  std::string csv;
+  for (auto& v : ids) csv += (csv.empty() ? "" : ",") + std::to_string(v.get<int>());
+  auto d = run("tokenize --json --ids " + csv + " --model " + model());
+  EXPECT_EQ(nlohmann::json::parse(d.out)["text"], "hello there");
+}
+
+}  // namespace

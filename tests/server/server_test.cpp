@@ -1,0 +1,681 @@
+// End-to-end tests of the OpenAI-compatible server: an in-process HttpServer on an ephemeral
+// loopback port, driven with cpp-httplib's client, on the small test model.
+#include <gtest/gtest.h>
+
+#ifdef HYPIC_HAVE_HTTPLIB
+#include <httplib.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine/loader.h"
+#include "server/api.h"
+#include "server/http_server.h"
+
+namespace {
+
+using hypic::server::HttpServer;
+using hypic::server::ServerOptions;
+using nlohmann::json;
+
+std::string model_dir() {
+  return std::string(HYPIC_TEST_DATA) + "/models/qwen3_5_dense";
+}
+
+struct TestServer {
+  hypic::LoadedModel lm;
+  std::unique_ptr<HttpServer> srv;
+  std::thread th;
+  int port = 0;
+
+  explicit TestServer(ServerOptions o = {}) {
+    lm = hypic::load_model(model_dir(), "cpu", 1);
+    o.host = "127.0.0.1";
+    o.port = 0;
+    srv = std::make_unique<HttpServer>(lm, o);
+    port = srv->bind();
+    th = std::thread([this] { srv->run(); });
+  }
+  ~TestServer() {
+    srv->stop();
+    th.join();
+  }
+  httplib::Client client() const {
+    httplib::Client c("127.0.0.1", port);
+    c.set_read_timeout(120, 0);
+    c.set_write_timeout(120, 0);
+    return c;
+  }
+  // POST JSON; returns status and the parsed body (null when not JSON).
+  std::pair<int, json> post(const std::string& path, const std::string& body) const {
+    auto c = client();
+    auto r = c.Post(path, body, "application/json");
+    if (!r) return {-1, json()};
+    return {r->status, json::parse(r->body, nullptr, false)};
+  }
+  std::pair<int, json> post(const std::string& path, const json& body) const { return post(path, body.dump()); }
+  std::pair<int, json> get(const std::string& path) const {
+    auto c = client();
+    auto r = c.Get(path);
+    if (!r) return {-1, json()};
+    return {r->status, json::parse(r->body, nullptr, false)};
+  }
+  std::string get_text(const std::string& path) const {
+    auto c = client();
+    auto r = c.Get(path);
+    return r ? r->body : std::string();
+  }
+  // Streams a POST; returns the raw SSE body.
+  std::string stream(const std::string& path, const json& body) const {
+    auto c = client();
+    auto r = c.Post(path, body.dump(), "application/json");
+    EXPECT_TRUE(r);
+    if (!r) return "";
+    EXPECT_EQ(r->status, 200) << r->body;
+    EXPECT_NE(r->get_header_value("Content-Type").find("text/event-stream"), std::string::npos);
+    return r->body;
+  }
+};
+
+// Splits an SSE body into its `data:` payloads, checking the framing on the way.
+std::vector<std::string> sse_events(const std::string& body) {
+  std::vector<std::string> out;
+  size_t pos = 0;
+  while (pos < body.size()) {
+    const size_t end = body.find("\n\n", pos);
+    EXPECT_NE(end, std::string::npos) << "event not terminated by a blank line at byte " << pos;
+    if (end == std::string::npos) break;
+    const std::string ev = body.substr(pos, end - pos);
+    EXPECT_EQ(ev.rfind("data: ", 0), 0u) << "event does not start with 'data: ': " << ev;
+    out.push_back(ev.substr(6));
+    pos = end + 2;
+  }
+  return out;
+}
+
+void expect_error(const std::pair<int, json>& r, int status, const std::string& what) {
+  EXPECT_EQ(r.first, status) << what << ": " << r.second.dump();
+  ASSERT_TRUE(r.second.is_object()) << what;
+  ASSERT_TRUE(r.second.contains("error")) << what << ": " << r.second.dump();
+  const json& e = r.second["error"];
+  EXPECT_TRUE(e["message"].is_string()) << what;
+  EXPECT_TRUE(e["type"].is_string()) << what;
+  EXPECT_TRUE(e.contains("param")) << what;
+  EXPECT_TRUE(e.contains("code")) << what;
+}
+
+json greedy(json extra) {
+  json b{{"temperature", 0}, {"max_tokens", 12}, {"ignore_eos", true}};
+  for (auto& [k, v] : extra.items()) b[k] = v;
+  return b;
+}
+
+TEST(Server, HealthAndModels) {
+  TestServer s;
+  auto h = s.get("/health");
+  EXPECT_EQ(h.first, 200);
+  EXPECT_EQ(h.second["status"], "ok");
+  auto m = s.get("/v1/models");
+  ASSERT_EQ(m.first, 200);
+  EXPECT_EQ(m.second["object"], "list");
+  ASSERT_EQ(m.second["data"].size(), 1u);
+  EXPECT_EQ(m.second["data"][0]["id"], "qwen3_5_dense");
+  EXPECT_EQ(m.second["data"][0]["object"], "model");
+}
+
+TEST(Server, CompletionShapeAndUsage) {
+  TestServer s;
+  auto r = s.post("/v1/completions", greedy({{"prompt", "The capital of France is"}, {"model", "qwen3_5_dense"}}));
+  ASSERT_EQ(r.first, 200) << r.second.dump();
+  const json& j = r.second;
+  EXPECT_EQ(j["object"], "text_completion");
+  EXPECT_EQ(j["model"], "qwen3_5_dense");
+  EXPECT_EQ(j["id"].get<std::string>().rfind("cmpl-", 0), 0u);
+  ASSERT_EQ(j["choices"].size(), 1u);
+  EXPECT_TRUE(j["choices"][0]["text"].is_string());
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "length");
+  EXPECT_TRUE(j["choices"][0]["logprobs"].is_null());
+  const json& u = j["usage"];
+  EXPECT_GT(u["prompt_tokens"].get<int>(), 0);
+  EXPECT_EQ(u["completion_tokens"], 12);
+  EXPECT_EQ(u["total_tokens"].get<int>(), u["prompt_tokens"].get<int>() + 12);
+  EXPECT_EQ(u["prompt_tokens_details"]["cached_tokens"], 0);
+  // Same greedy request, same answer.
+  auto r2 = s.post("/v1/completions", greedy({{"prompt", "The capital of France is"}}));
+  ASSERT_EQ(r2.first, 200);
+  EXPECT_EQ(r2.second["choices"][0]["text"], j["choices"][0]["text"]);
+  // Token-id prompts work too.
+  auto r3 = s.post("/v1/completions", greedy({{"prompt", json::array({5, 6, 7, 8})}, {"max_tokens", 3}}));
+  ASSERT_EQ(r3.first, 200) << r3.second.dump();
+  EXPECT_EQ(r3.second["usage"]["prompt_tokens"], 4);
+}
+
+TEST(Server, ModesAgreeWithoutSegments) {
+  TestServer s;
+  std::string first;
+  for (const char* mode : {"full", "prefix", "pic", "naive"}) {
+    auto r = s.post("/v1/completions", greedy({{"prompt", "Hello there, world"}, {"pic", {{"mode", mode}}}}));
+    ASSERT_EQ(r.first, 200) << mode << r.second.dump();
+    const std::string t = r.second["choices"][0]["text"];
+    if (first.empty()) first = t;
+    EXPECT_EQ(t, first) << mode;
+  }
+}
+
+TEST(Server, PicWithWideSeamEqualsFullAndPrefixReuses) {
+  // With a seam at least as long as every segment, PIC recomputes everything at its true position:
+  // the greedy answer must equal full prefill (this also covers the chunked question after the
+  // composition, with a chunk smaller than the question).
+  ServerOptions o;
+  o.sched.prefill_chunk = 2;
+  TestServer s(o);
+  const std::string p = "System prompt.<<PIC_SEP>>First document here.<<PIC_SEP>>Second one.<<PIC_SEP>>The question?";
+  auto full = s.post("/v1/completions", greedy({{"prompt", p}, {"pic", {{"mode", "full"}}}}));
+  auto pic = s.post("/v1/completions", greedy({{"prompt", p}, {"pic", {{"mode", "pic"}, {"seam", 1000}}}}));
+  ASSERT_EQ(full.first, 200);
+  ASSERT_EQ(pic.first, 200) << pic.second.dump();
+  EXPECT_EQ(pic.second["choices"][0]["text"], full.second["choices"][0]["text"]);
+  auto pre1 = s.post("/v1/completions", greedy({{"prompt", p}, {"pic", {{"mode", "prefix"}}}}));
+  auto pre2 = s.post("/v1/completions", greedy({{"prompt", p}, {"pic", {{"mode", "prefix"}}}}));
+  ASSERT_EQ(pre1.first, 200);
+  ASSERT_EQ(pre2.first, 200);
+  EXPECT_EQ(pre1.second["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+  EXPECT_GT(pre2.second["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>(), 0);
+  EXPECT_EQ(pre2.second["choices"][0]["text"], full.second["choices"][0]["text"]);
+}
+
+TEST(Server, ChunkedPrefillMatchesOneShot) {
+  // A prompt longer than --prefill-chunk is prefilled over several engine iterations; greedy
+  // output must equal a server that prefills it in one span.
+  ServerOptions small;
+  small.sched.prefill_chunk = 3;
+  std::string a, b;
+  {
+    TestServer s(small);
+    auto r = s.post("/v1/completions", greedy({{"prompt", "A somewhat longer prompt that spans chunks."}}));
+    ASSERT_EQ(r.first, 200);
+    a = r.second["choices"][0]["text"];
+  }
+  {
+    TestServer s;
+    auto r = s.post("/v1/completions", greedy({{"prompt", "A somewhat longer prompt that spans chunks."}}));
+    ASSERT_EQ(r.first, 200);
+    b = r.second["choices"][0]["text"];
+  }
+  EXPECT_EQ(a, b);
+}
+
+TEST(Server, StreamingEqualsNonStreaming) {
+  TestServer s;
+  const json req = greedy({{"prompt", "Once upon a time"}, {"max_tokens", 16}});
+  auto full = s.post("/v1/completions", req);
+  ASSERT_EQ(full.first, 200);
+  json sreq = req;
+  sreq["stream"] = true;
+  sreq["stream_options"] = {{"include_usage", true}};
+  auto events = sse_events(s.stream("/v1/completions", sreq));
+  ASSERT_GE(events.size(), 3u);
+  EXPECT_EQ(events.back(), "[DONE]");
+  std::string text;
+  std::string finish;
+  json usage;
+  for (size_t i = 0; i + 1 < events.size(); ++i) {
+    json c = json::parse(events[i]);
+    EXPECT_EQ(c["object"], "text_completion");
+    if (c["choices"].empty()) {
+      usage = c["usage"];
+      continue;
+    }
+    text += c["choices"][0]["text"].get<std::string>();
+    if (!c["choices"][0]["finish_reason"].is_null()) finish = c["choices"][0]["finish_reason"];
+  }
+  EXPECT_EQ(text, full.second["choices"][0]["text"].get<std::string>());
+  EXPECT_EQ(finish, "length");
+  ASSERT_TRUE(usage.is_object());
+  EXPECT_EQ(usage["completion_tokens"], 16);
+  EXPECT_EQ(usage["prompt_tokens"], full.second["usage"]["prompt_tokens"]);
+}
+
+TEST(Server, ChatAndChatStreaming) {
+  TestServer s;
+  const json msgs = json::array(
+      {{{"role", "system"}, {"content", "You are terse."}}, {{"role", "user"}, {"content", "Say something."}}});
+  auto r = s.post("/v1/chat/completions", greedy({{"messages", msgs}, {"max_tokens", 10}}));
+  if (r.first == 501) GTEST_SKIP() << "built without the chat template renderer";
+  ASSERT_EQ(r.first, 200) << r.second.dump();
+  const json& j = r.second;
+  EXPECT_EQ(j["object"], "chat.completion");
+  EXPECT_EQ(j["choices"][0]["message"]["role"], "assistant");
+  EXPECT_TRUE(j["choices"][0]["message"]["content"].is_string());
+  // ChatML: "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nSay something.<|im_end|>\n
+  // <|im_start|>assistant\n" has 8 special/structural tokens plus the text.
+  EXPECT_GT(j["usage"]["prompt_tokens"].get<int>(), 8);
+
+  json sreq = greedy({{"messages", msgs}, {"max_tokens", 10}, {"stream", true}});
+  auto events = sse_events(s.stream("/v1/chat/completions", sreq));
+  ASSERT_GE(events.size(), 2u);
+  EXPECT_EQ(events.back(), "[DONE]");
+  std::string text;
+  bool saw_role = false;
+  for (size_t i = 0; i + 1 < events.size(); ++i) {
+    json c = json::parse(events[i]);
+    EXPECT_EQ(c["object"], "chat.completion.chunk");
+    EXPECT_FALSE(c.contains("usage"));  // no include_usage
+    const json& d = c["choices"][0]["delta"];
+    if (d.contains("role")) {
+      EXPECT_EQ(d["role"], "assistant");
+      saw_role = true;
+    }
+    if (d.contains("content")) text += d["content"].get<std::string>();
+  }
+  EXPECT_TRUE(saw_role);
+  EXPECT_EQ(text, j["choices"][0]["message"]["content"].get<std::string>());
+}
+
+TEST(Server, RagRequestReusesShuffledDocuments) {
+  TestServer s;
+  const std::vector<std::string> docs = {
+      "Document one: the river flows north through the old valley and feeds the lake.",
+      "Document two: bakers in the town rise before dawn to prepare bread for the market.",
+      "Document three: the lighthouse keeper logs every ship that passes the rocky point.",
+      "Document four: a quiet library holds maps of coastlines drawn centuries ago."};
+  auto prompt = [&](std::vector<int> order) {
+    std::string p = "You answer questions using the documents.";
+    for (int i : order) p += "<<PIC_SEP>>" + docs[static_cast<size_t>(i)];
+    return p + "<<PIC_SEP>>Question: what does the keeper log?";
+  };
+  auto r1 = s.post("/v1/completions", greedy({{"prompt", prompt({0, 1, 2, 3})}, {"max_tokens", 4}}));
+  ASSERT_EQ(r1.first, 200) << r1.second.dump();
+  EXPECT_EQ(r1.second["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+  EXPECT_EQ(r1.second["pic"]["miss_segments"], 5);
+  auto r2 = s.post("/v1/completions", greedy({{"prompt", prompt({2, 0, 3, 1})}, {"max_tokens", 4}}));
+  ASSERT_EQ(r2.first, 200) << r2.second.dump();
+  const int cached = r2.second["usage"]["prompt_tokens_details"]["cached_tokens"];
+  EXPECT_GT(cached, 0);
+  EXPECT_LT(cached, r2.second["usage"]["prompt_tokens"].get<int>());
+  EXPECT_EQ(r2.second["pic"]["hit_segments"], 5);
+  EXPECT_EQ(r2.second["pic"]["miss_segments"], 0);
+  EXPECT_EQ(r2.second["usage"]["prompt_tokens"], r1.second["usage"]["prompt_tokens"]);
+  // Full mode reuses nothing.
+  auto r3 = s.post("/v1/completions",
+                   greedy({{"prompt", prompt({3, 2, 1, 0})}, {"max_tokens", 2}, {"pic", {{"mode", "full"}}}}));
+  ASSERT_EQ(r3.first, 200);
+  EXPECT_EQ(r3.second["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+  // Metrics saw the reuse.
+  const std::string m = s.get_text("/metrics");
+  EXPECT_NE(m.find("hypic_segment_cache_hits_total 5"), std::string::npos) << m;
+  EXPECT_NE(m.find("hypic_prompt_tokens_reused_total " + std::to_string(cached)), std::string::npos) << m;
+}
+
+TEST(Server, ChatPartsMarkedForCachingBecomeSegments) {
+  TestServer s;
+  auto msgs = [](const char* a, const char* b) {
+    return json::array(
+        {{{"role", "system"}, {"content", "Use the documents."}},
+         {{"role", "user"},
+          {"content", json::array({{{"type", "text"}, {"text", a}, {"cache", "segment"}},
+                                   {{"type", "text"}, {"text", b}, {"cache_control", {{"type", "ephemeral"}}}},
+                                   {{"type", "text"}, {"text", "Which document mentions bread?"}}})}}});
+  };
+  const char* d1 = "The first document talks about rivers and lakes in detail.";
+  const char* d2 = "The second document talks about bread and the morning market.";
+  auto r1 = s.post("/v1/chat/completions", greedy({{"messages", msgs(d1, d2)}, {"max_tokens", 3}}));
+  if (r1.first == 501) GTEST_SKIP() << "built without the chat template renderer";
+  ASSERT_EQ(r1.first, 200) << r1.second.dump();
+  EXPECT_EQ(r1.second["pic"]["segments"], 4);
+  auto r2 = s.post("/v1/chat/completions", greedy({{"messages", msgs(d2, d1)}, {"max_tokens", 3}}));
+  ASSERT_EQ(r2.first, 200);
+  EXPECT_GT(r2.second["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>(), 0);
+}
+
+TEST(Server, StopStrings) {
+  TestServer s;
+  const json base = greedy({{"prompt", "Numbers and letters:"}, {"max_tokens", 24}});
+  auto r = s.post("/v1/completions", base);
+  ASSERT_EQ(r.first, 200);
+  const std::string full = r.second["choices"][0]["text"];
+  ASSERT_GT(full.size(), 4u);
+  // A stop string taken from the middle of the greedy text (one whole UTF-8 character).
+  size_t p = full.size() / 2;
+  while (p > 1 && (static_cast<unsigned char>(full[p]) & 0xC0) == 0x80) --p;
+  size_t q = p + 1;
+  while (q < full.size() && (static_cast<unsigned char>(full[q]) & 0xC0) == 0x80) ++q;
+  const std::string stop = full.substr(p, q - p);
+  const std::string expect = full.substr(0, full.find(stop));
+  json req = base;
+  req["stop"] = json::array({stop, "never-appears-xyz"});
+  auto rs = s.post("/v1/completions", req);
+  ASSERT_EQ(rs.first, 200);
+  EXPECT_EQ(rs.second["choices"][0]["text"], expect);
+  EXPECT_EQ(rs.second["choices"][0]["finish_reason"], "stop");
+  EXPECT_LT(rs.second["usage"]["completion_tokens"].get<int>(), 24);
+  // Streaming with the same stop yields the same text.
+  req["stream"] = true;
+  auto events = sse_events(s.stream("/v1/completions", req));
+  std::string text;
+  for (size_t i = 0; i + 1 < events.size(); ++i)
+    text += json::parse(events[i])["choices"][0]["text"].get<std::string>();
+  EXPECT_EQ(text, expect);
+  // A longer stop string (several characters, likely spanning tokens): streamed text must hold
+  // back its possible beginnings and still equal the non-streamed text.
+  size_t q2 = std::min(full.size(), p + 4);
+  while (q2 < full.size() && (static_cast<unsigned char>(full[q2]) & 0xC0) == 0x80) ++q2;
+  const std::string long_stop = full.substr(p, q2 - p);
+  const std::string long_expect = full.substr(0, full.find(long_stop));
+  json lreq = base;
+  lreq["stop"] = long_stop;
+  auto rl = s.post("/v1/completions", lreq);
+  ASSERT_EQ(rl.first, 200);
+  EXPECT_EQ(rl.second["choices"][0]["text"], long_expect);
+  lreq["stream"] = true;
+  auto levents = sse_events(s.stream("/v1/completions", lreq));
+  std::string ltext;
+  for (size_t i = 0; i + 1 < levents.size(); ++i)
+    ltext += json::parse(levents[i])["choices"][0]["text"].get<std::string>();
+  EXPECT_EQ(ltext, long_expect);
+  // A single string works too.
+  json one = base;
+  one["stop"] = stop;
+  auto r1 = s.post("/v1/completions", one);
+  ASSERT_EQ(r1.first, 200);
+  EXPECT_EQ(r1.second["choices"][0]["text"], expect);
+}
+
+TEST(Server, LogprobsShape) {
+  TestServer s;
+  auto r = s.post("/v1/completions", greedy({{"prompt", "Hello"}, {"max_tokens", 5}, {"logprobs", 3}}));
+  ASSERT_EQ(r.first, 200);
+  const json& lp = r.second["choices"][0]["logprobs"];
+  ASSERT_TRUE(lp.is_object()) << r.second.dump();
+  ASSERT_EQ(lp["tokens"].size(), 5u);
+  ASSERT_EQ(lp["token_logprobs"].size(), 5u);
+  ASSERT_EQ(lp["top_logprobs"].size(), 5u);
+  ASSERT_EQ(lp["text_offset"].size(), 5u);
+  EXPECT_EQ(lp["text_offset"][0], 0);
+  for (size_t i = 0; i < 5; ++i) {
+    EXPECT_LE(lp["token_logprobs"][i].get<double>(), 0.0);
+    EXPECT_TRUE(lp["top_logprobs"][i].is_object());
+    EXPECT_GE(lp["top_logprobs"][i].size(), 1u);
+    EXPECT_LE(lp["top_logprobs"][i].size(), 3u);
+  }
+  const json msgs = json::array({{{"role", "user"}, {"content", "Hi"}}});
+  auto c = s.post("/v1/chat/completions",
+                  greedy({{"messages", msgs}, {"max_tokens", 4}, {"logprobs", true}, {"top_logprobs", 2}}));
+  if (c.first == 501) return;
+  ASSERT_EQ(c.first, 200) << c.second.dump();
+  const json& content = c.second["choices"][0]["logprobs"]["content"];
+  ASSERT_EQ(content.size(), 4u);
+  for (const auto& t : content) {
+    EXPECT_TRUE(t["token"].is_string());
+    EXPECT_LE(t["logprob"].get<double>(), 0.0);
+    EXPECT_TRUE(t["bytes"].is_array());
+    ASSERT_EQ(t["top_logprobs"].size(), 2u);
+    EXPECT_GE(t["top_logprobs"][0]["logprob"].get<double>(), t["top_logprobs"][1]["logprob"].get<double>());
+    // Greedy: the chosen token is the most likely one.
+    EXPECT_FLOAT_EQ(t["top_logprobs"][0]["logprob"].get<float>(), t["logprob"].get<float>());
+  }
+  // Without logprobs: null.
+  auto n = s.post("/v1/chat/completions", greedy({{"messages", msgs}, {"max_tokens", 2}}));
+  EXPECT_TRUE(n.second["choices"][0]["logprobs"].is_null());
+}
+
+TEST(Server, SegmentsRoundTrip) {
+  TestServer s;
+  const std::string d1 = "A document about glaciers and how slowly they move across mountains.";
+  const std::string d2 = "A document about orchards, apples and the autumn harvest festival.";
+  auto post = s.post("/v1/segments", json{{"segments", json::array({{{"text", d1}}, {{"text", d2}}})}});
+  ASSERT_EQ(post.first, 200) << post.second.dump();
+  ASSERT_EQ(post.second["data"].size(), 2u);
+  const std::string id1 = post.second["data"][0]["id"], id2 = post.second["data"][1]["id"];
+  EXPECT_EQ(id1.size(), 16u);
+  EXPECT_NE(id1, id2);
+  EXPECT_GT(post.second["data"][0]["tokens"].get<int>(), 0);
+  EXPECT_EQ(post.second["data"][0]["cached"], false);
+  // Posting again finds them cached.
+  auto again = s.post("/v1/segments", json{{"segments", json::array({{{"text", d1}}})}});
+  ASSERT_EQ(again.first, 200);
+  EXPECT_EQ(again.second["data"][0]["cached"], true);
+  EXPECT_EQ(again.second["data"][0]["id"], id1);
+
+  auto list = s.get("/v1/segments");
+  ASSERT_EQ(list.first, 200);
+  EXPECT_EQ(list.second["data"].size(), 2u);
+  EXPECT_EQ(list.second["cache"]["entries"], 2);
+  EXPECT_GT(list.second["cache"]["bytes"].get<int64_t>(), 0);
+  auto one = s.get("/v1/segments/" + id1);
+  ASSERT_EQ(one.first, 200);
+  EXPECT_EQ(one.second["tokens"], post.second["data"][0]["tokens"]);
+
+  // A request using both documents in the middle is served from the prefilled entries.
+  auto r = s.post(
+      "/v1/completions",
+      greedy({{"prompt", "System.<<PIC_SEP>>" + d2 + "<<PIC_SEP>>" + d1 + "<<PIC_SEP>>Question?"}, {"max_tokens", 2}}));
+  ASSERT_EQ(r.first, 200);
+  EXPECT_EQ(r.second["pic"]["hit_segments"], 2);  // the two documents; the system prefix was new
+  EXPECT_GT(r.second["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>(), 0);
+
+  auto del = s.get("/v1/segments");
+  const size_t before = del.second["data"].size();
+  auto c = s.client();
+  auto d = c.Delete("/v1/segments/" + id1);
+  ASSERT_TRUE(d);
+  EXPECT_EQ(d->status, 200) << d->body;
+  EXPECT_EQ(s.get("/v1/segments/" + id1).first, 404);
+  EXPECT_EQ(s.get("/v1/segments").second["data"].size(), before - 1);
+  auto d2r = c.Delete("/v1/segments/" + id1);
+  ASSERT_TRUE(d2r);
+  EXPECT_EQ(d2r->status, 404);
+  auto bad = c.Delete("/v1/segments/not-a-hex-id");
+  ASSERT_TRUE(bad);
+  EXPECT_EQ(bad->status, 404);
+  auto all = c.Delete("/v1/segments");
+  ASSERT_TRUE(all);
+  EXPECT_EQ(all->status, 200);
+  auto empty = s.get("/v1/segments");
+  EXPECT_EQ(empty.second["data"].size(), 0u);
+  EXPECT_EQ(empty.second["cache"]["entries"], 0);
+  // ids segments, and bad bodies.
+  auto ids = s.post("/v1/segments", json{{"segments", json::array({{{"ids", {1, 2, 3, 4}}}})}, {"seam", 0}});
+  ASSERT_EQ(ids.first, 200);
+  EXPECT_EQ(ids.second["data"][0]["seam"], 0);
+  expect_error(s.post("/v1/segments", json{{"segments", json::array({{{"ids", {1, 99999}}}})}}), 400,
+               "id out of vocab");
+  expect_error(s.post("/v1/segments", json{{"segments", "x"}}), 400, "segments not a list");
+  expect_error(s.post("/v1/segments", json{{"segments", json::array({{{"text", ""}}})}}), 400, "empty segment");
+}
+
+TEST(Server, MetricsContent) {
+  TestServer s;
+  ASSERT_EQ(s.post("/v1/completions", greedy({{"prompt", "Hi"}, {"max_tokens", 3}})).first, 200);
+  ASSERT_EQ(s.get("/nope").first, 404);
+  const std::string m = s.get_text("/metrics");
+  for (const char* want :
+       {"# TYPE hypic_requests_total counter", "hypic_requests_total{endpoint=\"/v1/completions\",status=\"200\"} 1",
+        "hypic_requests_total{endpoint=\"other\",status=\"404\"} 1",
+        "# TYPE hypic_time_to_first_token_seconds histogram", "hypic_time_to_first_token_seconds_count 1",
+        "hypic_time_to_first_token_seconds_bucket{le=\"+Inf\"} 1", "hypic_request_latency_seconds_count 1",
+        "hypic_generation_tokens_total 3", "hypic_prompt_tokens_prefilled_total", "hypic_prompt_tokens_reused_total 0",
+        "hypic_segment_cache_hits_total", "hypic_segment_cache_misses_total", "hypic_segment_cache_evictions_total",
+        "hypic_segment_cache_bytes", "hypic_segment_cache_entries", "hypic_queue_depth 0", "hypic_running_requests"})
+    EXPECT_NE(m.find(want), std::string::npos) << "missing '" << want << "' in\n" << m;
+}
+
+TEST(Server, HostileInputsGetClearErrors) {
+  ServerOptions o;
+  o.max_body_bytes = 1 << 20;
+  TestServer s(o);
+  const std::string C = "/v1/completions", CH = "/v1/chat/completions";
+  expect_error(s.post(C, std::string("{\"prompt\": \"abc\", ")), 400, "malformed JSON");
+  expect_error(s.post(C, std::string("")), 400, "empty body");
+  expect_error(s.post(C, std::string("[1,2,3]")), 400, "array body");
+  expect_error(s.post(C, std::string("{\"prompt\": \"bad \xff\xfe utf8\"}")), 400, "invalid UTF-8");
+  expect_error(s.post(C, std::string("{\"prompt\": \"lone \\ud800 surrogate\"}")), 400, "lone surrogate");
+  expect_error(s.post(C, std::string(100000, '[') + std::string(100000, ']')), 400, "deep nesting");
+  expect_error(s.post(C, "{\"prompt\": \"x\", \"a\": " + std::string(5000, '{') + "}"), 400, "deep unterminated");
+  {
+    const std::string huge = "{\"prompt\": \"" + std::string(2 << 20, 'a') + "\"}";
+    auto r = s.post(C, huge);
+    if (r.first != -1) expect_error(r, 413, "huge body");  // the server may close before the upload ends
+  }
+  const json ok = {{"prompt", "Hello"}, {"max_tokens", 2}};
+  auto with = [&](const char* k, json v) {
+    json b = ok;
+    b[k] = std::move(v);
+    return b;
+  };
+  expect_error(s.post(C, with("temperature", -1)), 400, "negative temperature");
+  expect_error(s.post(C, with("temperature", "hot")), 400, "string temperature");
+  expect_error(s.post(C, with("top_p", 0)), 400, "top_p 0");
+  expect_error(s.post(C, with("top_p", 1.5)), 400, "top_p 1.5");
+  expect_error(s.post(C, with("top_k", -5)), 400, "top_k -5");
+  expect_error(s.post(C, with("max_tokens", -1)), 400, "negative max_tokens");
+  expect_error(s.post(C, with("max_tokens", 1e20)), 400, "absurd max_tokens");
+  expect_error(s.post(C, with("max_tokens", int64_t(1) << 40)), 400, "max_tokens over int32");
+  expect_error(s.post(C, with("max_tokens", "10")), 400, "string max_tokens");
+  expect_error(s.post(C, with("n", 2)), 400, "n=2");
+  expect_error(s.post(C, with("n", 0)), 400, "n=0");
+  expect_error(s.post(C, with("logprobs", 1000)), 400, "logprobs 1000");
+  expect_error(s.post(C, with("stop", 3)), 400, "numeric stop");
+  expect_error(s.post(C, with("stop", json::array({"a", 1}))), 400, "mixed stop list");
+  expect_error(s.post(C, with("stop", "")), 400, "empty stop");
+  expect_error(s.post(C, with("stream", "yes")), 400, "string stream");
+  expect_error(s.post(C, with("seed", "x")), 400, "string seed");
+  expect_error(s.post(C, with("pic", {{"mode", "magic"}})), 400, "unknown pic mode");
+  expect_error(s.post(C, with("pic", {{"seam", -1}})), 400, "negative seam");
+  expect_error(s.post(C, with("pic", "pic")), 400, "pic not an object");
+  expect_error(s.post(C, with("model", "gpt-4")), 404, "unknown model");
+  expect_error(s.post(C, with("prompt", 5)), 400, "numeric prompt");
+  expect_error(s.post(C, with("prompt", "")), 400, "empty prompt");
+  expect_error(s.post(C, with("prompt", "<<PIC_SEP>><<PIC_SEP>>")), 400, "only separators");
+  expect_error(s.post(C, with("prompt", json::array({1, 2, 100000}))), 400, "id out of vocab");
+  expect_error(s.post(C, with("prompt", json::array({1, -2}))), 400, "negative id");
+  expect_error(s.post(C, with("prompt", json::array({"a", "b"}))), 400, "batched prompts");
+  expect_error(s.post(C, with("prompt", std::vector<int>(5000, 7))), 413, "prompt over the context");
+  expect_error(s.post(C, json{{"max_tokens", 2}}), 400, "missing prompt");
+  expect_error(s.post(CH, json{{"messages", "hi"}}), 400, "messages not a list");
+  expect_error(s.post(CH, json{{"messages", json::array()}}), 400, "empty messages");
+  expect_error(s.post(CH, json{{"messages", json::array({{{"content", "x"}}})}}), 400, "message without role");
+  expect_error(s.post(CH, json{{"messages", json::array({{{"role", "user"}, {"content", 5}}})}}), 400,
+               "numeric content");
+  expect_error(
+      s.post(CH, json{{"messages",
+                       json::array({{{"role", "user"}, {"content", json::array({{{"type", "image_url"}}})}}})}}),
+      400, "image part");
+  expect_error(s.post(CH, json{{"messages", json::array({{{"role", "user"}, {"content", "x"}}})}, {"logprobs", 1}}),
+               400, "chat logprobs not bool");
+  expect_error(s.post(CH, json{{"messages", json::array({{{"role", "user"}, {"content", "x"}}})}, {"top_logprobs", 3}}),
+               400, "top_logprobs without logprobs");
+  expect_error(s.get("/v1/nothing"), 404, "unknown route");
+  expect_error(s.post("/v1/nothing", json::object()), 404, "unknown POST route");
+  expect_error(s.get(C), 405, "GET on completions");
+  expect_error(s.post("/v1/models", json::object()), 405, "POST on models");
+  {
+    auto c = s.client();
+    auto r = c.Put("/v1/segments", "{}", "application/json");
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 405);
+    EXPECT_EQ(r->get_header_value("Allow"), "GET, POST, DELETE");
+  }
+  // Still serving.
+  auto r = s.post(C, greedy({{"prompt", "Hello"}, {"max_tokens", 3}}));
+  ASSERT_EQ(r.first, 200) << r.second.dump();
+  EXPECT_EQ(r.second["usage"]["completion_tokens"], 3);
+  EXPECT_EQ(s.get("/health").first, 200);
+}
+
+// Polls /metrics until `line` appears (the engine thread updates gauges asynchronously).
+bool wait_metric(const TestServer& s, const std::string& line) {
+  for (int i = 0; i < 2000; ++i) {
+    if (s.get_text("/metrics").find(line) != std::string::npos) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return false;
+}
+
+TEST(Server, QueueFullGives429AndDisconnectCancels) {
+  ServerOptions o;
+  o.sched.max_running = 1;
+  o.sched.max_queue = 1;
+  TestServer s(o);
+  // 1) A long stream occupies the only running slot; it is read until its first token, then the
+  //    client hangs up.
+  std::atomic<bool> got_first{false}, release{false};
+  std::thread streamer([&] {
+    auto c = s.client();
+    httplib::Request req;
+    req.method = "POST";
+    req.path = "/v1/completions";
+    req.set_header("Content-Type", "application/json");
+    req.body = greedy({{"prompt", "Long story:"}, {"max_tokens", 4000}, {"stream", true}}).dump();
+    req.content_receiver = [&](const char*, size_t, uint64_t, uint64_t) {
+      got_first = true;
+      while (!release) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      return false;  // abort: the client goes away
+    };
+    c.send(req);
+  });
+  while (!got_first) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  // 2) A second request waits in the queue.
+  std::pair<int, json> queued;
+  std::thread waiter([&] { queued = s.post("/v1/completions", greedy({{"prompt", "Queued"}, {"max_tokens", 2}})); });
+  ASSERT_TRUE(wait_metric(s, "hypic_queue_depth 1"));
+  // 3) A third one finds the queue full.
+  auto full = s.post("/v1/completions", greedy({{"prompt", "Rejected"}, {"max_tokens", 2}}));
+  expect_error(full, 429, "queue full");
+  EXPECT_EQ(full.second["error"]["type"], "rate_limit_error");
+  // 4) The streaming client hangs up: its sequence is cancelled and the queued request runs.
+  release = true;
+  streamer.join();
+  waiter.join();
+  EXPECT_EQ(queued.first, 200) << queued.second.dump();
+  EXPECT_TRUE(wait_metric(s, "hypic_cancelled_requests_total 1"));
+  EXPECT_TRUE(wait_metric(s, "hypic_running_requests 0"));
+  EXPECT_TRUE(wait_metric(s, "hypic_requests_total{endpoint=\"/v1/completions\",status=\"499\"} 1"));
+}
+
+TEST(Server, NonStreamingDisconnectCancels) {
+  ServerOptions o;
+  o.sched.max_running = 1;
+  TestServer s(o);
+  {
+    auto c = s.client();
+    c.set_read_timeout(0, 300000);  // give up after 0.3 s: the client closes the connection
+    auto r =
+        c.Post("/v1/completions", greedy({{"prompt", "Endless"}, {"max_tokens", 4000}}).dump(), "application/json");
+    if (r) GTEST_SKIP() << "4000 tokens finished within 0.3 s; nothing to cancel";
+  }
+  EXPECT_TRUE(wait_metric(s, "hypic_cancelled_requests_total 1"));
+  EXPECT_TRUE(wait_metric(s, "hypic_running_requests 0"));
+  auto r = s.post("/v1/completions", greedy({{"prompt", "After"}, {"max_tokens", 2}}));
+  EXPECT_EQ(r.first, 200);
+}
+
+TEST(ServerApi, StopHoldback) {
+  using hypic::server::stop_holdback;
+  EXPECT_EQ(stop_holdback("hello wor", {"world"}), 3u);
+  EXPECT_EQ(stop_holdback("hello", {"world"}), 0u);
+  EXPECT_EQ(stop_holdback("abc", {"c", "bcd"}), 2u);
+  EXPECT_EQ(stop_holdback("", {"x"}), 0u);
+}
+
+TEST(ServerApi, JsonDepth) {
+  using hypic::server::check_json_depth;
+  EXPECT_NO_THROW(check_json_depth("{\"a\": [[1]]}", 3));
+  EXPECT_THROW(check_json_depth("{\"a\": [[[1]]]}", 3), hypic::server::ApiError);
+  EXPECT_NO_THROW(check_json_depth("{\"a\": \"[[[[[[\"}", 2));  // brackets inside strings do not count
+  EXPECT_NO_THROW(check_json_depth("{\"a\": \"\\\"[[[[\"}", 2));
+}
+
+}  // namespace
+
+#else
+TEST(Server, NotBuilt) {
+  GTEST_SKIP() << "hypic was built without cpp-httplib";
+}
+#endif
