@@ -1,4 +1,4 @@
-// Gated DeltaNet entry point used by the CPU backend: the chunked (UT/WY, chunk 64) kernel of
+// Gated DeltaNet entry point used by the CPU backend: the chunked (UT/WY) kernel of
 // linear/recurrence.cpp with the Qwen3.5 / Qwen3-Next conventions (q scaled by dk^-0.5).
 #include "linear/gated_delta.h"
 
@@ -14,8 +14,9 @@ void gated_delta_forward(const GdnShape& s, const float* q, const float* k, cons
   in.q = q, in.k = k, in.v = v, in.g = g, in.beta = beta;
   in.l2norm_qk = l2norm_qk;
   in.q_scale = 1.0f / std::sqrt(float(s.dk));
+  // Chunk 0 = the library default (32): any size is exact, 32 measured 15-20% faster than 64 here.
   chunked_forward(Family::GatedDeltaNet, RecShape{s.T, s.Hk, s.Hv, s.dk, s.dv}, in, state, out, transition, threads,
-                  64);
+                  0);
 }
 
 }  // namespace hypic::linear

@@ -12,7 +12,7 @@ struct GdnShape {
   int64_t T, Hk, Hv, dk, dv;
 };
 
-// Chunked forward (chunk 64) from `state`, which is advanced in place; out [T, Hv, dv].
+// Chunked forward (UT/WY chunks) from `state`, which is advanced in place; out [T, Hv, dv].
 // transition, when non-null ([Hv, dk, dk]), receives the span's transition operator T_C
 // computed in the same pass. Threads over heads with the given thread count.
 void gated_delta_forward(const GdnShape& s, const float* q, const float* k, const float* v, const float* g,

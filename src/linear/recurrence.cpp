@@ -161,6 +161,8 @@ inline void scal(int64_t n, float a, float* __restrict y) {
   for (int64_t j = 0; j < n; ++j) y[j] *= a;
 }
 
+thread_local const Runner* t_runner = nullptr;
+
 // Runs fn(h, worker) for h in [0, n) on up to `threads` threads.
 template <class Fn>
 void parallel_heads(int64_t n, int threads, Fn&& fn) {
@@ -168,6 +170,12 @@ void parallel_heads(int64_t n, int threads, Fn&& fn) {
   if (nt > n) nt = int(n);
   if (nt <= 1) {
     for (int64_t h = 0; h < n; ++h) fn(h, 0);
+    return;
+  }
+  if (t_runner) {
+    (*t_runner)(nt, [&](int64_t w) {
+      for (int64_t h = w; h < n; h += nt) fn(h, int(w));
+    });
     return;
   }
   std::vector<std::thread> pool;
@@ -517,6 +525,9 @@ int64_t t_stride(Family f, int64_t dk) {
 }
 
 }  // namespace
+
+ScopedRunner::ScopedRunner(const Runner* r) : prev_(t_runner) { t_runner = r; }
+ScopedRunner::~ScopedRunner() { t_runner = prev_; }
 
 int64_t transition_floats(Family f, int64_t Hv, int64_t dk) {
   return Hv * t_stride(f, dk);

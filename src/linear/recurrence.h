@@ -24,6 +24,7 @@
 #pragma once
 #include <cstdint>
 #include <string_view>
+#include <functional>
 #include <vector>
 
 namespace hypic::linear {
@@ -97,6 +98,21 @@ struct RecInputs {
   bool l2norm_qk = false;            // x * rsqrt(sum x^2 + 1e-6), before scaling and RoPE
   float q_scale = 1.0f;              // q multiplied by this after the norm
   RopeSpec rope;
+};
+
+// Spreads `workers` bodies over threads. Kernels spawn std::threads by default; a backend with a
+// persistent pool installs its own for the calls made on this thread (ScopedRunner), so kernels
+// reuse the pool instead of creating threads on every call (costly for decode steps).
+using Runner = std::function<void(int64_t workers, const std::function<void(int64_t worker)>& body)>;
+class ScopedRunner {
+ public:
+  explicit ScopedRunner(const Runner* r);
+  ~ScopedRunner();
+  ScopedRunner(const ScopedRunner&) = delete;
+  ScopedRunner& operator=(const ScopedRunner&) = delete;
+
+ private:
+  const Runner* prev_;
 };
 
 // Floats of compact T storage for the family (0 for Identity / FromLength).

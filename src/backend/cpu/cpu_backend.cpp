@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "linear/gated_delta.h"
+#include "linear/recurrence.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -930,6 +931,13 @@ void CpuBackend::gated_delta_rule(const Tensor& q, const Tensor& k, const Tensor
     tr = transition->data<float>();
   }
   linear::GdnShape s{T, Hk, Hv, dk, dv};
+  // Heads run on this backend's pool rather than on threads created per call.
+  const linear::Runner runner = [this](int64_t workers, const std::function<void(int64_t)>& body) {
+    pool_.parallel_for(workers, [&](int64_t b, int64_t e) {
+      for (int64_t w = b; w < e; ++w) body(w);
+    });
+  };
+  linear::ScopedRunner use_pool(&runner);
   linear::gated_delta_forward(s, q.data<float>(), k.data<float>(), v.data<float>(), g.data<float>(), beta.data<float>(),
                               l2norm_qk, state.data<float>(), out.data<float>(), tr, pool_.size());
 }
