@@ -7,6 +7,7 @@ void register_generate(CLI::App& app);
 void register_info(CLI::App& app);
 void register_tokenize(CLI::App& app);
 void register_bench(CLI::App& app);
+void register_eval(CLI::App& app);
 void register_serve(CLI::App& app);
 // Set by a command that failed; main returns it.
 int exit_code();

@@ -15,6 +15,7 @@ int main(int argc, char** argv) {
   hypic::cli::register_info(app);
   hypic::cli::register_tokenize(app);
   hypic::cli::register_bench(app);
+  hypic::cli::register_eval(app);
   hypic::cli::register_serve(app);
   try {
     app.parse(argc, argv);

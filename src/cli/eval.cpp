@@ -1,0 +1,132 @@
+// hypic eval: task scores of every prefill mode on the multi-document tasks (a program that
+// prints figures: JSON and a table).
+#include <algorithm>
+#include <cstdio>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "cli/commands.h"
+#include "eval/harness.h"
+
+namespace hypic::cli {
+
+namespace {
+std::vector<std::string> csv(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ','))
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+}  // namespace
+
+void register_eval(CLI::App& app) {
+  struct Opts {
+    std::string model = default_model_dir(), task = "all", set = "moderate", data, modes = "full,prefix,pic,naive",
+                seams = "8", predictions;
+    int n = 0, threads = 0;
+    bool json = false, no_warm = false, no_extra = false;
+    double cache_mib = 4096;
+  };
+  auto o = std::make_shared<Opts>();
+  auto* c = app.add_subcommand("eval", "Score full / prefix / pic / naive prefill on multi-document tasks");
+  c->add_option("--model", o->model, "Model folder")->capture_default_str();
+  c->add_option("--task", o->task, "lookup, twohop, aggregate or all")->capture_default_str();
+  c->add_option("--set", o->set, "Held-out set: smoke, moderate, long, full")->capture_default_str();
+  c->add_option("--n", o->n, "Prompts per task (default: the set's size)");
+  c->add_option("--data", o->data, "Examples JSONL instead of a generated set");
+  c->add_option("--modes", o->modes, "Modes to compare")->capture_default_str();
+  c->add_option("--seams", o->seams, "Seam widths for pic")->capture_default_str();
+  c->add_flag("--no-warm", o->no_warm, "Do not serve each prompt's documents in another order first");
+  c->add_flag("--no-extra-rows", o->no_extra, "Skip the pic-without-RoPE-re-rotation row");
+  c->add_option("--cache-budget-mib", o->cache_mib, "Segment cache budget")->capture_default_str();
+  c->add_option("--predictions", o->predictions, "Write every prediction to this JSONL file");
+  c->add_option("--threads", o->threads, "CPU threads (0: all cores)");
+  c->add_flag("--json", o->json, "Print JSON only");
+  c->callback([o] {
+    guarded([&] {
+      std::vector<eval::Config> configs;
+      bool has_full = false;
+      for (const auto& ms : csv(o->modes)) {
+        PicMode mode = parse_pic_mode(ms);
+        if (mode == PicMode::Pic) {
+          for (const auto& sw : csv(o->seams)) {
+            int w = 0;
+            try {
+              w = std::stoi(sw);
+            } catch (...) {
+              throw std::invalid_argument("--seams: '" + sw + "' is not a number");
+            }
+            if (w < 0) throw std::invalid_argument("--seams: widths must be >= 0");
+            configs.push_back({"pic/seam=" + sw, {PicMode::Pic, w}});
+          }
+          if (!o->no_extra) {
+            PicOptions nr{PicMode::Pic, csv(o->seams).empty() ? 8 : std::stoi(csv(o->seams)[0])};
+            nr.rerotate = false;
+            configs.push_back({"pic/no-rerotate", nr});
+          }
+        } else {
+          has_full |= mode == PicMode::Full;
+          configs.push_back({pic_mode_name(mode), {mode, 0}});
+        }
+      }
+      if (configs.empty()) throw std::invalid_argument("--modes selects nothing");
+      std::vector<std::string> tasks =
+          o->task == "all" ? std::vector<std::string>{"lookup", "twohop", "aggregate"} : std::vector<std::string>{o->task};
+      LoadedModel lm = load_model(o->model, "cpu", o->threads);
+      eval::RunOptions ro;
+      ro.warm = !o->no_warm;
+      ro.cache_mib = o->cache_mib;
+      nlohmann::json out{{"model", o->model}, {"set", o->data.empty() ? o->set : o->data}, {"tasks", nlohmann::json::object()}};
+      std::FILE* pred = o->predictions.empty() ? nullptr : std::fopen(o->predictions.c_str(), "w");
+      if (!o->predictions.empty() && !pred) throw std::invalid_argument("cannot write " + o->predictions);
+      for (const auto& task : tasks) {
+        std::vector<eval::Example> ex;
+        if (!o->data.empty()) {
+          ex = eval::load_examples(o->data);
+          if (o->task != "all")
+            ex.erase(std::remove_if(ex.begin(), ex.end(), [&](const auto& e) { return e.task != task; }), ex.end());
+          if (o->n > 0 && static_cast<size_t>(o->n) < ex.size()) ex.resize(static_cast<size_t>(o->n));
+        } else {
+          eval::SetSpec s = eval::eval_set(o->set);
+          if (o->n > 0) s.n = o->n;
+          ex = eval::generate_examples(task, s);
+        }
+        auto results = eval::run(lm, ex, configs, ro);
+        double full = 0;
+        for (auto& r : results)
+          if (r.config == "full") full = r.score;
+        auto& tj = out["tasks"][task];
+        tj["n"] = ex.size();
+        tj["metric"] = ex.empty() ? "" : ex[0].metric;
+        for (auto& r : results) {
+          nlohmann::json row{{"config", r.config}, {"score", 100 * r.score}, {"ttft_ms_median", r.ttft_ms_median}};
+          if (has_full) row["diff_vs_full"] = 100 * (r.score - full);
+          tj["rows"].push_back(row);
+          if (pred)
+            for (size_t i = 0; i < ex.size(); ++i)
+              std::fprintf(pred, "%s\n",
+                           nlohmann::json{{"task", task}, {"id", ex[i].id}, {"config", r.config}, {"prediction", r.predictions[i]},
+                                          {"answers", ex[i].answers}, {"score", r.scores[i]}}
+                               .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)
+                               .c_str());
+        }
+        if (!o->json) {
+          std::printf("task %s (%zu prompts, %s)\n  %-18s %8s %10s %12s\n", task.c_str(), ex.size(),
+                      ex.empty() ? "" : ex[0].metric.c_str(), "config", "score", "vs full", "TTFT p50 ms");
+          for (auto& r : results) {
+            char diff[32] = "-";
+            if (has_full) std::snprintf(diff, sizeof diff, "%+.1f", 100 * (r.score - full));
+            std::printf("  %-18s %8.1f %10s %12.1f\n", r.config.c_str(), 100 * r.score, diff, r.ttft_ms_median);
+          }
+        }
+      }
+      if (pred) std::fclose(pred);
+      if (o->json) std::cout << out.dump(-1) << "\n";
+    });
+  });
+}
+
+}  // namespace hypic::cli

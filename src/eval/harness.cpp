@@ -1,0 +1,150 @@
+#include "eval/harness.h"
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <sstream>
+#include <stdexcept>
+
+#include "engine/generate.h"
+#include "eval/scoring.h"
+
+namespace hypic::eval {
+
+std::vector<Example> parse_examples_jsonl(const std::string& text, const std::string& path) {
+  std::vector<Example> out;
+  std::istringstream in(text);
+  std::string line;
+  size_t lineno = 0;
+  while (std::getline(in, line)) {
+    ++lineno;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const std::string where = path + ":" + std::to_string(lineno);
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(line);
+    } catch (const std::exception& e) {
+      throw std::invalid_argument(where + ": malformed JSON: " + e.what());
+    }
+    try {
+      Example ex;
+      ex.task = j.value("task", "");
+      ex.id = j.value("id", std::to_string(lineno));
+      ex.metric = j.at("metric").get<std::string>();
+      ex.segments = j.at("segments").get<std::vector<std::string>>();
+      ex.answers = j.contains("answers") ? j["answers"].get<std::vector<std::string>>()
+                                         : std::vector<std::string>{j.at("answer").get<std::string>()};
+      if (ex.segments.size() < 2) throw std::invalid_argument("needs at least a prefix and a question");
+      out.push_back(std::move(ex));
+    } catch (const std::exception& e) {
+      throw std::invalid_argument(where + ": " + e.what());
+    }
+  }
+  return out;
+}
+
+std::vector<Example> load_examples(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw std::invalid_argument("cannot open examples file " + path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return parse_examples_jsonl(ss.str(), path);
+}
+
+SetSpec eval_set(const std::string& name) {
+  // Same seeds and sizes as tools/train/eval_rag.py, plus the full-size set of the task spec.
+  if (name == "smoke") return {7003, 2, 4, 50, 100, 20};
+  if (name == "moderate") return {7001, 4, 16, 100, 400, 100};
+  if (name == "long") return {7002, 16, 32, 100, 400, 30};
+  if (name == "full") return {7004, 4, 32, 100, 1000, 300};
+  throw std::invalid_argument("unknown eval set '" + name + "' (expected smoke, moderate, long or full)");
+}
+
+std::vector<Example> generate_examples(const std::string& task, const SetSpec& s) {
+  if (task != "lookup" && task != "twohop" && task != "aggregate")
+    throw std::invalid_argument("unknown task '" + task + "' (expected lookup, twohop or aggregate)");
+  const std::string script = std::string(HYPIC_SOURCE_DIR) + "/tools/tasks/rag_tasks.py";
+  const std::string cmd = "python3 '" + script + "' --task " + task + " --n " + std::to_string(s.n) + " --seed " +
+                          std::to_string(s.seed) + " --min-docs " + std::to_string(s.min_docs) + " --max-docs " +
+                          std::to_string(s.max_docs) + " --min-doc-tokens " + std::to_string(s.min_doc_tokens) +
+                          " --max-doc-tokens " + std::to_string(s.max_doc_tokens);
+  FILE* p = popen(cmd.c_str(), "r");
+  if (!p) throw std::runtime_error("cannot run " + cmd);
+  std::string text;
+  std::array<char, 65536> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) text.append(buf.data(), n);
+  const int st = pclose(p);
+  if (st != 0) throw std::runtime_error("task generator failed (exit " + std::to_string(st) + "): " + cmd);
+  return parse_examples_jsonl(text, task + " generator");
+}
+
+std::vector<std::vector<int32_t>> prompt_segments(const Tokenizer& tok, const Example& ex) {
+  std::vector<std::vector<int32_t>> segs;
+  for (const auto& s : ex.segments) segs.push_back(tok.encode(s + "\n"));
+  return segs;
+}
+
+int max_new_tokens(const Example& ex) {
+  if (ex.task == "aggregate") return 6 * static_cast<int>(ex.segments.size() - 2) + 16;
+  return 24;
+}
+
+std::vector<Result> run(LoadedModel& lm, const std::vector<Example>& examples, const std::vector<Config>& configs,
+                        const RunOptions& opt) {
+  if (!lm.tokenizer) throw std::invalid_argument("evaluation needs a model with tokenizer.json");
+  if (examples.empty()) throw std::invalid_argument("no examples to evaluate");
+  Model& m = *lm.model;
+  const Tokenizer& tok = *lm.tokenizer;
+  std::vector<std::vector<std::vector<int32_t>>> prompts;
+  for (const auto& ex : examples) prompts.push_back(prompt_segments(tok, ex));
+  std::vector<Result> out;
+  for (const auto& cfg : configs) {
+    PicEngine eng(m, static_cast<size_t>(opt.cache_mib * 1048576.0));
+    std::mt19937_64 rng(opt.seed);
+    Result res;
+    res.config = cfg.name;
+    std::vector<double> ttft;
+    for (size_t i = 0; i < examples.size(); ++i) {
+      const auto& segs = prompts[i];
+      if (opt.warm && segs.size() > 3) {
+        // The documents were seen before, in another order (as retrieval reorders them).
+        auto warm = segs;
+        std::shuffle(warm.begin() + 1, warm.end() - 1, rng);
+        PicOptions w = cfg.opt;
+        w.skip_question = true;
+        eng.prefill(warm, w);
+      }
+      GenerateRequest req;
+      for (const auto& s : segs) req.prompt.insert(req.prompt.end(), s.begin(), s.end());
+      req.max_tokens = max_new_tokens(examples[i]);
+      req.eos_ids = m.config().eos_token_ids;
+      const auto t0 = std::chrono::steady_clock::now();
+      PrefillResult pre = eng.prefill(segs, cfg.opt);
+      const double prefill_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      GenerateResult g = decode_from(m, nullptr, req, pre.state, pre.logits);
+      ttft.push_back(prefill_ms + g.ttft_ms);
+      std::vector<int32_t> ids = g.ids;
+      if (!ids.empty() && std::find(req.eos_ids.begin(), req.eos_ids.end(), ids.back()) != req.eos_ids.end())
+        ids.pop_back();
+      std::string text = tok.decode(ids, /*skip_special=*/true);
+      const size_t a = text.find_first_not_of(" \t\r\n"), b = text.find_last_not_of(" \t\r\n");
+      text = a == std::string::npos ? "" : text.substr(a, b - a + 1);
+      res.scores.push_back(score(examples[i].metric, text, examples[i].answers));
+      res.predictions.push_back(text);
+    }
+    double sum = 0;
+    for (double s : res.scores) sum += s;
+    res.score = sum / static_cast<double>(res.scores.size());
+    std::sort(ttft.begin(), ttft.end());
+    res.ttft_ms_median = ttft[ttft.size() / 2];
+    out.push_back(std::move(res));
+  }
+  return out;
+}
+
+}  // namespace hypic::eval
