@@ -4,7 +4,9 @@
 Pure Python 3 standard library. Output is a JSONL stream, one object per prompt:
 
     {"task", "id", "segments": [system, doc1, ..., docN, question], "answer",
-     "answers": [acceptable strings], "metric": "em" | "f1" | "rougeL"}
+     "answers": [acceptable strings], "metric": "em" | "f1" | "rougeL", "meta": {...}}
+
+("meta" says where the answer lives: document index, entity, attribute, items; harnesses may ignore it.)
 
 The same (task, seed, n, options) always gives bit-identical output: prompt i is drawn from its own
 random.Random seeded with the string "hypic-rag/<task>/<seed>/<i>" (string seeds hash with SHA-512,
@@ -34,18 +36,19 @@ probability >= 1/4 (where PIC seams act). Filler is generated from about 20 sent
 word lists (several hundred words), so no two documents repeat the same text.
 
 Lengths: document lengths are asked for in tokens but produced in words, with
-TOKENS_PER_WORD = 1.3 tokens a word (the hypic-mini BPE gives about 1.2-1.3: words are mostly
-single tokens, punctuation and digits add the rest); lengths are approximate.
+TOKENS_PER_WORD = 1.3 assumed; the hypic-mini BPE (models/hypic-mini) actually gives about 1.15
+tokens a word on this text (measured on the "moderate" evaluation set), so documents come out about
+12% shorter in its tokens than asked. Lengths are approximate either way.
 
-Chance levels (estimated with --chance, 2000 prompts per task, defaults 4-32 documents):
-  lookup     em 0.037 when guessing a random value of the asked attribute from its whole value
-             list; 0.31 when guessing among the values of that attribute present in the prompt
-             (a strong "right type, wrong entity" baseline).
-  twohop     em 0.037 random value of the asked attribute; 0.20 guessing among the values of that
-             attribute present in the prompt.
-  aggregate  rougeL 0.06 for a list of the right length of random cargo items; 0.0 for an empty
+Chance levels (python3 rag_tasks.py --chance --n 1000, default options 4-32 documents of 100-1000
+tokens; they barely depend on the lengths):
+  lookup     em 0.043 guessing a random value of the asked attribute from its whole value list;
+             em 0.31 guessing among the values of that attribute present in the prompt (a strong
+             "right type, wrong entity" baseline).
+  twohop     em 0.027 random value of the asked attribute; 0.30 among that attribute's values in
+             the prompt.
+  aggregate  rougeL 0.10 for a list of the right length of random cargo items; 0.0 for an empty
              answer.
-(The exact numbers --chance prints for other options are what to quote.)
 
 Usage:
   python3 tools/tasks/rag_tasks.py --task lookup --n 300 --seed 1 \\

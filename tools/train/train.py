@@ -6,18 +6,21 @@ Runs on the device machine (torch 2.11, transformers 5.17, tokenizers). Training
 wall-clock seconds and split over calls: each call trains --train-seconds, and the learning-rate
 schedule and the length curriculum follow progress = trained seconds / --total-train-seconds.
 
-    # first call: train the tokenizer, build the model, train, checkpoint
-    python3 tools/train/train.py --init --work .hypic-train --out $OUT --train-seconds 420 --total-train-seconds 720
-    # later calls: resume from the carried checkpoint (fp32 weights; AdamW moments restart)
-    python3 tools/train/train.py --work .hypic-train --out $OUT --train-seconds 290 --total-train-seconds 720 --final
+    # first call: train the tokenizer, build the model, train, checkpoint (what was run, curriculum "a")
+    python3 tools/train/train.py --init --work .hypic-train --out $OUT --train-seconds 400 --total-train-seconds 700
+    # tools/train/stage_carry.sh <files brought back>   (checkpoint parts + bundle into .hypic-train/)
+    # second call: resume the fp32 weights (AdamW moments restart), new schedule, export + evaluate
+    python3 tools/train/train.py --work .hypic-train --out $OUT --curriculum b --restart-schedule \
+        --train-seconds 380 --total-train-seconds 380 --lr 1.5e-3 --warmup 30 --final --end-eval-n 0 \
+        --quick-eval-every 190 --deadline 580
 
 Data: fresh prompts from rag_tasks.make_prompt on every step (rng streams "hypic-train/<seed>/<worker>",
 disjoint from the evaluation sets' "hypic-rag/<task>/<seed>/<i>"), tokenised segment by segment
 (segment + "\\n"), followed by the question, the answer and <|im_end|>. Loss: cross-entropy on the
-answer tokens and <|im_end|> only. Lookup / twohop training prompts carry up to 8 / 4 questions about
-distinct facts of the same documents, one after the other (question, answer, <|im_end|>, next
-question...): the first is exactly the evaluation format, the rest multiply the supervision per
-forward pass. The gated delta rule runs through fast_gdn.chunk_gated_delta_rule_scan (same math as
+answer tokens and <|im_end|> (curriculum "b" adds the question tokens at weight 0.3). Lookup / twohop
+training prompts carry several questions about distinct facts of the same documents, one after the
+other (question, answer, <|im_end|>, next question...): the first is exactly the evaluation format,
+the rest multiply the supervision per forward pass. See CURRICULA. The gated delta rule runs through fast_gdn.chunk_gated_delta_rule_scan (same math as
 transformers' torch fallback, no per-chunk Python loop); evaluation uses transformers' own code.
 """
 
@@ -328,7 +331,7 @@ def patch_gdn(model):
     q = torch.randn(B, L, hk, dk, device="cuda", generator=g)
     k = torch.randn(B, L, hk, dk, device="cuda", generator=g)
     v = torch.randn(B, L, hv, dv, device="cuda", generator=g)
-    gg = -torch.rand(B, L, hv, device="cuda", generator=g) * 2
+    gg = -torch.rand(B, L, hv, device="cuda", generator=g) * 0.1  # weak decay: cross-chunk terms matter
     beta = torch.rand(B, L, hv, device="cuda", generator=g)
     q, k = q.repeat_interleave(hv // hk, dim=2), k.repeat_interleave(hv // hk, dim=2)  # equal heads: any version
     try:
