@@ -80,6 +80,9 @@ void register_serve(CLI::App& app) {
       if (o->max_json_depth < 2) throw std::invalid_argument("--max-json-depth must be >= 2");
       so.max_json_depth = o->max_json_depth;
       if (o->port < 0 || o->port > 65535) throw std::invalid_argument("--port must be in 0..65535");
+      if (o->max_running < 1) throw std::invalid_argument("--max-running must be >= 1");
+      if (o->max_queue < 1) throw std::invalid_argument("--max-queue must be >= 1");
+      if (o->prefill_chunk < 1) throw std::invalid_argument("--prefill-chunk must be >= 1");
 
       // SIGINT / SIGTERM: a handler (which may run on any thread, including OpenBLAS's, which exist
       // before main) writes to a pipe; a watcher thread reads it and stops the server.

@@ -194,7 +194,7 @@ void parse_common(const json& b, const ModelFacts& m, GenSpec& g, bool chat) {
   g.sampling = m.defaults;
   if (has(b, "temperature")) {
     const double t = get_num(b, "temperature");
-    if (!(t >= 0.0) || t > 1e4) bad("temperature", "'temperature' must be >= 0");
+    if (!(t >= 0.0) || t > 1e4) bad("temperature", "'temperature' must be between 0 and 10000");
     g.sampling.temperature = static_cast<float>(t);
   }
   if (has(b, "top_p")) {

@@ -131,6 +131,7 @@ struct HttpServer::Impl {
   std::atomic<bool> stopped{false};
 
   Impl(LoadedModel& m, ServerOptions o) : lm(m), opt(std::move(o)) {
+    spdlog::default_logger_raw();  // create the logger registry before any handler thread exists
     const auto& cfg = lm.model->config();
     facts.name = opt.model_name;
     if (facts.name.empty()) {

@@ -248,7 +248,10 @@ bool Scheduler::prefill_unit(Seq& s) {
       PrefillResult r = engine_.prefill(segs, po);
       s.st = std::move(r.state);
       model_.reserve(s.st, std::max<int64_t>(cap, 1));
-      j.report = r.report;
+      {
+        std::lock_guard<std::mutex> lk(j.mu);  // the logger may read it for a cancelled job
+        j.report = r.report;
+      }
       if (!po.skip_question) {
         s.logits = r.logits;
         return true;
@@ -270,6 +273,7 @@ bool Scheduler::prefill_unit(Seq& s) {
     s.logits = model_.forward(std::span<const int32_t>(s.flat.data() + s.flat_done, n), s.st);
     s.flat_done += n;
     if (s.flat_done < s.flat.size()) return false;
+    std::lock_guard<std::mutex> lk(j.mu);
     j.report.computed_tokens += static_cast<int64_t>(s.flat.size());
     return true;
   }
@@ -312,7 +316,10 @@ bool Scheduler::prefill_unit(Seq& s) {
     rep.computed_tokens += s.built_computed;
     rep.miss_segments += s.misses;
     rep.hit_segments = std::max(0, rep.hit_segments - s.misses);
-    j.report = rep;
+    {
+      std::lock_guard<std::mutex> lk(j.mu);
+      j.report = rep;
+    }
     if (!po.skip_question) {
       s.logits = r.logits;
       return true;

@@ -116,6 +116,15 @@ json greedy(json extra) {
   return b;
 }
 
+// Polls /metrics until `line` appears (the engine thread updates gauges asynchronously).
+bool wait_metric(const TestServer& s, const std::string& line) {
+  for (int i = 0; i < 2000; ++i) {
+    if (s.get_text("/metrics").find(line) != std::string::npos) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return false;
+}
+
 TEST(Server, HealthAndModels) {
   TestServer s;
   auto h = s.get("/health");
@@ -494,6 +503,8 @@ TEST(Server, MetricsContent) {
   TestServer s;
   ASSERT_EQ(s.post("/v1/completions", greedy({{"prompt", "Hi"}, {"max_tokens", 3}})).first, 200);
   ASSERT_EQ(s.get("/nope").first, 404);
+  // Request counters are updated after the response has been written.
+  ASSERT_TRUE(wait_metric(s, "hypic_requests_total{endpoint=\"other\",status=\"404\"} 1"));
   const std::string m = s.get_text("/metrics");
   for (const char* want :
        {"# TYPE hypic_requests_total counter", "hypic_requests_total{endpoint=\"/v1/completions\",status=\"200\"} 1",
@@ -587,15 +598,6 @@ TEST(Server, HostileInputsGetClearErrors) {
   ASSERT_EQ(r.first, 200) << r.second.dump();
   EXPECT_EQ(r.second["usage"]["completion_tokens"], 3);
   EXPECT_EQ(s.get("/health").first, 200);
-}
-
-// Polls /metrics until `line` appears (the engine thread updates gauges asynchronously).
-bool wait_metric(const TestServer& s, const std::string& line) {
-  for (int i = 0; i < 2000; ++i) {
-    if (s.get_text("/metrics").find(line) != std::string::npos) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  return false;
 }
 
 TEST(Server, QueueFullGives429AndDisconnectCancels) {

@@ -316,8 +316,10 @@ int main(int argc, char** argv) {
   sampler.join();
 
   // The server's own count must match ours.
+  // (It counts a request after writing its response, so poll briefly.)
   int64_t server_ok = -1;
-  {
+  for (int attempt = 0; attempt < 100 && server_ok != st.ok; ++attempt) {
+    if (attempt) std::this_thread::sleep_for(std::chrono::milliseconds(20));
     httplib::Client cli(host, port);
     if (auto r = cli.Get("/metrics")) {
       const std::string key = "hypic_requests_total{endpoint=\"/v1/completions\",status=\"200\"} ";
