@@ -376,9 +376,19 @@ void register_bench(CLI::App& app) {
       for (auto& ms : split_csv(ro.modes)) {
         PicMode mode = parse_pic_mode(ms);
         if (mode == PicMode::Full) continue;
-        if (mode == PicMode::Pic)
+        if (mode == PicMode::Pic) {
           for (auto& sw : split_csv(ro.seams)) configs.push_back({"pic/seam=" + sw, {mode, std::stoi(sw)}});
-        else
+          // Both-ends seams at the largest width, and no RoPE re-rotation at the smallest nonzero one.
+          auto ws = split_csv(ro.seams);
+          if (!ws.empty()) {
+            PicOptions be{mode, std::stoi(ws.back())};
+            be.tail_seam = be.seam;
+            configs.push_back({"pic/both-ends=" + ws.back(), be});
+            PicOptions nr{mode, 8};
+            nr.rerotate = false;
+            configs.push_back({"pic/no-rerotate", nr});
+          }
+        } else
           configs.push_back({ms, {mode, 0}});
       }
       RagWorkload w(ro, m.config().vocab_size, o.seed);

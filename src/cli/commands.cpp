@@ -55,7 +55,8 @@ std::vector<int32_t> parse_ids(const std::string& csv) {
 void register_generate(CLI::App& app) {
   struct Opts {
     std::string model = default_model_dir(), prompt, prompt_ids, backend = "cpu", segments_file, mode = "pic";
-    int max_tokens = 64, top_k = 0, logprobs = -1, threads = 0, seam = 8;
+    int max_tokens = 64, top_k = 0, logprobs = -1, threads = 0, seam = 8, tail_seam = 0;
+    std::string cache_dir;
     double cache_mib = 4096;
     float temperature = 0.f, top_p = 1.f;
     uint64_t seed = 0;
@@ -74,7 +75,10 @@ void register_generate(CLI::App& app) {
   sf->excludes(pi);
   c->add_option("--mode", o->mode, "Prefill mode: full, prefix, pic, naive")->capture_default_str();
   c->add_option("--seam", o->seam, "Recomputed head tokens of each reused segment (0: none)")->capture_default_str();
+  c->add_option("--tail-seam", o->tail_seam, "Also recompute the last W tokens of each reused segment (both-ends seams)")
+      ->capture_default_str();
   c->add_option("--cache-budget-mib", o->cache_mib, "Segment cache budget in MiB")->capture_default_str();
+  c->add_option("--cache-dir", o->cache_dir, "Persistent segment cache directory (reused across runs)");
   c->add_option("--max-tokens", o->max_tokens, "Maximum tokens to generate")->capture_default_str();
   c->add_option("--temperature", o->temperature, "Sampling temperature (0: greedy)")->capture_default_str();
   c->add_option("--top-k", o->top_k, "Keep the k most likely tokens (0: all)")->capture_default_str();
@@ -93,7 +97,9 @@ void register_generate(CLI::App& app) {
       PicOptions popt;
       popt.mode = parse_pic_mode(o->mode);
       popt.seam = o->seam;
+      popt.tail_seam = o->tail_seam;
       if (o->seam < 0) throw std::invalid_argument("--seam must be >= 0");
+      if (o->tail_seam < 0) throw std::invalid_argument("--tail-seam must be >= 0");
       if (!(o->cache_mib > 0)) throw std::invalid_argument("--cache-budget-mib must be positive");
       LoadedModel lm = load_model(o->model, o->backend, o->threads);
       GenerateRequest req;
@@ -116,6 +122,7 @@ void register_generate(CLI::App& app) {
       // Validate sampling and lengths before any work (generate() repeats these checks).
       validate_request(*lm.model, lm.tokenizer.get(), req);
       PicEngine engine(*lm.model, static_cast<size_t>(o->cache_mib * 1048576.0));
+      if (!o->cache_dir.empty()) engine.attach_cache_dir(o->cache_dir);
       const auto t0 = std::chrono::steady_clock::now();
       PrefillResult pre = engine.prefill(segments, popt);
       const double prefill_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -148,6 +155,12 @@ void register_generate(CLI::App& app) {
                       {"miss_segments", cr.miss_segments},
                       {"reused_tokens", cr.reused_tokens},
                       {"computed_tokens", cr.computed_tokens}};
+        if (!o->cache_dir.empty()) {
+          const auto cs = engine.cache().stats();
+          j["cache"]["disk_hits"] = cs.disk_hits;
+          j["cache"]["disk_writes"] = cs.disk_writes;
+          j["cache"]["corrupt_files"] = cs.corrupt_files;
+        }
         if (lm.tokenizer) j["text"] = r.text;
         j["finish_reason"] = r.finish_reason;
         j["prompt_tokens"] = r.prompt_tokens;

@@ -40,7 +40,7 @@ void register_eval(CLI::App& app) {
   c->add_option("--modes", o->modes, "Modes to compare")->capture_default_str();
   c->add_option("--seams", o->seams, "Seam widths for pic")->capture_default_str();
   c->add_flag("--no-warm", o->no_warm, "Do not serve each prompt's documents in another order first");
-  c->add_flag("--no-extra-rows", o->no_extra, "Skip the pic-without-RoPE-re-rotation row");
+  c->add_flag("--no-extra-rows", o->no_extra, "Skip the rows pic without RoPE re-rotation and pic with both-ends seams");
   c->add_option("--cache-budget-mib", o->cache_mib, "Segment cache budget")->capture_default_str();
   c->add_option("--predictions", o->predictions, "Write every prediction to this JSONL file");
   c->add_option("--threads", o->threads, "CPU threads (0: all cores)");
@@ -63,9 +63,13 @@ void register_eval(CLI::App& app) {
             configs.push_back({"pic/seam=" + sw, {PicMode::Pic, w}});
           }
           if (!o->no_extra) {
-            PicOptions nr{PicMode::Pic, csv(o->seams).empty() ? 8 : std::stoi(csv(o->seams)[0])};
+            const int w = csv(o->seams).empty() ? 8 : std::stoi(csv(o->seams)[0]);
+            PicOptions nr{PicMode::Pic, w};
             nr.rerotate = false;
             configs.push_back({"pic/no-rerotate", nr});
+            PicOptions be{PicMode::Pic, w};
+            be.tail_seam = w;
+            configs.push_back({"pic/both-ends", be});
           }
         } else {
           has_full |= mode == PicMode::Full;

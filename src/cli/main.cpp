@@ -5,9 +5,14 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
 #include "cli/commands.h"
 
 int main(int argc, char** argv) {
+  // Logs go to stderr: stdout carries results (JSON, generated text, SSE never mixes with logs).
+  spdlog::set_default_logger(spdlog::stderr_color_mt("hypic"));
   CLI::App app{"hypic: inference and serving for hybrid-attention LLMs with position-independent caching"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "hypic 0.1.0");

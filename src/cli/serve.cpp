@@ -93,8 +93,8 @@ void register_serve(CLI::App& app) {
       sigaction(SIGINT, &sa, nullptr);
       sigaction(SIGTERM, &sa, nullptr);
 
-      // Logs go to stderr; stdout carries only the "listening on" line (scripts read the port there).
-      spdlog::set_default_logger(spdlog::stderr_color_mt("hypic"));
+      // Logs go to stderr (main installs that logger); stdout carries only the "listening on" line
+      // (scripts read the port there).
       spdlog::info("loading model from {}", o->model);
       const auto t0 = std::chrono::steady_clock::now();
       std::mutex mu;

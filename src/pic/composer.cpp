@@ -124,41 +124,47 @@ SequenceState snapshot(const Model& m, const SequenceState& st) {
 }
 }  // namespace
 
-std::shared_ptr<SegmentEntry> PicEngine::build_entry(const std::vector<int32_t>& ids, int seam) {
+std::shared_ptr<SegmentEntry> PicEngine::build_entry(const std::vector<int32_t>& ids, int seam, int tail) {
   Model& m = model_;
   Backend& be = m.backend();
   const auto& cfg = m.config();
   const int64_t L = static_cast<int64_t>(ids.size());
+  if (L == 0) throw std::invalid_argument("cannot cache an empty segment");
   const int64_t head = std::clamp<int64_t>(seam, 0, L);
+  const int64_t tl = std::clamp<int64_t>(tail, 0, L - head);
+  const int64_t body_end = L - tl;
   auto e = std::make_shared<SegmentEntry>();
-  e->key = SegmentKey{m.fingerprint(), seam, ids};
+  e->key = SegmentKey{m.fingerprint(), seam, tail, ids};
   e->layers.resize(static_cast<size_t>(cfg.num_hidden_layers));
   SequenceState st = m.new_state(L);  // zero state at position 0: the segment in isolation
   Tensor x = m.embed(ids);
+  // One pass per layer over the whole segment as three spans on one state: head | body | tail.
+  // Hooks between the spans snapshot what the cache keeps: the state after the head, then the
+  // body's transition (chained by the kernel in the same pass), its zero-start state
+  // S_body = S_end - T_body S_head (linearity), and the conv state at the end of the body.
+  Tensor s_head;
+  std::function<void()> after_head, after_body;
   for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
     auto& ls = st.layers[static_cast<size_t>(l)];
     auto& out = e->layers[static_cast<size_t>(l)];
     if (cfg.layer_types[static_cast<size_t>(l)] == LayerKind::Linear) {
-      if (head > 0) {
-        Tensor xh = x.slice_rows(0, head);
-        m.layer_forward(l, xh, ls, 0);
-      }
       const auto& sh = ls.ssm.shape();  // [Hv, dk, dv]
-      Tensor s_head = be.alloc(DType::F32, sh);
-      be.copy(ls.ssm, s_head);
       out.T = be.alloc(DType::F32, {sh[0], sh[1], sh[1]});
-      if (head < L) {
-        Tensor xb = x.slice_rows(head, L);
-        m.layer_forward(l, xb, ls, head, &out.T);
-        // The body's own zero-start state: S_end = T_body S_head + S_body.
-        out.S = be.alloc(DType::F32, sh);
-        be.compose_state(out.T, s_head, ls.ssm, -1.f, out.S);
-      } else {
-        be.set_identity(out.T);
-        out.S = be.alloc(DType::F32, sh);
-      }
-      out.conv_tail = be.alloc(DType::F32, ls.conv.shape());
-      be.copy(ls.conv, out.conv_tail);
+      out.S = be.alloc(DType::F32, sh);
+      s_head = be.alloc(DType::F32, sh);
+      after_head = [&] { be.copy(ls.ssm, s_head); };
+      after_body = [&] {
+        if (head < body_end)
+          be.compose_state(out.T, s_head, ls.ssm, -1.f, out.S);
+        else
+          be.set_identity(out.T);  // empty body: T = I, S = 0
+        out.conv_tail = be.alloc(DType::F32, ls.conv.shape());
+        be.copy(ls.conv, out.conv_tail);
+      };
+      const LayerSpan spans[3] = {{&ls, 0, head, nullptr, &after_head},
+                                  {&ls, head, body_end - head, &out.T, &after_body},
+                                  {&ls, body_end, tl, nullptr, nullptr}};
+      m.layer_forward(l, x, spans);
     } else {
       m.layer_forward(l, x, ls, 0);
       const auto& ks = ls.k.shape();
@@ -232,9 +238,9 @@ std::string PicEngine::check_entry(const SegmentEntry& e) const {
   return "";
 }
 
-std::shared_ptr<const SegmentEntry> PicEngine::get_or_build(const std::vector<int32_t>& ids, int seam,
+std::shared_ptr<const SegmentEntry> PicEngine::get_or_build(const std::vector<int32_t>& ids, int seam, int tail,
                                                             CacheReport& rep) {
-  SegmentKey key{model_.fingerprint(), seam, ids};
+  SegmentKey key{model_.fingerprint(), seam, tail, ids};
   if (auto hit = cache_.store() ? cache_.find_or_load(key, [this](const SegmentEntry& e) { return check_entry(e); })
                                 : cache_.find(key)) {
     ++rep.hit_segments;
@@ -242,12 +248,13 @@ std::shared_ptr<const SegmentEntry> PicEngine::get_or_build(const std::vector<in
   }
   ++rep.miss_segments;
   rep.computed_tokens += static_cast<int64_t>(ids.size());  // the isolated prefill
-  return cache_.insert(build_entry(ids, seam));
+  return cache_.insert(build_entry(ids, seam, tail));
 }
 
 PrefillResult PicEngine::prefill(const std::vector<std::vector<int32_t>>& segs, const PicOptions& opt) {
   check_segments(model_, segs);
   if (opt.seam < 0) throw std::invalid_argument("seam must be >= 0, got " + std::to_string(opt.seam));
+  if (opt.tail_seam < 0) throw std::invalid_argument("tail seam must be >= 0, got " + std::to_string(opt.tail_seam));
   switch (opt.mode) {
     case PicMode::Full: return prefill_full(segs, opt.skip_question);
     case PicMode::Prefix: return prefill_prefix(segs, opt.skip_question);
@@ -324,7 +331,7 @@ PrefillResult PicEngine::prefill_composed(const std::vector<std::vector<int32_t>
   // request computes: the seams of all segments, then the question.
   struct Part {
     std::shared_ptr<const SegmentEntry> e;
-    int64_t pos, len, head;
+    int64_t pos, len, head, tail;  // cached body: [head, len - tail)
   };
   std::vector<Part> parts;
   std::vector<int32_t> rows;
@@ -334,12 +341,15 @@ PrefillResult PicEngine::prefill_composed(const std::vector<std::vector<int32_t>
     const int64_t L = static_cast<int64_t>(ids.size());
     // The first segment sits at its true position 0: reused whole, no seam needed.
     const int seam = (i == 0 || naive) ? 0 : opt.seam;
-    auto e = get_or_build(ids, seam, r.report);
+    const int tail = (i == 0 || naive) ? 0 : opt.tail_seam;
+    auto e = get_or_build(ids, seam, tail, r.report);
     const int64_t head = std::min<int64_t>(seam, L);
-    r.report.reused_tokens += L - head;
-    r.report.computed_tokens += head;
+    const int64_t tl = std::min<int64_t>(tail, L - head);
+    r.report.reused_tokens += L - head - tl;
+    r.report.computed_tokens += head + tl;
     rows.insert(rows.end(), ids.begin(), ids.begin() + head);
-    parts.push_back({std::move(e), pos, L, head});
+    rows.insert(rows.end(), ids.end() - tl, ids.end());
+    parts.push_back({std::move(e), pos, L, head, tl});
     pos += L;
   }
   const bool with_q = !opt.skip_question;
@@ -367,7 +377,8 @@ PrefillResult PicEngine::prefill_composed(const std::vector<std::vector<int32_t>
         // Seam tokens have advanced the running state from the prefix state (conv warmed by the
         // previous segment's tail); now S <- T_body S + S_body and the conv tail moves on.
         hooks[i] = [&be, &ls, &sum, &p, naive] {
-          if (p.head >= p.len) return;
+          // No cached body: the running conv state already holds the true inputs before the tail.
+          if (p.head + p.tail >= p.len) return;
           if (naive) {
             be.add(ls.ssm, sum.S, ls.ssm);
           } else {
@@ -377,18 +388,21 @@ PrefillResult PicEngine::prefill_composed(const std::vector<std::vector<int32_t>
           }
           be.copy(sum.conv_tail, ls.conv);
         };
-      } else if (p.head < p.len) {
+      } else if (p.head + p.tail < p.len) {
         // Splice the body's K/V; keys were stored at relative positions and RoPE angles add, so
         // rotating them by the segment's start is exact (only the rotary dims change).
-        Tensor kd = ls.k.slice_rows(p.pos + p.head, p.pos + p.len), vd = ls.v.slice_rows(p.pos + p.head, p.pos + p.len);
-        be.copy(sum.k.slice_rows(p.head, p.len), kd);
-        be.copy(sum.v.slice_rows(p.head, p.len), vd);
+        const int64_t b0 = p.head, b1 = p.len - p.tail;
+        Tensor kd = ls.k.slice_rows(p.pos + b0, p.pos + b1), vd = ls.v.slice_rows(p.pos + b0, p.pos + b1);
+        be.copy(sum.k.slice_rows(b0, b1), kd);
+        be.copy(sum.v.slice_rows(b0, b1), vd);
         if (!naive && opt.rerotate && p.pos > 0) {
-          std::vector<int64_t> shift(static_cast<size_t>(p.len - p.head), p.pos);
+          std::vector<int64_t> shift(static_cast<size_t>(b1 - b0), p.pos);
           be.rope_neox(kd, shift, rot, cfg.rope_theta);
         }
       }
       spans.push_back(LayerSpan{&ls, p.pos, p.head, nullptr, linear ? &hooks[i] : nullptr});
+      // Both-ends seam: the segment's last tokens are recomputed too, after its body.
+      if (p.tail > 0) spans.push_back(LayerSpan{&ls, p.pos + p.len - p.tail, p.tail, nullptr, nullptr});
     }
     if (with_q) spans.push_back(LayerSpan{&ls, pos, Q, nullptr, nullptr});
     if (x.defined()) {

@@ -31,6 +31,7 @@ const char* pic_mode_name(PicMode m);
 struct PicOptions {
   PicMode mode = PicMode::Pic;
   int seam = 8;           // recomputed head tokens of each reused segment after the first
+  int tail_seam = 0;      // recomputed last tokens of those segments too (both-ends seams; off by default)
   bool rerotate = true;   // re-rotate cached keys to the segment's real start (pic only)
   // Stop after the context, leaving the question (last segment) unprocessed: the state then
   // holds the context only and logits is undefined. For drift measurements.
@@ -67,10 +68,11 @@ class PicEngine {
   Model& model() { return model_; }
 
   // The summary of one segment computed in isolation from position 0 (exposed for tests).
-  std::shared_ptr<SegmentEntry> build_entry(const std::vector<int32_t>& ids, int seam);
+  std::shared_ptr<SegmentEntry> build_entry(const std::vector<int32_t>& ids, int seam, int tail = 0);
 
  private:
-  std::shared_ptr<const SegmentEntry> get_or_build(const std::vector<int32_t>& ids, int seam, CacheReport& rep);
+  std::shared_ptr<const SegmentEntry> get_or_build(const std::vector<int32_t>& ids, int seam, int tail,
+                                                   CacheReport& rep);
   PrefillResult prefill_full(const std::vector<std::vector<int32_t>>& segs, bool skip_question);
   PrefillResult prefill_prefix(const std::vector<std::vector<int32_t>>& segs, bool skip_question);
   PrefillResult prefill_composed(const std::vector<std::vector<int32_t>>& segs, const PicOptions& opt);

@@ -12,6 +12,7 @@ uint64_t SegmentKey::hash() const {
   XXH64_state_t* s = XXH64_createState();
   XXH64_reset(s, model_fingerprint);
   XXH64_update(s, &seam, sizeof(seam));
+  XXH64_update(s, &tail, sizeof(tail));
   XXH64_update(s, ids.data(), ids.size() * sizeof(int32_t));
   uint64_t h = XXH64_digest(s);
   XXH64_freeState(s);

@@ -20,15 +20,17 @@ namespace hypic {
 struct SegmentKey {
   uint64_t model_fingerprint = 0;
   int32_t seam = 0;  // tokens at the head of the segment that are recomputed on reuse
+  int32_t tail = 0;  // tokens at its end recomputed on reuse (both-ends seams)
   std::vector<int32_t> ids;
   uint64_t hash() const;
   bool operator==(const SegmentKey& o) const {
-    return model_fingerprint == o.model_fingerprint && seam == o.seam && ids == o.ids;
+    return model_fingerprint == o.model_fingerprint && seam == o.seam && tail == o.tail && ids == o.ids;
   }
 };
 
 struct LayerSummary {
-  // Linear layers: T [Hv, dk, dk], S [Hv, dk, dv] of the body (tokens seam..L-1), conv tail [K-1, C].
+  // Linear layers: T [Hv, dk, dk], S [Hv, dk, dv] of the body (tokens seam..L-tail-1) and the conv
+  // state at the end of the body [K-1, C] (the last K-1 pre-conv inputs before the tail).
   Tensor T, S, conv_tail;
   // Full layers: K, V [L, Hkv, D] at positions 0..L-1.
   Tensor k, v;

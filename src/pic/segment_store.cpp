@@ -155,6 +155,7 @@ std::string key_diff(const SegmentKey& want, const SegmentKey& got) {
     return fmt::format("written by another model (fingerprint {:016x}, expected {:016x})", got.model_fingerprint,
                        want.model_fingerprint);
   if (want.seam != got.seam) return fmt::format("holds seam {} (expected {})", got.seam, want.seam);
+  if (want.tail != got.tail) return fmt::format("holds tail seam {} (expected {})", got.tail, want.tail);
   return fmt::format("holds another segment ({} token ids, expected {}; ids differ)", got.ids.size(), want.ids.size());
 }
 
@@ -183,7 +184,7 @@ std::string SegmentStore::path_for(const SegmentKey& key) const {
 }
 
 size_t SegmentStore::file_size(const SegmentEntry& e) {
-  size_t n = 8 + 4 + 4 + 8 + 4 + 4 + 4 * e.key.ids.size() + 4 + 4;
+  size_t n = 8 + 4 + 4 + 8 + 4 + 4 + 4 + 4 * e.key.ids.size() + 4 + 4;  // ..seam, tail, n_ids, ids, counts
   for (const auto& l : e.layers)
     for (int f = 0; f < kFields; ++f) {
       const Tensor& t = field_of(l, f);
@@ -338,6 +339,7 @@ std::shared_ptr<SegmentEntry> SegmentStore::load(const SegmentKey& key, const Va
     if (r.get<uint32_t>("reserved") != 0) throw Bad{"reserved header field is not zero"};
     e->key.model_fingerprint = r.get<uint64_t>("model fingerprint");
     e->key.seam = r.get<int32_t>("seam");
+    e->key.tail = r.get<int32_t>("tail seam");
     const auto n_ids = r.get<uint32_t>("id count");
     if (uint64_t{n_ids} * 4 > r.remaining()) throw Bad{"truncated: " + std::to_string(n_ids) + " token ids"};
     e->key.ids.resize(n_ids);
@@ -460,6 +462,7 @@ bool SegmentStore::save(const SegmentEntry& e) {
     w.put(uint32_t{0});
     w.put(e.key.model_fingerprint);
     w.put(e.key.seam);
+    w.put(e.key.tail);
     w.put(static_cast<uint32_t>(e.key.ids.size()));
     w.put(e.key.ids.data(), e.key.ids.size() * 4);
     uint32_t n_tensors = 0;

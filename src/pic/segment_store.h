@@ -8,7 +8,7 @@
 //   u32 version           = 1
 //   u32 reserved          = 0
 //   u64 model_fingerprint
-//   i32 seam
+//   i32 seam, i32 tail
 //   u32 n_ids, i32 ids[n_ids]
 //   u32 n_layers, u32 n_tensors
 //   n_tensors records:    u32 layer, u8 field (0 T, 1 S, 2 conv_tail, 3 k, 4 v), u8 dtype,

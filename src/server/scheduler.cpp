@@ -192,7 +192,7 @@ void Scheduler::remember(const std::shared_ptr<const SegmentEntry>& e) {
 }
 
 std::shared_ptr<const SegmentEntry> Scheduler::get_or_build(const std::vector<int32_t>& ids, int seam, bool& built) {
-  SegmentKey key{model_.fingerprint(), seam, ids};
+  SegmentKey key{model_.fingerprint(), seam, 0, ids};
   auto e = engine_.cache().find(key);
   built = !e;
   if (!e) e = engine_.cache().insert(engine_.build_entry(ids, seam));

@@ -132,6 +132,31 @@ TEST_P(Pic, NaiveAdditionIsMeasurablyWrongAndPicIsCloser) {
   EXPECT_LT(e_pic, e_naive);
 }
 
+// Both-ends seams: the last tokens of each reused segment are recomputed too.
+TEST_P(Pic, BothEndsSeamsKeepExactnessProperties) {
+  PicEngine eng(*lm_->model, 64 << 20);
+  SequenceState sf, sp;
+  auto full = run(eng, segs_, {PicMode::Full}, &sf);
+  PicOptions covering{PicMode::Pic, 30};
+  covering.tail_seam = 70;  // head + tail cover every segment: everything recomputed
+  EXPECT_LE(max_abs(full, run(eng, segs_, covering)), 2e-4);
+  PicOptions both{PicMode::Pic, 8};
+  both.tail_seam = 8;
+  CacheReport cold, warm;
+  auto a = run(eng, segs_, both, &sp, &cold);
+  auto b = run(eng, segs_, both, nullptr, &warm);
+  EXPECT_EQ(a, b);
+  EXPECT_LE(rel_l2(*lm_->backend, sp.layers[0].ssm, sf.layers[0].ssm), 1e-5);  // exact at layer 0
+  EXPECT_LE(rel_l2(*lm_->backend, sp.layers[0].conv, sf.layers[0].conv), 1e-6);
+  EXPECT_EQ(warm.hit_segments, 4);
+  EXPECT_EQ(warm.reused_tokens, 20 + (70 - 16) + (41 - 16) + (90 - 16));
+  EXPECT_EQ(warm.computed_tokens, 16 * 3 + 12);
+  // Tail seams must not change what a head-only request computes.
+  auto head_only = run(eng, segs_, {PicMode::Pic, 8});
+  PicEngine fresh(*lm_->model, 64 << 20);
+  EXPECT_EQ(head_only, run(fresh, segs_, {PicMode::Pic, 8}));
+}
+
 INSTANTIATE_TEST_SUITE_P(Models, Pic, ::testing::Values("qwen3_5_dense", "qwen3_5_moe", "qwen3_next"),
                          [](const auto& i) { return i.param; });
 

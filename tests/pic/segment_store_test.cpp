@@ -134,7 +134,7 @@ class Store : public ::testing::Test {
     return run(eng);
   }
   // Key of request segment i as the composer builds it (seam 0 for the first, 8 after).
-  SegmentKey key_of(size_t i) { return SegmentKey{model().fingerprint(), i == 0 ? 0 : 8, segs_[i]}; }
+  SegmentKey key_of(size_t i) { return SegmentKey{model().fingerprint(), i == 0 ? 0 : 8, 0, segs_[i]}; }
   fs::path file_of(size_t i) {
     SegmentStore s(dir_.string(), be());
     return s.path_for(key_of(i));
@@ -176,7 +176,7 @@ TEST_F(Store, RoundTripIsBitwiseIdentical) {
   EXPECT_EQ(s.corrupt_files, 0u);
   EXPECT_EQ(count_files(".tmp"), 0u);
   // A key that was never written is a plain miss.
-  EXPECT_EQ(store.load(SegmentKey{model().fingerprint(), 8, segs_[2]}), nullptr);
+  EXPECT_EQ(store.load(SegmentKey{model().fingerprint(), 8, 0, segs_[2]}), nullptr);
   EXPECT_EQ(store.stats().corrupt_files, 0u);
 }
 
@@ -273,7 +273,7 @@ INSTANTIATE_TEST_SUITE_P(Kinds, StoreDamage,
                                            Damage{"FlippedLastDataByte", "checksum",
                                                   [](std::vector<char>& b) { b[b.size() - 9] ^= 0x01; }},
                                            Damage{"FlippedTokenIdInHeader", "checksum",
-                                                  [](std::vector<char>& b) { b[33] ^= 0x04; }},
+                                                  [](std::vector<char>& b) { b[37] ^= 0x04; }},  // ids start at byte 36
                                            Damage{"FlippedFingerprintInHeader", "checksum",
                                                   [](std::vector<char>& b) { b[17] ^= 0x80; }},
                                            Damage{"FlippedChecksum", "checksum",
@@ -285,7 +285,7 @@ INSTANTIATE_TEST_SUITE_P(Kinds, StoreDamage,
                                                     // Layer count field set absurdly high: rejected before any
                                                     // allocation.
                                                     const size_t n_ids = 33;
-                                                    const size_t at = 8 + 4 + 4 + 8 + 4 + 4 + 4 * n_ids;
+                                                    const size_t at = 8 + 4 + 4 + 8 + 4 + 4 + 4 + 4 * n_ids;  // magic..tail, n_ids, ids
                                                     b[at + 3] = 0x7f;
                                                   }},
                                            Damage{"TrailingGarbage", "trailing",
