@@ -404,7 +404,7 @@ void register_bench(CLI::App& app) {
         std::vector<double> drift(L, 0.0);
         double kl = 0, agree = 0;
         for (auto& segs : requests) {
-          PrefillResult pf = ref.prefill(segs, {PicMode::Full, 0, true, true});
+          PrefillResult pf = ref.prefill(segs, PicOptions{.mode = PicMode::Full, .seam = 0, .skip_question = true});
           PrefillResult pm = eng.prefill(segs, opt);
           Tensor lf, lmo;
           auto hf = question_hidden(m, pf.state, segs.back(), lf);

@@ -173,7 +173,7 @@ Model::Model(ModelConfig cfg, const WeightSource& ws, Backend& be)
 
   m.embed = W(P + "embed_tokens.weight", {c.vocab_size, m.H});
   m.final_norm = W(P + "norm.weight", {m.H});
-  if (c.tie_word_embeddings && !ws.has("lm_head.weight"))
+  if (c.tie_word_embeddings)  // as transformers: tied means the embedding is the head
     m.lm_head = m.embed;
   else
     m.lm_head = W("lm_head.weight", {c.vocab_size, m.H});

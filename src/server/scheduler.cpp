@@ -399,6 +399,22 @@ void Scheduler::decode_sample(Seq& s) {
 }
 
 void Scheduler::decode_step(std::vector<Seq*>& seqs) {
+  // Continuous batching: one forward over every running sequence's next token; weight GEMMs run
+  // once for the whole batch, the token mixers per sequence against its own state.
+  if (seqs.size() > 1) {
+    std::vector<BatchItem> items;
+    items.reserve(seqs.size());
+    for (Seq* s : seqs) items.push_back({&s->st, std::span<const int32_t>(&s->next_id, 1)});
+    try {
+      Tensor all = model_.forward_batch(items);
+      for (size_t i = 0; i < seqs.size(); ++i)
+        seqs[i]->logits = all.slice_rows(static_cast<int64_t>(i), static_cast<int64_t>(i) + 1);
+      return;
+    } catch (const std::exception&) {
+      // forward_batch validates every sequence before touching any state (context length, ids),
+      // so a failure leaves the states as they were: redo one by one to isolate the culprit.
+    }
+  }
   for (Seq* s : seqs) {
     try {
       s->logits = model_.forward(std::span<const int32_t>(&s->next_id, 1), s->st);

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -101,6 +102,32 @@ TEST(Cli, BadInputGivesClearErrors) {
   auto r = run("generate" + m + " --prompt-ids " + ids);
   EXPECT_NE(r.rc, 0);
   EXPECT_NE(r.out.find("exceeds the model's context"), std::string::npos) << r.out;
+}
+
+// The drift report must show what the method guarantees: exact prefix caching has no drift, PIC
+// is exact at layer 0 and naive addition is not.
+TEST(Cli, FidelityReportShowsTheExactLayers) {
+  auto r = run("bench fidelity --json --model " + model() + " --segments 4 --segment-tokens 40 --requests 2 --seams 0,8");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  auto j = nlohmann::json::parse(r.out);
+  std::map<std::string, nlohmann::json> rows;
+  for (auto& row : j["results"]) rows[row["config"].get<std::string>()] = row;
+  ASSERT_TRUE(rows.count("prefix") && rows.count("pic/seam=8") && rows.count("naive")) << r.out;
+  for (auto& d : rows["prefix"]["layer_rel_l2"]) EXPECT_LT(d.get<double>(), 1e-5);
+  EXPECT_LT(rows["pic/seam=8"]["layer_rel_l2"][0].get<double>(), 1e-5);
+  EXPECT_GT(rows["naive"]["layer_rel_l2"][0].get<double>(), 1e-3);
+  EXPECT_GT(rows["naive"]["kl"].get<double>(), rows["pic/seam=8"]["kl"].get<double>());
+}
+
+TEST(Cli, TtftReportCountsComputedTokens) {
+  auto r = run("bench ttft --json --model " + model() + " --segments 3 --segment-tokens 30 --query-tokens 5 --prefix-tokens 6 --requests 2");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  auto j = nlohmann::json::parse(r.out);
+  std::map<std::string, double> computed;
+  for (auto& m : j["modes"]) computed[m["mode"].get<std::string>()] = m["computed_tokens_median"].get<double>();
+  EXPECT_EQ(computed["full"], 6 + 3 * 30 + 5);
+  EXPECT_EQ(computed["pic"], 3 * 8 + 5);  // a seam per document (all follow the prefix) + question
+  EXPECT_EQ(computed["naive"], 5);
 }
 
 TEST(Cli, InfoAndTokenize) {
