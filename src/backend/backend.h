@@ -52,8 +52,8 @@ class Backend {
   virtual void rms_norm(const Tensor& x, const Tensor& w, float eps, bool one_plus_w, Tensor& out) = 0;
   // out = rms_norm(x) * w * silu(z)   (plain w, as in the gated output norm of GDN)
   virtual void rms_norm_gated(const Tensor& x, const Tensor& z, const Tensor& w, float eps, Tensor& out) = 0;
-  virtual void add(const Tensor& a, const Tensor& b, Tensor& out) = 0;            // out = a + b
-  virtual void silu_mul(const Tensor& gate, const Tensor& up, Tensor& out) = 0;   // silu(gate) * up
+  virtual void add(const Tensor& a, const Tensor& b, Tensor& out) = 0;           // out = a + b
+  virtual void silu_mul(const Tensor& gate, const Tensor& up, Tensor& out) = 0;  // silu(gate) * up
   // x * sigmoid(gate); gate is x's shape, or [rows, 1] (one gate per row, broadcast).
   virtual void sigmoid_mul(const Tensor& x, const Tensor& gate, Tensor& out) = 0;
   // Copies columns [col, col + width) of every row of src[R, C] into dst[R, width].
@@ -85,9 +85,8 @@ class Backend {
   // inside when l2norm_qk, and q is scaled by dk^-0.5. out: [T, Hv, dv].
   // If transition is defined ([Hv, dk, dk] f32) it receives T_C = A_T ... A_1 of this span,
   // computed in the same pass (segment summary for position-independent caching).
-  virtual void gated_delta_rule(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
-                                const Tensor& beta, bool l2norm_qk, Tensor& state, Tensor& out,
-                                Tensor* transition = nullptr) = 0;
+  virtual void gated_delta_rule(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                                bool l2norm_qk, Tensor& state, Tensor& out, Tensor* transition = nullptr) = 0;
 
   // ---- segment summaries (PIC) -----------------------------------------------------------------
   // Per head: out = alpha * (T S) + B, T [H, dk, dk], S and B [H, dk, dv]; out must not alias S.

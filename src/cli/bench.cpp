@@ -2,10 +2,10 @@
 // tests: they print measurements and assert nothing about them.
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <iostream>
 #include <nlohmann/json.hpp>
-#include <cmath>
 #include <random>
 #include <sstream>
 
@@ -18,7 +18,9 @@ namespace hypic::cli {
 
 namespace {
 using Clock = std::chrono::steady_clock;
-double secs(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+double secs(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
 
 // Multiply-adds x 2 of the weight matmuls one token goes through (MoE: routed top-k plus the
 // shared expert), plus the LM head.
@@ -27,7 +29,8 @@ double weight_flops_per_token(const ModelConfig& c) {
   double f = 0;
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     if (c.layer_types[static_cast<size_t>(i)] == LayerKind::Linear) {
-      const double kd = c.linear_num_key_heads * c.linear_key_head_dim, vd = c.linear_num_value_heads * c.linear_value_head_dim;
+      const double kd = c.linear_num_key_heads * c.linear_key_head_dim,
+                   vd = c.linear_num_value_heads * c.linear_value_head_dim;
       f += H * (2 * kd + 2 * vd + 2 * c.linear_num_value_heads) + vd * H;
     } else {
       const double qd = c.num_attention_heads * c.head_dim, kvd = c.num_key_value_heads * c.head_dim;
@@ -82,7 +85,10 @@ struct BenchOpts {
 LoadedModel open(const BenchOpts& o) {
   if (o.random || !o.config.empty()) {
     if (o.config.empty()) throw std::invalid_argument("--random-weights needs --config FILE");
-    DType dt = o.dtype == "bf16" ? DType::BF16 : o.dtype == "f16" ? DType::F16 : o.dtype == "f32" ? DType::F32 : DType::U8;
+    DType dt = o.dtype == "bf16"  ? DType::BF16
+               : o.dtype == "f16" ? DType::F16
+               : o.dtype == "f32" ? DType::F32
+                                  : DType::U8;
     if (dt == DType::U8) throw std::invalid_argument("--dtype must be bf16, f16 or f32");
     return load_random_model(o.config, o.seed, dt, o.backend, o.threads);
   }
@@ -163,7 +169,8 @@ void add_rag(CLI::App* c, RagOpts& r) {
 
 void check_rag(const RagOpts& r) {
   if (r.segments <= 0 || r.segment_tokens <= 0 || r.query_tokens <= 0 || r.prefix_tokens <= 0 || r.requests <= 0)
-    throw std::invalid_argument("--segments, --segment-tokens, --query-tokens, --prefix-tokens and --requests must be positive");
+    throw std::invalid_argument(
+        "--segments, --segment-tokens, --query-tokens, --prefix-tokens and --requests must be positive");
 }
 
 double rel_l2(Backend& be, const Tensor& a, const Tensor& ref) {
@@ -222,12 +229,18 @@ void register_bench(CLI::App& app) {
       const double t = median(times);
       const double flops = o.tokens * (weight_flops_per_token(cfg) + mixer_flops_per_token(cfg, o.tokens / 2.0));
       const double gemm = measure_gemm_gflops(m.backend());
-      nlohmann::json j{{"bench", "prefill"},          {"model", lm.description},
-                       {"backend", m.backend().name()}, {"threads", m.backend().num_threads()},
-                       {"parameters", m.parameter_count()}, {"tokens", o.tokens},
-                       {"seconds", t},                  {"tokens_per_s", o.tokens / t},
-                       {"gflop", flops / 1e9},          {"gflops_per_s", flops / t / 1e9},
-                       {"gemm_gflops_per_s", gemm},     {"efficiency", flops / t / 1e9 / gemm}};
+      nlohmann::json j{{"bench", "prefill"},
+                       {"model", lm.description},
+                       {"backend", m.backend().name()},
+                       {"threads", m.backend().num_threads()},
+                       {"parameters", m.parameter_count()},
+                       {"tokens", o.tokens},
+                       {"seconds", t},
+                       {"tokens_per_s", o.tokens / t},
+                       {"gflop", flops / 1e9},
+                       {"gflops_per_s", flops / t / 1e9},
+                       {"gemm_gflops_per_s", gemm},
+                       {"efficiency", flops / t / 1e9 / gemm}};
       std::cout << j.dump(o.json ? -1 : 2) << "\n";
       if (!o.json)
         std::printf("prefill %d tokens: %.3f s, %.1f tok/s, %.1f GFLOP/s = %.0f%% of measured GEMM %.1f GFLOP/s\n",
@@ -345,7 +358,8 @@ void register_bench(CLI::App& app) {
         for (auto& e : res)
           std::printf("%-8s %14.1f %16.0f\n", e["mode"].get<std::string>().c_str(), e["ttft_ms_median"].get<double>(),
                       e["computed_tokens_median"].get<double>());
-        if (j.contains("prefix_over_pic")) std::printf("prefix / pic TTFT: %.2fx\n", j["prefix_over_pic"].get<double>());
+        if (j.contains("prefix_over_pic"))
+          std::printf("prefix / pic TTFT: %.2fx\n", j["prefix_over_pic"].get<double>());
       }
     });
   });
@@ -416,7 +430,8 @@ void register_bench(CLI::App& app) {
           double k = 0;
           for (size_t i = 0; i < pa.size(); ++i) k += std::exp(double(pa[i])) * (double(pa[i]) - pb[i]);
           kl += k / requests.size();
-          agree += (std::max_element(pa.begin(), pa.end()) - pa.begin() == std::max_element(pb.begin(), pb.end()) - pb.begin())
+          agree += (std::max_element(pa.begin(), pa.end()) - pa.begin() ==
+                    std::max_element(pb.begin(), pb.end()) - pb.begin())
                        ? 1.0 / requests.size()
                        : 0.0;
         }
@@ -424,10 +439,14 @@ void register_bench(CLI::App& app) {
       }
       std::string map;
       for (auto k : m.config().layer_types) map += (k == LayerKind::Linear ? 'L' : 'F');
-      nlohmann::json j{{"bench", "fidelity"},          {"model", lm.description},
-                       {"layer_map", map},             {"segments", ro.segments},
-                       {"segment_tokens", ro.segment_tokens}, {"query_tokens", ro.query_tokens},
-                       {"requests", ro.requests},      {"results", rows}};
+      nlohmann::json j{{"bench", "fidelity"},
+                       {"model", lm.description},
+                       {"layer_map", map},
+                       {"segments", ro.segments},
+                       {"segment_tokens", ro.segment_tokens},
+                       {"query_tokens", ro.query_tokens},
+                       {"requests", ro.requests},
+                       {"results", rows}};
       std::cout << j.dump(o.json ? -1 : 2) << "\n";
       if (!o.json) {
         std::printf("%-14s %10s %8s  rel L2 per layer (%s)\n", "config", "KL", "top1", map.c_str());

@@ -16,8 +16,12 @@ namespace hypic::cli {
 namespace {
 int g_exit = 0;
 }
-int exit_code() { return g_exit; }
-void set_exit_code(int c) { g_exit = c; }
+int exit_code() {
+  return g_exit;
+}
+void set_exit_code(int c) {
+  g_exit = c;
+}
 
 void guarded(const std::function<void()>& fn) {
   try {
@@ -75,7 +79,8 @@ void register_generate(CLI::App& app) {
   sf->excludes(pi);
   c->add_option("--mode", o->mode, "Prefill mode: full, prefix, pic, naive")->capture_default_str();
   c->add_option("--seam", o->seam, "Recomputed head tokens of each reused segment (0: none)")->capture_default_str();
-  c->add_option("--tail-seam", o->tail_seam, "Also recompute the last W tokens of each reused segment (both-ends seams)")
+  c->add_option("--tail-seam", o->tail_seam,
+                "Also recompute the last W tokens of each reused segment (both-ends seams)")
       ->capture_default_str();
   c->add_option("--cache-budget-mib", o->cache_mib, "Segment cache budget in MiB")->capture_default_str();
   c->add_option("--cache-dir", o->cache_dir, "Persistent segment cache directory (reused across runs)");
@@ -125,7 +130,8 @@ void register_generate(CLI::App& app) {
       if (!o->cache_dir.empty()) engine.attach_cache_dir(o->cache_dir);
       const auto t0 = std::chrono::steady_clock::now();
       PrefillResult pre = engine.prefill(segments, popt);
-      const double prefill_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      const double prefill_ms =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
       GenerateResult r;
       auto on_token = [&](int32_t id, const std::string& piece) {
         if (stream) {
@@ -228,9 +234,9 @@ void register_info(CLI::App& app) {
                   o->model.c_str(), cfg.architecture.c_str(), static_cast<long long>(cfg.num_hidden_layers),
                   static_cast<long long>(cfg.num_linear_layers()), static_cast<long long>(cfg.num_full_layers()),
                   map.c_str());
-      std::printf("hidden        %lld   vocab %lld   experts %lld (top %lld)\n", static_cast<long long>(cfg.hidden_size),
-                  static_cast<long long>(cfg.vocab_size), static_cast<long long>(cfg.num_experts),
-                  static_cast<long long>(cfg.num_experts_per_tok));
+      std::printf("hidden        %lld   vocab %lld   experts %lld (top %lld)\n",
+                  static_cast<long long>(cfg.hidden_size), static_cast<long long>(cfg.vocab_size),
+                  static_cast<long long>(cfg.num_experts), static_cast<long long>(cfg.num_experts_per_tok));
       std::printf("parameters    %lld   weights %.2f MiB   context %lld   tokenizer %s\n",
                   static_cast<long long>(lm.model->parameter_count()), lm.model->weight_bytes() / 1048576.0,
                   static_cast<long long>(cfg.max_position_embeddings), lm.tokenizer ? "yes" : "no");
@@ -255,7 +261,8 @@ void register_tokenize(CLI::App& app) {
   c->callback([o] {
     guarded([&] {
       auto dir = open_model_dir(o->model);
-      if (dir.tokenizer_json.empty()) throw std::invalid_argument("model folder " + o->model + " has no tokenizer.json");
+      if (dir.tokenizer_json.empty())
+        throw std::invalid_argument("model folder " + o->model + " has no tokenizer.json");
       Tokenizer tok = Tokenizer::load(dir.tokenizer_json, dir.tokenizer_config_json);
       if (!o->ids.empty()) {
         auto ids = parse_ids(o->ids);

@@ -40,7 +40,8 @@ void register_eval(CLI::App& app) {
   c->add_option("--modes", o->modes, "Modes to compare")->capture_default_str();
   c->add_option("--seams", o->seams, "Seam widths for pic")->capture_default_str();
   c->add_flag("--no-warm", o->no_warm, "Do not serve each prompt's documents in another order first");
-  c->add_flag("--no-extra-rows", o->no_extra, "Skip the rows pic without RoPE re-rotation and pic with both-ends seams");
+  c->add_flag("--no-extra-rows", o->no_extra,
+              "Skip the rows pic without RoPE re-rotation and pic with both-ends seams");
   c->add_option("--cache-budget-mib", o->cache_mib, "Segment cache budget")->capture_default_str();
   c->add_option("--predictions", o->predictions, "Write every prediction to this JSONL file");
   c->add_option("--threads", o->threads, "CPU threads (0: all cores)");
@@ -77,13 +78,14 @@ void register_eval(CLI::App& app) {
         }
       }
       if (configs.empty()) throw std::invalid_argument("--modes selects nothing");
-      std::vector<std::string> tasks =
-          o->task == "all" ? std::vector<std::string>{"lookup", "twohop", "aggregate"} : std::vector<std::string>{o->task};
+      std::vector<std::string> tasks = o->task == "all" ? std::vector<std::string>{"lookup", "twohop", "aggregate"}
+                                                        : std::vector<std::string>{o->task};
       LoadedModel lm = load_model(o->model, "cpu", o->threads);
       eval::RunOptions ro;
       ro.warm = !o->no_warm;
       ro.cache_mib = o->cache_mib;
-      nlohmann::json out{{"model", o->model}, {"set", o->data.empty() ? o->set : o->data}, {"tasks", nlohmann::json::object()}};
+      nlohmann::json out{
+          {"model", o->model}, {"set", o->data.empty() ? o->set : o->data}, {"tasks", nlohmann::json::object()}};
       std::FILE* pred = o->predictions.empty() ? nullptr : std::fopen(o->predictions.c_str(), "w");
       if (!o->predictions.empty() && !pred) throw std::invalid_argument("cannot write " + o->predictions);
       for (const auto& task : tasks) {
@@ -112,8 +114,12 @@ void register_eval(CLI::App& app) {
           if (pred)
             for (size_t i = 0; i < ex.size(); ++i)
               std::fprintf(pred, "%s\n",
-                           nlohmann::json{{"task", task}, {"id", ex[i].id}, {"config", r.config}, {"prediction", r.predictions[i]},
-                                          {"answers", ex[i].answers}, {"score", r.scores[i]}}
+                           nlohmann::json{{"task", task},
+                                          {"id", ex[i].id},
+                                          {"config", r.config},
+                                          {"prediction", r.predictions[i]},
+                                          {"answers", ex[i].answers},
+                                          {"score", r.scores[i]}}
                                .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)
                                .c_str());
         }

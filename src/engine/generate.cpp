@@ -24,8 +24,8 @@ void validate_request(const Model& model, const Tokenizer* tok, const GenerateRe
     if (s.empty()) throw std::invalid_argument("stop strings must not be empty");
   const int64_t ctx = model.config().max_position_embeddings;
   if (ctx > 0 && static_cast<int64_t>(req.prompt.size()) > ctx)
-    throw std::length_error("prompt of " + std::to_string(req.prompt.size()) + " tokens exceeds the model's context of " +
-                            std::to_string(ctx) + " tokens");
+    throw std::length_error("prompt of " + std::to_string(req.prompt.size()) +
+                            " tokens exceeds the model's context of " + std::to_string(ctx) + " tokens");
 }
 
 GenerateResult decode_from(Model& model, const Tokenizer* tok, const GenerateRequest& req, SequenceState& st,

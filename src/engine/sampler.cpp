@@ -16,7 +16,9 @@ void validate(const SamplingParams& p) {
     throw std::invalid_argument("top_p must be in (0, 1], got " + std::to_string(p.top_p));
 }
 
-Sampler::Sampler(SamplingParams p) : p_(p), rng_(p.seed) { validate(p_); }
+Sampler::Sampler(SamplingParams p) : p_(p), rng_(p.seed) {
+  validate(p_);
+}
 
 int32_t Sampler::sample(std::span<const float> logits) {
   const int32_t V = static_cast<int32_t>(logits.size());
@@ -28,7 +30,9 @@ int32_t Sampler::sample(std::span<const float> logits) {
   scratch_.clear();
   scratch_.reserve(static_cast<size_t>(V));
   for (int32_t i = 0; i < V; ++i) scratch_.emplace_back(logits[static_cast<size_t>(i)] / p_.temperature, i);
-  auto by_value = [](const auto& a, const auto& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); };
+  auto by_value = [](const auto& a, const auto& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
   size_t n = scratch_.size();
   if (p_.top_k > 0 && static_cast<size_t>(p_.top_k) < n) {
     std::partial_sort(scratch_.begin(), scratch_.begin() + p_.top_k, scratch_.end(), by_value);
@@ -88,7 +92,8 @@ TokenLogprob token_logprob(std::span<const float> logits, int32_t id, int k) {
       return lp[static_cast<size_t>(a)] > lp[static_cast<size_t>(b)] ||
              (lp[static_cast<size_t>(a)] == lp[static_cast<size_t>(b)] && a < b);
     });
-    for (int i = 0; i < k; ++i) r.top.emplace_back(idx[static_cast<size_t>(i)], lp[static_cast<size_t>(idx[static_cast<size_t>(i)])]);
+    for (int i = 0; i < k; ++i)
+      r.top.emplace_back(idx[static_cast<size_t>(i)], lp[static_cast<size_t>(idx[static_cast<size_t>(i)])]);
   }
   return r;
 }

@@ -125,7 +125,8 @@ std::vector<Result> run(LoadedModel& lm, const std::vector<Example>& examples, c
       req.eos_ids = m.config().eos_token_ids;
       const auto t0 = std::chrono::steady_clock::now();
       PrefillResult pre = eng.prefill(segs, cfg.opt);
-      const double prefill_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      const double prefill_ms =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
       GenerateResult g = decode_from(m, nullptr, req, pre.state, pre.logits);
       ttft.push_back(prefill_ms + g.ttft_ms);
       std::vector<int32_t> ids = g.ids;

@@ -16,7 +16,6 @@ struct GdnShape {
 // transition, when non-null ([Hv, dk, dk]), receives the span's transition operator T_C
 // computed in the same pass. Threads over heads with the given thread count.
 void gated_delta_forward(const GdnShape& s, const float* q, const float* k, const float* v, const float* g,
-                         const float* beta, bool l2norm_qk, float* state, float* out, float* transition,
-                         int threads);
+                         const float* beta, bool l2norm_qk, float* state, float* out, float* transition, int threads);
 
 }  // namespace hypic::linear

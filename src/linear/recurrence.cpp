@@ -526,8 +526,12 @@ int64_t t_stride(Family f, int64_t dk) {
 
 }  // namespace
 
-ScopedRunner::ScopedRunner(const Runner* r) : prev_(t_runner) { t_runner = r; }
-ScopedRunner::~ScopedRunner() { t_runner = prev_; }
+ScopedRunner::ScopedRunner(const Runner* r) : prev_(t_runner) {
+  t_runner = r;
+}
+ScopedRunner::~ScopedRunner() {
+  t_runner = prev_;
+}
 
 int64_t transition_floats(Family f, int64_t Hv, int64_t dk) {
   return Hv * t_stride(f, dk);

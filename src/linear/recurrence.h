@@ -23,8 +23,8 @@
 // state [Hv, dk, dv]; out [T, Hv, dv]; dense transitions [Hv, dk, dk].
 #pragma once
 #include <cstdint>
-#include <string_view>
 #include <functional>
+#include <string_view>
 #include <vector>
 
 namespace hypic::linear {

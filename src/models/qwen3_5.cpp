@@ -2,13 +2,13 @@
 // attention layers, computed as transformers 5.17 computes them. Qwen3-Next differs only in how
 // its GDN input projections are packed (fused qkvz / ba, grouped per key head); those rows are
 // reordered once at load time so both share one forward.
+#include <xxhash.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
 #include <stdexcept>
-
-#include <xxhash.h>
 
 #include "io/safetensors.h"
 #include "models/model.h"
@@ -133,7 +133,8 @@ Model::Model(ModelConfig cfg, const WeightSource& ws, Backend& be)
   auto& m = *impl_;
   const auto& c = cfg_;
   if (c.attention_bias) throw std::runtime_error("attention_bias = true is not supported");
-  if (c.hidden_act != "silu") throw std::runtime_error("hidden_act '" + c.hidden_act + "' is not supported (silu only)");
+  if (c.hidden_act != "silu")
+    throw std::runtime_error("hidden_act '" + c.hidden_act + "' is not supported (silu only)");
   m.H = c.hidden_size;
   m.Hq = c.num_attention_heads;
   m.Hkv = c.num_key_value_heads;
@@ -363,7 +364,9 @@ void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> s
   {
     int64_t rows = 0;
     for (const auto& sp : spans) rows += sp.rows;
-    if (rows != T) throw std::invalid_argument("layer_forward: spans cover " + std::to_string(rows) + " rows, x has " + std::to_string(T));
+    if (rows != T)
+      throw std::invalid_argument("layer_forward: spans cover " + std::to_string(rows) + " rows, x has " +
+                                  std::to_string(T));
   }
   const float eps = static_cast<float>(cfg_.rms_norm_eps);
   Tensor xn = be_.alloc(DType::F32, {T, m.H});
@@ -516,7 +519,8 @@ Tensor Model::forward_batch(std::span<const BatchItem> items) {
   std::vector<LayerSpan> spans(items.size());
   for (size_t l = 0; l < impl_->layers.size(); ++l) {
     for (size_t i = 0; i < items.size(); ++i)
-      spans[i] = LayerSpan{&items[i].state->layers[l], items[i].state->n_past, static_cast<int64_t>(items[i].ids.size()), nullptr};
+      spans[i] = LayerSpan{&items[i].state->layers[l], items[i].state->n_past,
+                           static_cast<int64_t>(items[i].ids.size()), nullptr};
     layer_forward(static_cast<int64_t>(l), x, spans);
   }
   // Last row of each sequence.
@@ -547,7 +551,8 @@ Tensor Model::forward(std::span<const int32_t> ids, SequenceState& st, const For
   for (int64_t s = 0; s < T; s += kChunk) {
     const int64_t n = std::min(kChunk, T - s);
     Tensor x = embed(ids.subspan(static_cast<size_t>(s), static_cast<size_t>(n)));
-    for (size_t i = 0; i < impl_->layers.size(); ++i) layer_forward(static_cast<int64_t>(i), x, st.layers[i], st.n_past);
+    for (size_t i = 0; i < impl_->layers.size(); ++i)
+      layer_forward(static_cast<int64_t>(i), x, st.layers[i], st.n_past);
     st.n_past += n;
     if (opt.all_logits) {
       Tensor lg = logits(x);

@@ -21,10 +21,14 @@ PicMode parse_pic_mode(const std::string& s) {
 
 const char* pic_mode_name(PicMode m) {
   switch (m) {
-    case PicMode::Full: return "full";
-    case PicMode::Prefix: return "prefix";
-    case PicMode::Pic: return "pic";
-    case PicMode::Naive: return "naive";
+    case PicMode::Full:
+      return "full";
+    case PicMode::Prefix:
+      return "prefix";
+    case PicMode::Pic:
+      return "pic";
+    case PicMode::Naive:
+      return "naive";
   }
   return "?";
 }
@@ -256,17 +260,21 @@ PrefillResult PicEngine::prefill(const std::vector<std::vector<int32_t>>& segs, 
   if (opt.seam < 0) throw std::invalid_argument("seam must be >= 0, got " + std::to_string(opt.seam));
   if (opt.tail_seam < 0) throw std::invalid_argument("tail seam must be >= 0, got " + std::to_string(opt.tail_seam));
   switch (opt.mode) {
-    case PicMode::Full: return prefill_full(segs, opt.skip_question);
-    case PicMode::Prefix: return prefill_prefix(segs, opt.skip_question);
+    case PicMode::Full:
+      return prefill_full(segs, opt.skip_question);
+    case PicMode::Prefix:
+      return prefill_prefix(segs, opt.skip_question);
     case PicMode::Pic:
-    case PicMode::Naive: return prefill_composed(segs, opt);
+    case PicMode::Naive:
+      return prefill_composed(segs, opt);
   }
   throw std::logic_error("bad mode");
 }
 
 PrefillResult PicEngine::prefill_full(const std::vector<std::vector<int32_t>>& segs, bool skip_question) {
   std::vector<int32_t> all;
-  for (size_t i = 0; i + (skip_question ? 1 : 0) < segs.size(); ++i) all.insert(all.end(), segs[i].begin(), segs[i].end());
+  for (size_t i = 0; i + (skip_question ? 1 : 0) < segs.size(); ++i)
+    all.insert(all.end(), segs[i].begin(), segs[i].end());
   PrefillResult r;
   r.state = model_.new_state(static_cast<int64_t>(all.size()) + static_cast<int64_t>(segs.back().size()));
   if (!all.empty()) r.logits = model_.forward(all, r.state);

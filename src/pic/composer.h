@@ -30,9 +30,9 @@ const char* pic_mode_name(PicMode m);
 
 struct PicOptions {
   PicMode mode = PicMode::Pic;
-  int seam = 8;           // recomputed head tokens of each reused segment after the first
-  int tail_seam = 0;      // recomputed last tokens of those segments too (both-ends seams; off by default)
-  bool rerotate = true;   // re-rotate cached keys to the segment's real start (pic only)
+  int seam = 8;          // recomputed head tokens of each reused segment after the first
+  int tail_seam = 0;     // recomputed last tokens of those segments too (both-ends seams; off by default)
+  bool rerotate = true;  // re-rotate cached keys to the segment's real start (pic only)
   // Stop after the context, leaving the question (last segment) unprocessed: the state then
   // holds the context only and logits is undefined. For drift measurements.
   bool skip_question = false;

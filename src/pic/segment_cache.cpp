@@ -26,7 +26,9 @@ void SegmentEntry::account() {
       if (t->defined()) bytes += t->nbytes();
 }
 
-SegmentCache::SegmentCache(size_t budget_bytes) : budget_(budget_bytes) { st_.budget = budget_bytes; }
+SegmentCache::SegmentCache(size_t budget_bytes) : budget_(budget_bytes) {
+  st_.budget = budget_bytes;
+}
 
 std::shared_ptr<const SegmentEntry> SegmentCache::find(const SegmentKey& key) {
   std::lock_guard<std::mutex> g(mu_);

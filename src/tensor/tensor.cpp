@@ -48,19 +48,17 @@ Tensor Tensor::borrow(void* data, DType dt, Shape shape, Device dev) {
 
 Tensor Tensor::reshape(Shape s) const {
   if (shape_numel(s) != numel())
-    throw std::invalid_argument("reshape " + shape_str(shape_) + " -> " + shape_str(s) +
-                                ": element counts differ");
+    throw std::invalid_argument("reshape " + shape_str(shape_) + " -> " + shape_str(s) + ": element counts differ");
   return Tensor(storage_, offset_, dtype_, std::move(s));
 }
 
 Tensor Tensor::slice_rows(int64_t begin, int64_t end) const {
   if (shape_.empty() || begin < 0 || end < begin || end > shape_[0])
-    throw std::out_of_range("slice_rows [" + std::to_string(begin) + ", " + std::to_string(end) +
-                            ") of " + shape_str(shape_));
+    throw std::out_of_range("slice_rows [" + std::to_string(begin) + ", " + std::to_string(end) + ") of " +
+                            shape_str(shape_));
   Shape s = shape_;
   s[0] = end - begin;
-  size_t row = static_cast<size_t>(shape_numel(shape_) / std::max<int64_t>(shape_[0], 1)) *
-               dtype_size(dtype_);
+  size_t row = static_cast<size_t>(shape_numel(shape_) / std::max<int64_t>(shape_[0], 1)) * dtype_size(dtype_);
   return Tensor(storage_, offset_ + static_cast<size_t>(begin) * row, dtype_, std::move(s));
 }
 
@@ -78,11 +76,15 @@ Tensor Tensor::to_f32() const {
   return t;
 }
 
-std::string Tensor::str() const { return std::string(dtype_name(dtype_)) + shape_str(shape_); }
+std::string Tensor::str() const {
+  return std::string(dtype_name(dtype_)) + shape_str(shape_);
+}
 
 void convert_to_f32(const void* src, DType dt, float* dst, size_t n) {
   switch (dt) {
-    case DType::F32: std::memcpy(dst, src, n * 4); return;
+    case DType::F32:
+      std::memcpy(dst, src, n * 4);
+      return;
     case DType::BF16: {
       auto s = static_cast<const uint16_t*>(src);
       for (size_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
@@ -98,13 +100,16 @@ void convert_to_f32(const void* src, DType dt, float* dst, size_t n) {
       for (size_t i = 0; i < n; ++i) dst[i] = static_cast<float>(s[i]);
       return;
     }
-    default: throw std::invalid_argument(std::string("convert_to_f32: not a float dtype: ") + dtype_name(dt));
+    default:
+      throw std::invalid_argument(std::string("convert_to_f32: not a float dtype: ") + dtype_name(dt));
   }
 }
 
 void convert_from_f32(const float* src, DType dt, void* dst, size_t n) {
   switch (dt) {
-    case DType::F32: std::memcpy(dst, src, n * 4); return;
+    case DType::F32:
+      std::memcpy(dst, src, n * 4);
+      return;
     case DType::BF16: {
       auto d = static_cast<uint16_t*>(dst);
       for (size_t i = 0; i < n; ++i) d[i] = f32_to_bf16(src[i]);
@@ -120,7 +125,8 @@ void convert_from_f32(const float* src, DType dt, void* dst, size_t n) {
       for (size_t i = 0; i < n; ++i) d[i] = src[i];
       return;
     }
-    default: throw std::invalid_argument(std::string("convert_from_f32: not a float dtype: ") + dtype_name(dt));
+    default:
+      throw std::invalid_argument(std::string("convert_from_f32: not a float dtype: ") + dtype_name(dt));
   }
 }
 

@@ -27,10 +27,13 @@ Run run(const std::string& args) {
   return {WEXITSTATUS(st), out};
 }
 
-std::string model() { return std::string(HYPIC_TEST_DATA) + "/models/qwen3_5_dense"; }
+std::string model() {
+  return std::string(HYPIC_TEST_DATA) + "/models/qwen3_5_dense";
+}
 
 TEST(Cli, GenerateJsonWithLogprobs) {
-  auto r = run("generate --model " + model() + " --prompt 'Hello world' --max-tokens 6 --logprobs 3 --json --ignore-eos");
+  auto r =
+      run("generate --model " + model() + " --prompt 'Hello world' --max-tokens 6 --logprobs 3 --json --ignore-eos");
   ASSERT_EQ(r.rc, 0) << r.out;
   auto j = nlohmann::json::parse(r.out);
   ASSERT_EQ(j["ids"].size(), 6u);
@@ -46,8 +49,9 @@ TEST(Cli, GenerateJsonWithLogprobs) {
 }
 
 TEST(Cli, SegmentedPromptReportsCacheUse) {
-  auto r = run("generate --model " + model() +
-               " --prompt 'System.<<PIC_SEP>>Doc one text here.<<PIC_SEP>>Doc two text.<<PIC_SEP>>Q?' --max-tokens 2 --json");
+  auto r = run(
+      "generate --model " + model() +
+      " --prompt 'System.<<PIC_SEP>>Doc one text here.<<PIC_SEP>>Doc two text.<<PIC_SEP>>Q?' --max-tokens 2 --json");
   ASSERT_EQ(r.rc, 0) << r.out;
   auto j = nlohmann::json::parse(r.out);
   EXPECT_EQ(j["segments"], 4);
@@ -65,7 +69,9 @@ TEST(Cli, ModesAgreeOnOneSegment) {
 }
 
 TEST(Cli, SeededSamplingRepeats) {
-  const std::string args = "generate --model " + model() + " --prompt-ids 1,2,3 --max-tokens 12 --temperature 1 --top-p 0.9 --top-k 50 --seed 7 --json --ignore-eos";
+  const std::string args =
+      "generate --model " + model() +
+      " --prompt-ids 1,2,3 --max-tokens 12 --temperature 1 --top-p 0.9 --top-k 50 --seed 7 --json --ignore-eos";
   auto a = run(args), b = run(args);
   ASSERT_EQ(a.rc, 0) << a.out;
   EXPECT_EQ(nlohmann::json::parse(a.out)["ids"], nlohmann::json::parse(b.out)["ids"]);
@@ -107,7 +113,8 @@ TEST(Cli, BadInputGivesClearErrors) {
 // The drift report must show what the method guarantees: exact prefix caching has no drift, PIC
 // is exact at layer 0 and naive addition is not.
 TEST(Cli, FidelityReportShowsTheExactLayers) {
-  auto r = run("bench fidelity --json --model " + model() + " --segments 4 --segment-tokens 40 --requests 2 --seams 0,8");
+  auto r =
+      run("bench fidelity --json --model " + model() + " --segments 4 --segment-tokens 40 --requests 2 --seams 0,8");
   ASSERT_EQ(r.rc, 0) << r.out;
   auto j = nlohmann::json::parse(r.out);
   std::map<std::string, nlohmann::json> rows;
@@ -120,7 +127,8 @@ TEST(Cli, FidelityReportShowsTheExactLayers) {
 }
 
 TEST(Cli, TtftReportCountsComputedTokens) {
-  auto r = run("bench ttft --json --model " + model() + " --segments 3 --segment-tokens 30 --query-tokens 5 --prefix-tokens 6 --requests 2");
+  auto r = run("bench ttft --json --model " + model() +
+               " --segments 3 --segment-tokens 30 --query-tokens 5 --prefix-tokens 6 --requests 2");
   ASSERT_EQ(r.rc, 0) << r.out;
   auto j = nlohmann::json::parse(r.out);
   std::map<std::string, double> computed;

@@ -16,15 +16,17 @@ std::vector<float> random_logits(int n, uint64_t seed) {
   for (auto& x : v) x = d(r);
   return v;
 }
-int32_t argmax(const std::vector<float>& v) { return static_cast<int32_t>(std::max_element(v.begin(), v.end()) - v.begin()); }
+int32_t argmax(const std::vector<float>& v) {
+  return static_cast<int32_t>(std::max_element(v.begin(), v.end()) - v.begin());
+}
 }  // namespace
 
 TEST(Sampler, GreedyAndDegenerateSettingsPickArgmax) {
   for (uint64_t s = 0; s < 20; ++s) {
     auto l = random_logits(97, s);
     EXPECT_EQ(Sampler({0.f, 0, 1.f, s}).sample(l), argmax(l));
-    EXPECT_EQ(Sampler({1.f, 1, 1.f, s}).sample(l), argmax(l));      // top-k 1
-    EXPECT_EQ(Sampler({1.f, 0, 1e-6f, s}).sample(l), argmax(l));    // tiny nucleus
+    EXPECT_EQ(Sampler({1.f, 1, 1.f, s}).sample(l), argmax(l));    // top-k 1
+    EXPECT_EQ(Sampler({1.f, 0, 1e-6f, s}).sample(l), argmax(l));  // tiny nucleus
   }
 }
 
@@ -60,7 +62,8 @@ TEST(Sampler, TopKAndTopPRestrictTheSupport) {
   Sampler p5({1.f, 0, 0.5f, 9});
   for (int i = 0; i < 500; ++i) {
     int32_t t = p5.sample(l);
-    EXPECT_NE(std::find(order.begin(), order.begin() + static_cast<long>(keep), t), order.begin() + static_cast<long>(keep));
+    EXPECT_NE(std::find(order.begin(), order.begin() + static_cast<long>(keep), t),
+              order.begin() + static_cast<long>(keep));
   }
 }
 

@@ -18,7 +18,8 @@ TEST(Scoring, HandCheckedCases) {
   EXPECT_EQ(exact_match("May", {"April", "may"}), 1.0);
   EXPECT_EQ(exact_match("April 3", {"April"}), 0.0);
   EXPECT_NEAR(token_f1("red green blue", {"green blue yellow"}), 2.0 / 3.0, 1e-12);
-  EXPECT_NEAR(rouge_l("a b c d", {"b d"}), 2 * (2.0 / 3) * 1.0 / (2.0 / 3 + 1.0), 1e-12);  // "a" dropped: [b c d] vs [b d]
+  EXPECT_NEAR(rouge_l("a b c d", {"b d"}), 2 * (2.0 / 3) * 1.0 / (2.0 / 3 + 1.0),
+              1e-12);  // "a" dropped: [b c d] vs [b d]
   EXPECT_EQ(rouge_l("", {""}), 1.0);
   EXPECT_EQ(token_f1("", {"x"}), 0.0);
   EXPECT_THROW(score("bleu", "x", {"x"}), std::invalid_argument);
@@ -26,8 +27,8 @@ TEST(Scoring, HandCheckedCases) {
 
 TEST(Scoring, MatchesThePythonReference) {
   std::mt19937_64 rng(5);
-  const std::vector<std::string> words = {"the", "a", "an", "Red", "red,", "green", "blue!", "salt", "iron", "copper",
-                                          "April", "May", "42", "x-ray", "The", "tea", "(tin)", "wool"};
+  const std::vector<std::string> words = {"the",    "a",     "an",  "Red", "red,",  "green", "blue!", "salt",  "iron",
+                                          "copper", "April", "May", "42",  "x-ray", "The",   "tea",   "(tin)", "wool"};
   auto phrase = [&](int max_len) {
     std::string s;
     int n = static_cast<int>(rng() % (max_len + 1));
@@ -45,7 +46,8 @@ TEST(Scoring, MatchesThePythonReference) {
   const std::string cmd = "python3 -c \"import sys, json; sys.path.insert(0, '" + std::string(HYPIC_SOURCE_DIR) +
                           "/tools/tasks'); import rag_tasks as R; c = json.load(open('" + in +
                           "')); json.dump([[R.em(x['pred'], x['answers']), R.f1(x['pred'], x['answers']), "
-                          "R.rouge_l(x['pred'], x['answers'])] for x in c], open('" + out + "', 'w'))\"";
+                          "R.rouge_l(x['pred'], x['answers'])] for x in c], open('" +
+                          out + "', 'w'))\"";
   ASSERT_EQ(std::system(cmd.c_str()), 0) << "python3 with tools/tasks/rag_tasks.py is needed: " << cmd;
   nlohmann::json ref = nlohmann::json::parse(std::ifstream(out));
   ASSERT_EQ(ref.size(), cases.size());

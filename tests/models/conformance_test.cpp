@@ -141,7 +141,8 @@ TEST(BatchedForward, MatchesSeparateSequences) {
   for (const std::string name : {"qwen3_5_dense", "qwen3_5_moe", "qwen3_next"}) {
     auto lm = load_model((fs::path(HYPIC_TEST_DATA) / "models" / name).string(), "cpu", 2);
     auto& m = *lm.model;
-    std::vector<std::vector<int32_t>> prompts = {{1, 2, 3, 4, 5, 6, 7}, {9, 8}, {100, 200, 300, 400, 17, 23, 5, 77, 3, 1, 2}};
+    std::vector<std::vector<int32_t>> prompts = {
+        {1, 2, 3, 4, 5, 6, 7}, {9, 8}, {100, 200, 300, 400, 17, 23, 5, 77, 3, 1, 2}};
     std::vector<SequenceState> alone, batched;
     std::vector<Tensor> ref;
     for (auto& p : prompts) {

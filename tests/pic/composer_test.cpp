@@ -1,4 +1,6 @@
 // Exactness properties of the PIC composer on the conformance checkpoints.
+#include "pic/composer.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -7,7 +9,6 @@
 
 #include "engine/loader.h"
 #include "engine/sampler.h"
-#include "pic/composer.h"
 
 namespace fs = std::filesystem;
 using namespace hypic;
@@ -46,7 +47,8 @@ double rel_l2(Backend& be, const Tensor& a, const Tensor& b) {
 class Pic : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
-    lm_ = std::make_unique<LoadedModel>(load_model((fs::path(HYPIC_TEST_DATA) / "models" / GetParam()).string(), "cpu", 2));
+    lm_ = std::make_unique<LoadedModel>(
+        load_model((fs::path(HYPIC_TEST_DATA) / "models" / GetParam()).string(), "cpu", 2));
     std::mt19937_64 rng(1234);
     const int64_t V = lm_->model->config().vocab_size;
     segs_ = {rand_ids(20, V, rng), rand_ids(70, V, rng), rand_ids(41, V, rng), rand_ids(90, V, rng),

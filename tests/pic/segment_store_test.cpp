@@ -285,7 +285,8 @@ INSTANTIATE_TEST_SUITE_P(Kinds, StoreDamage,
                                                     // Layer count field set absurdly high: rejected before any
                                                     // allocation.
                                                     const size_t n_ids = 33;
-                                                    const size_t at = 8 + 4 + 4 + 8 + 4 + 4 + 4 + 4 * n_ids;  // magic..tail, n_ids, ids
+                                                    const size_t at = 8 + 4 + 4 + 8 + 4 + 4 + 4 +
+                                                                      4 * n_ids;  // magic..tail, n_ids, ids
                                                     b[at + 3] = 0x7f;
                                                   }},
                                            Damage{"TrailingGarbage", "trailing",
