@@ -149,15 +149,6 @@ struct RagWorkload {
   }
 };
 
-std::vector<std::string> split_csv(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ','))
-    if (!item.empty()) out.push_back(item);
-  return out;
-}
-
 void add_rag(CLI::App* c, RagOpts& r) {
   c->add_option("--segments", r.segments, "Documents per request")->capture_default_str();
   c->add_option("--segment-tokens", r.segment_tokens, "Tokens per document")->capture_default_str();
@@ -391,17 +382,15 @@ void register_bench(CLI::App& app) {
         PicMode mode = parse_pic_mode(ms);
         if (mode == PicMode::Full) continue;
         if (mode == PicMode::Pic) {
-          for (auto& sw : split_csv(ro.seams)) configs.push_back({"pic/seam=" + sw, {mode, std::stoi(sw)}});
-          // Both-ends seams at the largest width, and no RoPE re-rotation at the smallest nonzero one.
-          auto ws = split_csv(ro.seams);
-          if (!ws.empty()) {
-            PicOptions be{mode, std::stoi(ws.back())};
-            be.tail_seam = be.seam;
-            configs.push_back({"pic/both-ends=" + ws.back(), be});
-            PicOptions nr{mode, 8};
-            nr.rerotate = false;
-            configs.push_back({"pic/no-rerotate", nr});
-          }
+          const std::vector<int> ws = parse_int_list(ro.seams, "--seams", 0);
+          for (int w : ws) configs.push_back({"pic/seam=" + std::to_string(w), {mode, w}});
+          // Both-ends seams at the largest width, and pic without RoPE re-rotation at seam 8.
+          PicOptions be{mode, ws.back()};
+          be.tail_seam = be.seam;
+          configs.push_back({"pic/both-ends=" + std::to_string(ws.back()), be});
+          PicOptions nr{mode, 8};
+          nr.rerotate = false;
+          configs.push_back({"pic/no-rerotate", nr});
         } else
           configs.push_back({ms, {mode, 0}});
       }

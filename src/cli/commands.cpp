@@ -55,6 +55,33 @@ std::vector<int32_t> parse_ids(const std::string& csv) {
   return ids;
 }
 
+std::vector<std::string> split_csv(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ','))
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+std::vector<int> parse_int_list(const std::string& csv, const std::string& flag, int min_value) {
+  std::vector<int> out;
+  for (const auto& item : split_csv(csv)) {
+    size_t pos = 0;
+    long v = 0;
+    try {
+      v = std::stol(item, &pos);
+    } catch (...) {
+      pos = 0;
+    }
+    if (pos != item.size() || v < min_value || v > INT32_MAX)
+      throw std::invalid_argument(flag + ": '" + item + "' is not an integer >= " + std::to_string(min_value));
+    out.push_back(static_cast<int>(v));
+  }
+  if (out.empty()) throw std::invalid_argument(flag + ": empty list");
+  return out;
+}
+
 // ---- generate -----------------------------------------------------------------------------
 void register_generate(CLI::App& app) {
   struct Opts {

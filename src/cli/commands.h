@@ -15,4 +15,8 @@ void set_exit_code(int c);
 // Runs fn, printing "error: <message>" and setting exit code 1 on exceptions.
 void guarded(const std::function<void()>& fn);
 std::vector<int32_t> parse_ids(const std::string& csv);
+// Non-empty comma-separated items.
+std::vector<std::string> split_csv(const std::string& s);
+// Comma-separated integers >= min_value; errors name the flag and the bad item.
+std::vector<int> parse_int_list(const std::string& csv, const std::string& flag, int min_value);
 }  // namespace hypic::cli

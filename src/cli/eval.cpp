@@ -11,17 +11,6 @@
 
 namespace hypic::cli {
 
-namespace {
-std::vector<std::string> csv(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ','))
-    if (!item.empty()) out.push_back(item);
-  return out;
-}
-}  // namespace
-
 void register_eval(CLI::App& app) {
   struct Opts {
     std::string model = default_model_dir(), task = "all", set = "moderate", data, modes = "full,prefix,pic,naive",
@@ -50,21 +39,13 @@ void register_eval(CLI::App& app) {
     guarded([&] {
       std::vector<eval::Config> configs;
       bool has_full = false;
-      for (const auto& ms : csv(o->modes)) {
+      const std::vector<int> seams = parse_int_list(o->seams, "--seams", 0);
+      for (const auto& ms : split_csv(o->modes)) {
         PicMode mode = parse_pic_mode(ms);
         if (mode == PicMode::Pic) {
-          for (const auto& sw : csv(o->seams)) {
-            int w = 0;
-            try {
-              w = std::stoi(sw);
-            } catch (...) {
-              throw std::invalid_argument("--seams: '" + sw + "' is not a number");
-            }
-            if (w < 0) throw std::invalid_argument("--seams: widths must be >= 0");
-            configs.push_back({"pic/seam=" + sw, {PicMode::Pic, w}});
-          }
+          for (int w : seams) configs.push_back({"pic/seam=" + std::to_string(w), {PicMode::Pic, w}});
           if (!o->no_extra) {
-            const int w = csv(o->seams).empty() ? 8 : std::stoi(csv(o->seams)[0]);
+            const int w = seams.front();
             PicOptions nr{PicMode::Pic, w};
             nr.rerotate = false;
             configs.push_back({"pic/no-rerotate", nr});

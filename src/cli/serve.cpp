@@ -35,6 +35,8 @@ void register_serve(CLI::App& app) {
     int port = 8080, seam = 8, max_queue = 64, max_running = 8, threads = 0, prefill_chunk = 512, http_threads = 0;
     double cache_mib = 4096, max_body_mib = 32;
     int max_json_depth = 64;
+    std::string cache_dir;
+    double disk_budget_mib = 0;  // 0: unlimited
   };
   auto o = std::make_shared<Opts>();
   auto* c = app.add_subcommand("serve", "Serve the model over an OpenAI-compatible HTTP API");
@@ -45,6 +47,10 @@ void register_serve(CLI::App& app) {
   c->add_option("--mode", o->mode, "Default prefill mode: full, prefix, pic, naive")->capture_default_str();
   c->add_option("--seam", o->seam, "Default recomputed head tokens of each reused segment")->capture_default_str();
   c->add_option("--cache-budget-mib", o->cache_mib, "Segment cache budget in MiB")->capture_default_str();
+  c->add_option("--cache-dir", o->cache_dir,
+                "Persistent segment store: segments survive restarts (memory misses look here first)");
+  c->add_option("--disk-budget-mib", o->disk_budget_mib, "Byte budget of --cache-dir in MiB (0: unlimited)")
+      ->capture_default_str();
   c->add_option("--max-queue", o->max_queue, "Requests waiting for the engine before 429")->capture_default_str();
   c->add_option("--max-running", o->max_running, "Requests prefilled/decoded concurrently")->capture_default_str();
   c->add_option("--prefill-chunk", o->prefill_chunk, "Prompt tokens prefilled per engine iteration (non-PIC prompts)")
@@ -71,6 +77,11 @@ void register_serve(CLI::App& app) {
       so.pic.seam = o->seam;
       if (!(o->cache_mib > 0)) throw std::invalid_argument("--cache-budget-mib must be positive");
       so.sched.cache_budget_bytes = static_cast<size_t>(o->cache_mib * 1048576.0);
+      if (o->disk_budget_mib < 0) throw std::invalid_argument("--disk-budget-mib must be >= 0");
+      if (o->disk_budget_mib > 0 && o->cache_dir.empty())
+        throw std::invalid_argument("--disk-budget-mib needs --cache-dir");
+      so.sched.cache_dir = o->cache_dir;
+      if (o->disk_budget_mib > 0) so.sched.disk_budget_bytes = static_cast<size_t>(o->disk_budget_mib * 1048576.0);
       so.sched.max_queue = o->max_queue;
       so.sched.max_running = o->max_running;
       so.sched.prefill_chunk = o->prefill_chunk;
@@ -147,6 +158,12 @@ void register_serve(CLI::App& app) {
       });
       spdlog::info("serving '{}' on http://{}:{} (mode {}, seam {}, cache {:.0f} MiB, max-running {}, max-queue {})",
                    srv.model_name(), o->host, port, o->mode, o->seam, o->cache_mib, o->max_running, o->max_queue);
+      if (!o->cache_dir.empty()) {
+        const auto cs = srv.cache_stats();
+        spdlog::info("segment store {}: {} files, {:.1f} MiB (budget {})", o->cache_dir, cs.disk_entries,
+                     cs.disk_bytes / 1048576.0,
+                     o->disk_budget_mib > 0 ? fmt::format("{:.0f} MiB", o->disk_budget_mib) : std::string("unlimited"));
+      }
       std::printf("listening on http://%s:%d\n", o->host.c_str(), port);
       std::fflush(stdout);
       srv.run();

@@ -428,8 +428,21 @@ struct HttpServer::Impl {
 
   json cache_json() const {
     const auto c = sched->cache_stats();
-    return json{{"hits", c.hits},   {"misses", c.misses},   {"evictions", c.evictions}, {"inserts", c.inserts},
-                {"bytes", c.bytes}, {"entries", c.entries}, {"budget_bytes", c.budget}};
+    return json{{"hits", c.hits},
+                {"misses", c.misses},
+                {"evictions", c.evictions},
+                {"inserts", c.inserts},
+                {"bytes", c.bytes},
+                {"entries", c.entries},
+                {"budget_bytes", c.budget},
+                // disk tier (--cache-dir; all zero without one)
+                {"disk", !opt.sched.cache_dir.empty()},
+                {"disk_hits", c.disk_hits},
+                {"disk_writes", c.disk_writes},
+                {"disk_write_errors", c.disk_write_errors},
+                {"corrupt_files", c.corrupt_files},
+                {"disk_bytes", c.disk_bytes},
+                {"disk_entries", c.disk_entries}};
   }
 
   static json segment_json(const SegmentInfo& s) {
@@ -633,6 +646,10 @@ const std::string& HttpServer::model_name() const {
 }
 Metrics& HttpServer::metrics() {
   return impl_->metrics;
+}
+
+SegmentCacheStats HttpServer::cache_stats() const {
+  return impl_->sched->cache_stats();
 }
 
 }  // namespace hypic::server

@@ -41,6 +41,7 @@ class HttpServer {
   void stop();
   const std::string& model_name() const;
   Metrics& metrics();
+  SegmentCacheStats cache_stats() const;  // memory and disk tiers
 
  private:
   struct Impl;

@@ -103,6 +103,18 @@ std::string Metrics::render(const SegmentCacheStats& c) const {
   scalar(out, "hypic_segment_cache_bytes", "gauge", "Bytes held by the segment cache", static_cast<double>(c.bytes));
   scalar(out, "hypic_segment_cache_entries", "gauge", "Entries in the segment cache", static_cast<double>(c.entries));
   scalar(out, "hypic_segment_cache_budget_bytes", "gauge", "Segment cache byte budget", static_cast<double>(c.budget));
+  scalar(out, "hypic_segment_cache_disk_hits_total", "counter",
+         "Segments loaded from the persistent store (--cache-dir) on a memory miss", static_cast<double>(c.disk_hits));
+  scalar(out, "hypic_segment_cache_disk_writes_total", "counter", "Segment files written to the persistent store",
+         static_cast<double>(c.disk_writes));
+  scalar(out, "hypic_segment_cache_disk_write_errors_total", "counter",
+         "Failed segment file writes (the requests still succeeded)", static_cast<double>(c.disk_write_errors));
+  scalar(out, "hypic_segment_cache_corrupt_files_total", "counter",
+         "Segment files rejected as damaged or foreign (renamed to *.bad)", static_cast<double>(c.corrupt_files));
+  scalar(out, "hypic_segment_cache_disk_bytes", "gauge", "Bytes of segment files in the persistent store",
+         static_cast<double>(c.disk_bytes));
+  scalar(out, "hypic_segment_cache_disk_entries", "gauge", "Segment files in the persistent store",
+         static_cast<double>(c.disk_entries));
   scalar(out, "hypic_queue_depth", "gauge", "Requests waiting for the engine", static_cast<double>(queue_depth.load()));
   scalar(out, "hypic_running_requests", "gauge", "Requests being prefilled or decoded",
          static_cast<double>(running.load()));

@@ -17,6 +17,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -81,6 +82,10 @@ struct SchedulerOptions {
   int max_queue = 64;
   int max_running = 8;
   int prefill_chunk = 512;
+  // Persistent segment store (--cache-dir): "" = memory only. Segments missing from memory are
+  // looked up on disk before being computed; new ones are written through.
+  std::string cache_dir;
+  size_t disk_budget_bytes = std::numeric_limits<size_t>::max();
 };
 
 struct SegmentInfo {
@@ -120,12 +125,15 @@ class Scheduler {
   void fail(Job& j, int status, const std::string& msg);
   std::shared_ptr<const SegmentEntry> get_or_build(const std::vector<int32_t>& ids, int seam, bool& built);
   void remember(const std::shared_ptr<const SegmentEntry>& e);
+  // "" when an entry loaded from disk fits this model's layer layout and shapes.
+  std::string check_loaded(const SegmentEntry& e) const;
 
   Model& model_;
   const Tokenizer* tok_;
   SchedulerOptions opt_;
   Metrics& metrics_;
   mutable PicEngine engine_;
+  std::vector<Shape> expect_;  // per layer: T, S, conv_tail (linear) or k row, v row (full) shapes
 
   std::mutex mu_;
   std::condition_variable cv_;
