@@ -69,10 +69,13 @@ class PicEngine {
 
   // The summary of one segment computed in isolation from position 0 (exposed for tests).
   std::shared_ptr<SegmentEntry> build_entry(const std::vector<int32_t>& ids, int seam, int tail = 0);
-
- private:
+  // The cached entry for a segment: memory, then the disk tier (verified against this model),
+  // else built in isolation and inserted. Counts a hit or a miss in rep. The returned pointer
+  // pins the entry.
   std::shared_ptr<const SegmentEntry> get_or_build(const std::vector<int32_t>& ids, int seam, int tail,
                                                    CacheReport& rep);
+
+ private:
   PrefillResult prefill_full(const std::vector<std::vector<int32_t>>& segs, bool skip_question);
   PrefillResult prefill_prefix(const std::vector<std::vector<int32_t>>& segs, bool skip_question);
   PrefillResult prefill_composed(const std::vector<std::vector<int32_t>>& segs, const PicOptions& opt);

@@ -51,51 +51,7 @@ Scheduler::Scheduler(Model& model, const Tokenizer* tok, SchedulerOptions opt, M
   if (opt_.max_running < 1) throw std::invalid_argument("--max-running must be >= 1");
   if (opt_.max_queue < 1) throw std::invalid_argument("--max-queue must be >= 1");
   if (opt_.prefill_chunk < 1) throw std::invalid_argument("--prefill-chunk must be >= 1");
-  if (!opt_.cache_dir.empty()) {
-    // Expected summary shapes, from a one-token state of this model (what check_loaded compares).
-    const auto& cfg = model_.config();
-    SequenceState st = model_.new_state(1);
-    for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
-      const auto& ls = st.layers[static_cast<size_t>(l)];
-      if (cfg.layer_types[static_cast<size_t>(l)] == LayerKind::Linear) {
-        const auto& sh = ls.ssm.shape();  // [Hv, dk, dv]
-        expect_.push_back({sh[0], sh[1], sh[1]});
-        expect_.push_back(sh);
-        expect_.push_back(ls.conv.shape());
-      } else {
-        expect_.push_back({ls.k.dim(1), ls.k.dim(2)});
-        expect_.push_back({ls.v.dim(1), ls.v.dim(2)});
-      }
-    }
-    engine_.attach_cache_dir(opt_.cache_dir, opt_.disk_budget_bytes);
-  }
-}
-
-std::string Scheduler::check_loaded(const SegmentEntry& e) const {
-  const auto& cfg = model_.config();
-  if (e.layers.size() != static_cast<size_t>(cfg.num_hidden_layers))
-    return "has " + std::to_string(e.layers.size()) + " layers, the model " + std::to_string(cfg.num_hidden_layers);
-  const int64_t L = static_cast<int64_t>(e.key.ids.size());
-  size_t x = 0;
-  for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
-    const auto& s = e.layers[static_cast<size_t>(l)];
-    auto bad = [&](const Tensor& t, const Shape& shape) {
-      return !t.defined() || t.dtype() != DType::F32 || t.shape() != shape;
-    };
-    const bool linear = cfg.layer_types[static_cast<size_t>(l)] == LayerKind::Linear;
-    bool wrong = false;
-    if (linear) {
-      wrong = bad(s.T, expect_[x]) || bad(s.S, expect_[x + 1]) || bad(s.conv_tail, expect_[x + 2]) || s.k.defined() ||
-              s.v.defined();
-      x += 3;
-    } else {
-      wrong = bad(s.k, {L, expect_[x][0], expect_[x][1]}) || bad(s.v, {L, expect_[x + 1][0], expect_[x + 1][1]}) ||
-              s.T.defined() || s.S.defined() || s.conv_tail.defined();
-      x += 2;
-    }
-    if (wrong) return "layer " + std::to_string(l) + " does not match the model's summary shapes";
-  }
-  return "";
+  if (!opt_.cache_dir.empty()) engine_.attach_cache_dir(opt_.cache_dir, opt_.disk_budget_bytes);
 }
 
 Scheduler::~Scheduler() {
@@ -237,13 +193,10 @@ void Scheduler::remember(const std::shared_ptr<const SegmentEntry>& e) {
 }
 
 std::shared_ptr<const SegmentEntry> Scheduler::get_or_build(const std::vector<int32_t>& ids, int seam, bool& built) {
-  SegmentKey key{model_.fingerprint(), seam, 0, ids};
-  // With --cache-dir, a memory miss looks on disk before computing (a valid file is a hit).
-  auto e = engine_.cache().store()
-               ? engine_.cache().find_or_load(key, [this](const SegmentEntry& x) { return check_loaded(x); })
-               : engine_.cache().find(key);
-  built = !e;
-  if (!e) e = engine_.cache().insert(engine_.build_entry(ids, seam));
+  // The engine's own lookup: memory, then the disk tier (verified), else built in isolation.
+  CacheReport rep;
+  auto e = engine_.get_or_build(ids, seam, 0, rep);
+  built = rep.miss_segments > 0;
   remember(e);
   return e;
 }

@@ -126,14 +126,12 @@ class Scheduler {
   std::shared_ptr<const SegmentEntry> get_or_build(const std::vector<int32_t>& ids, int seam, bool& built);
   void remember(const std::shared_ptr<const SegmentEntry>& e);
   // "" when an entry loaded from disk fits this model's layer layout and shapes.
-  std::string check_loaded(const SegmentEntry& e) const;
 
   Model& model_;
   const Tokenizer* tok_;
   SchedulerOptions opt_;
   Metrics& metrics_;
   mutable PicEngine engine_;
-  std::vector<Shape> expect_;  // per layer: T, S, conv_tail (linear) or k row, v row (full) shapes
 
   std::mutex mu_;
   std::condition_variable cv_;
