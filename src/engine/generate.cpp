@@ -1,5 +1,6 @@
 #include "engine/generate.h"
 
+#include <algorithm>
 #include <chrono>
 #include <stdexcept>
 
@@ -91,7 +92,11 @@ GenerateResult decode_from(Model& model, const Tokenizer* tok, const GenerateReq
 GenerateResult generate(Model& model, const Tokenizer* tok, const GenerateRequest& req, const TokenCallback& on_token) {
   validate_request(model, tok, req);
   auto t0 = Clock::now();
-  SequenceState st = model.new_state(static_cast<int64_t>(req.prompt.size()) + req.max_tokens);
+  // KV rows for the whole generation up front, but never beyond the context (huge max_tokens
+  // must not allocate memory the sequence can never use; decoding stops at the context anyway).
+  int64_t want = static_cast<int64_t>(req.prompt.size()) + req.max_tokens;
+  if (model.config().max_position_embeddings > 0) want = std::min(want, model.config().max_position_embeddings);
+  SequenceState st = model.new_state(want);
   Tensor logits = model.forward(req.prompt, st);
   const double prefill_ms = ms_since(t0);
   if (req.max_tokens == 0) {
