@@ -115,6 +115,11 @@ void to_f32_row(const void* src, DType dt, float* dst, int64_t n) {
 struct WF32 {
   using T = float;
   static float one(const T* p) { return *p; }
+#ifdef __AVX512F__
+  static __m512 sixteen(const T* p) {
+    return _mm512_loadu_ps(p);
+  }
+#endif
 #ifdef HYPIC_AVX2
   static __m256 eight(const T* p) {
     return _mm256_loadu_ps(p);
@@ -124,6 +129,12 @@ struct WF32 {
 struct WBF16 {
   using T = uint16_t;
   static float one(const T* p) { return bf16_to_f32(*p); }
+#ifdef __AVX512F__
+  static __m512 sixteen(const T* p) {
+    __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  }
+#endif
 #ifdef HYPIC_AVX2
   static __m256 eight(const T* p) {
     __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -134,6 +145,11 @@ struct WBF16 {
 struct WF16 {
   using T = uint16_t;
   static float one(const T* p) { return f16_to_f32(*p); }
+#ifdef __AVX512F__
+  static __m512 sixteen(const T* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+#endif
 #ifdef HYPIC_AVX2
   static __m256 eight(const T* p) {
 #ifdef __F16C__
@@ -230,6 +246,20 @@ void gemv_rows(const float* x, int64_t K, const typename W::T* w, int64_t N, int
     const typename W::T* wr = w + n * K;
     float s[MM];
     int64_t k = 0;
+#ifdef __AVX512F__
+    // 16 lanes first (two accumulators per row for short row blocks, to cover FMA latency); the
+    // AVX2 loop below takes the remainder.
+    constexpr int U5 = MM <= 2 ? 2 : 1;
+    __m512 z[MM][U5];
+    for (int m = 0; m < MM; ++m)
+      for (int u = 0; u < U5; ++u) z[m][u] = _mm512_setzero_ps();
+    for (; k + 16 * U5 <= K; k += 16 * U5) {
+      __m512 wv[U5];
+      for (int u = 0; u < U5; ++u) wv[u] = W::sixteen(wr + k + 16 * u);
+      for (int m = 0; m < MM; ++m)
+        for (int u = 0; u < U5; ++u) z[m][u] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + k + 16 * u), wv[u], z[m][u]);
+    }
+#endif
 #ifdef HYPIC_AVX2
     constexpr int U = MM <= 2 ? 4 : 2;
     __m256 a[MM][U];
@@ -249,6 +279,9 @@ void gemv_rows(const float* x, int64_t K, const typename W::T* w, int64_t N, int
       __m256 t = a[m][0];
       for (int u = 1; u < U; ++u) t = _mm256_add_ps(t, a[m][u]);
       s[m] = hsum(t);
+#ifdef __AVX512F__
+      for (int u = 0; u < U5; ++u) s[m] += _mm512_reduce_add_ps(z[m][u]);
+#endif
     }
 #else
     for (int m = 0; m < MM; ++m) s[m] = 0.f;
