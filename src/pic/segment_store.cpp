@@ -308,6 +308,8 @@ std::shared_ptr<SegmentEntry> SegmentStore::load(const SegmentKey& key, const Va
     ~Unpin() {
       std::lock_guard<std::mutex> g(s->mu_);
       if (--s->reading_[h] == 0) s->reading_.erase(h);
+      // A save may have gone over budget while this file could not be evicted: catch up now.
+      if (s->st_.disk_bytes > s->budget_) s->evict_for(0, 0);
     }
   } unpin{this, h};
 
@@ -490,19 +492,31 @@ bool SegmentStore::save(const SegmentEntry& e) {
     const int c = ::close(fd.fd);
     fd.fd = -1;
     if (c != 0) throw std::system_error(errno, std::generic_category(), "close");
-    if (::rename(tmp.c_str(), path.c_str()) != 0) throw std::system_error(errno, std::generic_category(), "rename");
   } catch (const std::exception& x) {
     ::unlink(tmp.c_str());
     write_error(path, x.what());
     return false;
   }
+  {
+    // Rename and index together, so an eviction can never unlink the new file between the two and
+    // leave the index counting a file that is gone.
+    std::unique_lock<std::mutex> g(mu_);
+    if (::rename(tmp.c_str(), path.c_str()) != 0) {
+      const int err = errno;
+      g.unlock();
+      ::unlink(tmp.c_str());
+      write_error(path, "rename: " + errno_str(err));
+      return false;
+    }
+    touch(h, size);
+    ++st_.disk_writes;
+    // Concurrent saves each made room for themselves before writing: settle the budget now.
+    if (st_.disk_bytes > budget_) evict_for(size, h);  // keeps h, counting its size
+  }
   // Make the rename durable. Some filesystems refuse fsync on a directory (EINVAL): not an error.
   Fd dfd{::open(dir_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC)};
   if (dfd.fd >= 0 && ::fsync(dfd.fd) != 0 && errno != EINVAL && errno != EROFS)
     spdlog::warn("segment store: fsync of {} failed: {}", dir_, errno_str(errno));
-  std::lock_guard<std::mutex> g(mu_);
-  touch(h, size);
-  ++st_.disk_writes;
   return true;
 }
 

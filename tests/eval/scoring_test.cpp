@@ -3,6 +3,7 @@
 #include "eval/scoring.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <array>
 #include <cstdio>
@@ -41,7 +42,8 @@ TEST(Scoring, MatchesThePythonReference) {
     for (int k = 0, n = 1 + static_cast<int>(rng() % 2); k < n; ++k) ans.push_back(phrase(6));
     cases.push_back({{"pred", phrase(7)}, {"answers", ans}});
   }
-  const std::string in = testing::TempDir() + "/scoring_cases.json", out = testing::TempDir() + "/scoring_ref.json";
+  const std::string in = testing::TempDir() + "/scoring_cases_" + std::to_string(getpid()) + ".json",
+                    out = testing::TempDir() + "/scoring_ref_" + std::to_string(getpid()) + ".json";
   std::ofstream(in) << cases.dump();
   const std::string cmd = "python3 -c \"import sys, json; sys.path.insert(0, '" + std::string(HYPIC_SOURCE_DIR) +
                           "/tools/tasks'); import rag_tasks as R; c = json.load(open('" + in +

@@ -6,6 +6,7 @@
 // add_generation_prompt false/true and enable_thinking absent/true/false; this test renders the
 // same and requires byte-identical output.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -51,7 +52,7 @@ class ChatTemplateConformance : public testing::Test {
     configs_["qwen3"] = read_json(kQwen3Cfg);
     configs_["chatml"] = read_json(kChatmlCfg);
     cases_ = read_json(kConversations).at("cases");
-    fs::path out = fs::path(testing::TempDir()) / "hypic_chat_template_ref.jsonl";
+    fs::path out = fs::path(testing::TempDir()) / ("hypic_chat_template_ref_" + std::to_string(getpid()) + ".jsonl");
     std::string cmd = "node \"" + (kSrc / "tools/chat_template_ref.mjs").string() + "\" \"" + kConversations.string() +
                       "\" \"qwen3=" + kQwen3Cfg.string() + "\" \"chatml=" + kChatmlCfg.string() + "\" > \"" +
                       out.string() + "\"";

@@ -3,6 +3,7 @@
 // scripts/install-deps.sh; tools/tokenizer_ref.mjs writes the reference ids for the corpus in
 // tests/data/tokenizer/ and this test compares them with ours, case by case.
 #include <gtest/gtest.h>
+#include <unistd.h>
 #include <utf8proc.h>
 
 #include <chrono>
@@ -210,8 +211,8 @@ class QwenConformance : public testing::Test {
                      "): run scripts/install-deps.sh (npm ci in tools/npm)";
       return;
     }
-    fs::path out = fs::path(testing::TempDir()) / "hypic_tokenizer_ref.jsonl";
-    fs::path fuzz = fs::path(testing::TempDir()) / "hypic_tokenizer_fuzz_b64.jsonl";
+    fs::path out = fs::path(testing::TempDir()) / ("hypic_tokenizer_ref_" + std::to_string(getpid()) + ".jsonl");
+    fs::path fuzz = fs::path(testing::TempDir()) / ("hypic_tokenizer_fuzz_b64_" + std::to_string(getpid()) + ".jsonl");
     std::vector<std::string> fuzzed = fuzz_cases(kFuzzCases);
     {
       std::ofstream f(fuzz, std::ios::binary);

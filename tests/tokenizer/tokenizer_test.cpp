@@ -2,6 +2,7 @@
 #include "tokenizer/tokenizer.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -15,8 +16,10 @@ namespace {
 namespace fs = std::filesystem;
 using Ids = std::vector<int32_t>;
 
+// CTest runs every test as its own process, in parallel: names carry the pid so two processes
+// never truncate a file the other is reading.
 std::string write_temp(const std::string& name, const std::string& content) {
-  fs::path p = fs::path(testing::TempDir()) / ("hypic_tok_" + name);
+  fs::path p = fs::path(testing::TempDir()) / ("hypic_tok_" + std::to_string(getpid()) + "_" + name);
   std::ofstream f(p, std::ios::binary);
   f << content;
   return p.string();
