@@ -1,5 +1,6 @@
 // End-to-end checks of the hypic binary: JSON shapes and clear errors for bad input.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <array>
 #include <cstdio>
@@ -82,7 +83,7 @@ TEST(Cli, BadInputGivesClearErrors) {
     std::string args, needle;
   };
   const std::string m = " --model " + model();
-  auto tmp = std::filesystem::temp_directory_path() / "hypic_cli_test_segments.json";
+  auto tmp = std::filesystem::temp_directory_path() / ("hypic_cli_test_segments_" + std::to_string(getpid()) + ".json");
   std::ofstream(tmp) << "{\"segments\": [{\"text\": 3}]}";
   const Case cases[] = {
       {"generate --model /nonexistent/dir --prompt x", "/nonexistent/dir"},
