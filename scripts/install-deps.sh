@@ -13,6 +13,7 @@ pkgs=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libcli11-dev libspdlog-dev libfmt-dev
   libcpp-httplib-dev libxxhash-dev libzstd-dev
+  python3                  # task generator and scorer references in tests (standard library only)
 )
 missing=()
 for p in "${pkgs[@]}"; do
@@ -26,6 +27,7 @@ fi
 
 # Node.js (with npm) ships on the machine image; fall back to Debian's if absent.
 if ! command -v npm >/dev/null 2>&1; then
+  apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm
 fi
 
