@@ -104,6 +104,16 @@ struct AttnWeights {
 struct MlpWeights {
   Tensor gate, up, down;
 };
+
+// out = down(silu(gate(x)) * up(x)).
+static void swiglu_forward(Backend& be, const Tensor& x, const MlpWeights& w, Tensor& out) {
+  const int64_t T = x.dim(0), I = w.gate.dim(0);
+  Tensor gt = be.alloc(DType::F32, {T, I}), up = be.alloc(DType::F32, {T, I});
+  be.matmul(x, w.gate, gt);
+  be.matmul(x, w.up, up);
+  be.silu_mul(gt, up, gt);
+  be.matmul(gt, w.down, out);
+}
 struct MoeWeights {
   Tensor router;  // [E, H]
   ExpertWeights experts;
@@ -171,6 +181,11 @@ Model::Model(ModelConfig cfg, const WeightSource& ws, Backend& be)
   };
   auto dev = [&](const Tensor& t) { return be_.to_device(t); };
   auto W = [&](const std::string& name, const Shape& shape) { return dev(load(name, shape)); };
+  // gate_proj / up_proj [I, H] and down_proj [H, I] under `prefix` (dense MLP, shared expert).
+  auto swiglu = [&](const std::string& prefix, int64_t I) {
+    return MlpWeights{W(prefix + "gate_proj.weight", {I, m.H}), W(prefix + "up_proj.weight", {I, m.H}),
+                      W(prefix + "down_proj.weight", {m.H, I})};
+  };
 
   m.embed = W(P + "embed_tokens.weight", {c.vocab_size, m.H});
   m.final_norm = W(P + "norm.weight", {m.H});
@@ -245,9 +260,7 @@ Model::Model(ModelConfig cfg, const WeightSource& ws, Backend& be)
     L.moe = c.layer_is_moe(i);
     const std::string mp = p + "mlp.";
     if (!L.moe) {
-      L.mlp.gate = W(mp + "gate_proj.weight", {c.intermediate_size, m.H});
-      L.mlp.up = W(mp + "up_proj.weight", {c.intermediate_size, m.H});
-      L.mlp.down = W(mp + "down_proj.weight", {m.H, c.intermediate_size});
+      L.mlp = swiglu(mp, c.intermediate_size);
     } else {
       auto& mo = L.moew;
       const int64_t E = c.num_experts, I = c.moe_intermediate_size;
@@ -272,9 +285,7 @@ Model::Model(ModelConfig cfg, const WeightSource& ws, Backend& be)
       if (c.shared_expert_intermediate_size > 0) {
         const int64_t S = c.shared_expert_intermediate_size;
         mo.has_shared = true;
-        mo.shared.gate = W(mp + "shared_expert.gate_proj.weight", {S, m.H});
-        mo.shared.up = W(mp + "shared_expert.up_proj.weight", {S, m.H});
-        mo.shared.down = W(mp + "shared_expert.down_proj.weight", {m.H, S});
+        mo.shared = swiglu(mp + "shared_expert.", S);
         mo.shared_gate = W(mp + "shared_expert_gate.weight", {1, m.H});
       }
     }
@@ -465,25 +476,15 @@ void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> s
 
   be_.rms_norm(x, L.post_norm, eps, true, xn);
   if (!L.moe) {
-    const int64_t I = cfg_.intermediate_size;
-    Tensor gt = be_.alloc(DType::F32, {T, I}), up = be_.alloc(DType::F32, {T, I});
-    be_.matmul(xn, L.mlp.gate, gt);
-    be_.matmul(xn, L.mlp.up, up);
-    be_.silu_mul(gt, up, gt);
-    be_.matmul(gt, L.mlp.down, mix);
+    swiglu_forward(be_, xn, L.mlp, mix);
   } else {
     auto& mo = L.moew;
     Tensor logits = be_.alloc(DType::F32, {T, cfg_.num_experts});
     be_.matmul(xn, mo.router, logits);
     be_.moe_experts(xn, logits, static_cast<int>(cfg_.num_experts_per_tok), cfg_.norm_topk_prob, mo.experts, mix);
     if (mo.has_shared) {
-      const int64_t S = cfg_.shared_expert_intermediate_size;
-      Tensor gt = be_.alloc(DType::F32, {T, S}), up = be_.alloc(DType::F32, {T, S});
-      be_.matmul(xn, mo.shared.gate, gt);
-      be_.matmul(xn, mo.shared.up, up);
-      be_.silu_mul(gt, up, gt);
       Tensor sh = be_.alloc(DType::F32, {T, m.H});
-      be_.matmul(gt, mo.shared.down, sh);
+      swiglu_forward(be_, xn, mo.shared, sh);
       Tensor sg = be_.alloc(DType::F32, {T, 1});
       be_.matmul(xn, mo.shared_gate, sg);
       be_.sigmoid_mul(sh, sg, sh);  // gate [T, 1] broadcasts over the row

@@ -15,16 +15,7 @@ using json = nlohmann::json;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 
-template <typename F>
-std::string error_of(F&& fn) {
-  try {
-    fn();
-  } catch (const std::runtime_error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected std::runtime_error";
-  return "";
-}
+using hypic::testing::error_of;
 
 json tiny_config() {
   return json{{"architectures", {"Qwen3_5ForCausalLM"}},

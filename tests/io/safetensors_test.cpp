@@ -19,17 +19,7 @@ using ::testing::HasSubstr;
 using ::testing::Not;
 namespace fs = std::filesystem;
 
-// Runs fn, expects std::runtime_error, returns its message.
-template <typename F>
-std::string error_of(F&& fn) {
-  try {
-    fn();
-  } catch (const std::runtime_error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected std::runtime_error";
-  return "";
-}
+using hypic::testing::error_of;
 
 template <typename T>
 Tensor make(DType dt, Shape shape, T start) {

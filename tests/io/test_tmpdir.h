@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <stdexcept>
 #include <string>
 
 namespace hypic::testing {
@@ -37,5 +38,17 @@ class TmpDirTest : public ::testing::Test {
   }
   std::string dir_;
 };
+
+// Runs fn, expects std::runtime_error, returns its message.
+template <typename F>
+std::string error_of(F&& fn) {
+  try {
+    fn();
+  } catch (const std::runtime_error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected std::runtime_error";
+  return "";
+}
 
 }  // namespace hypic::testing
