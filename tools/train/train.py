@@ -1,40 +1,35 @@
 #!/usr/bin/env python3
-"""Train hypic-mini: a small Qwen3.5-style hybrid model (Gated DeltaNet : gated attention = 3:1) on the
-synthetic multi-document tasks of tools/tasks/rag_tasks.py.
+"""Train hypic-mini, the bundled default model: a small Qwen3.5 hybrid (Gated DeltaNet : gated
+attention = 3:1) that answers questions about multi-document prompts (tools/tasks/rag_tasks.py).
 
-Runs on the device machine (torch 2.11, transformers 5.17, tokenizers). Training is budgeted in
-wall-clock seconds and split over calls: each call trains --train-seconds, and the learning-rate
-schedule and the length curriculum follow progress = trained seconds / --total-train-seconds.
+Recipe (attempt 2; attempt 1 is attempt1-train.py and stayed at chance, see attempt1-model.md):
+- the model is hybrid.py (transformers' Qwen3_5ForCausalLM math and parameter names; checked against
+  transformers on the device before training, exported through transformers);
+- dense signal: next-token loss on every token (documents weigh 0.1, questions 0.5, answers and
+  <|im_end|> 1.0), many questions per prompt, so that copying circuits form early;
+- a length curriculum that advances on skill, not on time: the next stage (longer prompts, more
+  documents) starts once the teacher-forced exact match of the lookup answers in the current stage
+  reaches --advance-at (20% of the rows keep coming from earlier stages);
+- teacher-forced exact match (every answer token and <|im_end|> the argmax) equals greedy exact match,
+  so the held-out checks need one forward pass per prompt;
+- constant learning rate after warm-up, linear decay over the last --decay-seconds of the final call
+  (checkpoints resume across device calls; the optimiser restarts with a short warm-up).
 
-    # first call: train the tokenizer, build the model, train, checkpoint (what was run, curriculum "a")
-    python3 tools/train/train.py --init --work .hypic-train --out $OUT --train-seconds 400 --total-train-seconds 700
-    # tools/train/stage_carry.sh <files brought back>   (checkpoint parts + bundle into .hypic-train/)
-    # second call: resume the fp32 weights (AdamW moments restart), new schedule, export + evaluate
-    python3 tools/train/train.py --work .hypic-train --out $OUT --curriculum b --restart-schedule \
-        --train-seconds 380 --total-train-seconds 380 --lr 1.5e-3 --warmup 30 --final --end-eval-n 0 \
-        --quick-eval-every 190 --deadline 580
-
-Data: fresh prompts from rag_tasks.make_prompt on every step (rng streams "hypic-train/<seed>/<worker>",
-disjoint from the evaluation sets' "hypic-rag/<task>/<seed>/<i>"), tokenised segment by segment
-(segment + "\\n"), followed by the question, the answer and <|im_end|>. Loss: cross-entropy on the
-answer tokens and <|im_end|> (curriculum "b" adds the question tokens at weight 0.3). Lookup / twohop
-training prompts carry several questions about distinct facts of the same documents, one after the
-other (question, answer, <|im_end|>, next question...): the first is exactly the evaluation format,
-the rest multiply the supervision per forward pass. See CURRICULA. The gated delta rule runs through fast_gdn.chunk_gated_delta_rule_scan (same math as
-transformers' torch fallback, no per-chunk Python loop); evaluation uses transformers' own code.
+Runs on a GPU (device machine: torch 2.11, tokenizers, transformers for the check and the export) or
+on a CPU with torch 1.13 and no other package (--probe: a tiny model for recipe experiments; the
+tokenizer then runs through the pure-Python byte-level BPE below).
 """
 
 import argparse
-import copy
 import io
 import json
 import math
 import os
 import random
-import subprocess
+import re
 import sys
-import tarfile
 import time
+from functools import lru_cache
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -44,13 +39,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import rag_tasks as R  # noqa: E402
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TOKENIZER_DIR = os.path.join(HERE, "tokenizer")
 VOCAB = 4096
-N_BPE = VOCAB - len(SPECIALS)
 MODEL_KW = dict(
     vocab_size=VOCAB,
     hidden_size=256,
-    intermediate_size=384,
+    intermediate_size=512,
     num_hidden_layers=12,
     layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 3,
     num_attention_heads=4,
@@ -65,48 +59,23 @@ MODEL_KW = dict(
     rms_norm_eps=1e-6,
     max_position_embeddings=32768,
     tie_word_embeddings=True,
-    bos_token_id=None,
 )
-# curricula over progress p in [0, 1]: documents per prompt, tokens per document, tokens per prompt cap;
-# task mix; questions per training prompt; loss weight of question tokens (answers weigh 1).
-# "a" was the first call's recipe (no retrieval emerged in 1121 steps); "b" restarts the length schedule
-# from very short prompts and adds a copy signal: next-token loss on the question tokens too (the
-# entity names in a question can only be predicted by finding them in the documents).
-CURRICULA = {
-    "a": dict(
-        stages=[
-            dict(until=0.15, docs=(2, 8), doc_tok=(30, 200), cap=1600),
-            dict(until=0.40, docs=(3, 12), doc_tok=(50, 400), cap=4000),
-            dict(until=0.70, docs=(4, 20), doc_tok=(80, 700), cap=8000),
-            dict(until=9.99, docs=(4, 32), doc_tok=(100, 1000), cap=12000),
-        ],
-        task_p=[("lookup", 0.40), ("twohop", 0.35), ("aggregate", 0.25)],
-        qmax={"lookup": 8, "twohop": 4, "aggregate": 1},
-        question_weight=0.0,
-    ),
-    "b": dict(
-        stages=[
-            dict(until=0.20, docs=(2, 4), doc_tok=(20, 100), cap=500),
-            dict(until=0.45, docs=(2, 8), doc_tok=(30, 250), cap=1600),
-            dict(until=0.70, docs=(3, 16), doc_tok=(50, 400), cap=4000),
-            dict(until=9.99, docs=(4, 24), doc_tok=(80, 700), cap=8000),
-        ],
-        task_p=[("lookup", 0.50), ("twohop", 0.25), ("aggregate", 0.25)],
-        qmax={"lookup": 12, "twohop": 6, "aggregate": 1},
-        question_weight=0.3,
-    ),
-}
-PART_BYTES = 15 * 1024 * 1024
+PROBE_KW = dict(MODEL_KW, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                layer_types=["linear_attention", "full_attention"] * 2, num_attention_heads=2,
+                num_key_value_heads=1, linear_num_key_heads=1, linear_num_value_heads=2)
 
-QWEN_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+STAGES = [
+    dict(docs=(2, 4), doc_tok=(20, 80), cap=400),
+    dict(docs=(2, 8), doc_tok=(30, 200), cap=1200),
+    dict(docs=(3, 12), doc_tok=(50, 400), cap=3000),
+    dict(docs=(4, 16), doc_tok=(80, 500), cap=6000),
+    dict(docs=(4, 24), doc_tok=(100, 700), cap=10000),
+]
+TASK_P = [("lookup", 0.5), ("twohop", 0.3), ("aggregate", 0.2)]
+TASK_ID = {t: i for i, t in enumerate(R.TASKS)}
+QMAX = {"lookup": 12, "twohop": 6, "aggregate": 1}
+WEIGHT = {0: 0.1, 1: 0.5, 2: 1.0}  # documents, questions, answers (+ <|im_end|>)
+PART_BYTES = 15 * 1024 * 1024
 
 
 def log(*a):
@@ -114,65 +83,148 @@ def log(*a):
 
 
 # ------------------------------------------------------------------------------------------------
+# tokenizer: the `tokenizers` library when present, else byte-level BPE in Python (ASCII task text)
+def _bytes_to_unicode():
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + list(
+        range(ord("\xae"), ord("\xff") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+class PyBPE:
+    """Byte-level BPE from tokenizer.json for ASCII text (\\p{L} = [A-Za-z], \\p{N} = [0-9] there)."""
+
+    SPLIT = re.compile(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\nA-Za-z0-9]?[A-Za-z]+|[0-9]| ?[^\sA-Za-z0-9]+[\r\n]*"
+                       r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+    def __init__(self, path):
+        t = json.load(open(path))
+        self.vocab = t["model"]["vocab"]
+        self.ranks = {tuple(m if isinstance(m, list) else m.split(" ")): i for i, m in enumerate(t["model"]["merges"])}
+        self.special = {a["content"]: a["id"] for a in t["added_tokens"]}
+        self.b2u = _bytes_to_unicode()
+        self.inv = {v: k for k, v in self.vocab.items()}
+        self.u2b = {v: k for k, v in self.b2u.items()}
+
+    @lru_cache(maxsize=200000)
+    def _word(self, w):
+        parts = [self.b2u[b] for b in w.encode()]
+        while len(parts) > 1:
+            best, bi = None, -1
+            for i in range(len(parts) - 1):
+                r = self.ranks.get((parts[i], parts[i + 1]))
+                if r is not None and (best is None or r < best):
+                    best, bi = r, i
+            if best is None:
+                break
+            parts = parts[:bi] + [parts[bi] + parts[bi + 1]] + parts[bi + 2:]
+        return tuple(self.vocab[p] for p in parts)
+
+    def encode(self, text):
+        ids = []
+        for w in self.SPLIT.findall(text):
+            ids.extend(self._word(w))
+        return ids
+
+    def token_to_id(self, s):
+        return self.special[s]
+
+    def decode(self, ids):
+        sp = set(self.special.values())
+        return bytes(self.u2b[c] for i in ids if i not in sp for c in self.inv[i]).decode("utf-8", "replace")
+
+
+def load_tokenizer(path):
+    """(encode_batch, decode, token_to_id)"""
+    try:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(path)
+        return (lambda texts: [e.ids for e in tok.encode_batch(texts)],
+                lambda ids: tok.decode(ids, skip_special_tokens=True), tok.token_to_id)
+    except ImportError:
+        tok = PyBPE(path)
+        return (lambda texts: [tok.encode(t) for t in texts], tok.decode, tok.token_to_id)
+
+
+# ------------------------------------------------------------------------------------------------
 # data
-def stage_index(p, stages):
-    for i, s in enumerate(stages):
-        if p < s["until"]:
-            return i
-    return len(stages) - 1
-
-
 def sample_doc_tokens(rng, st):
     n = rng.randint(*st["docs"])
     lens = [rng.randint(*st["doc_tok"]) for _ in range(n)]
     tot = sum(lens) + 40
     if tot > st["cap"]:
-        scale = st["cap"] / tot
-        lens = [max(20, int(x * scale)) for x in lens]
+        lens = [max(20, int(x * st["cap"] / tot)) for x in lens]
     return lens
 
 
-def build_row(rng, encode_batch, task, doc_tok, eos, qmax):
-    """One training sequence: token ids and a mask: 2 = answer tokens and eos, 1 = question tokens, 0 = rest."""
+def build_row(rng, encode_batch, task, doc_tok, eos):
+    """ids, kind (0 document/system, 1 question, 2 answer and eos), block (answer block number or -1)."""
     words = [max(8, int(round(t / R.TOKENS_PER_WORD))) for t in doc_tok]
     segs, qa = R.make_prompt(rng, task, words)
-    k = 1 if qmax[task] == 1 else rng.randint(1, min(qmax[task], len(qa)))
+    k = 1 if QMAX[task] == 1 else rng.randint(1, min(QMAX[task], len(qa)))
     texts = [s + "\n" for s in segs[:-1]]
-    qtexts = [R.question_segment(q[0]) + "\n" for q in qa[:k]]
-    atexts = [q[1] for q in qa[:k]]
-    enc = encode_batch(texts + qtexts + atexts)
-    ids, mask = [], []
+    enc = encode_batch(texts + [R.question_segment(q[0]) + "\n" for q in qa[:k]] + [q[1] for q in qa[:k]])
+    ids, kind, block = [], [], []
     for e in enc[: len(texts)]:
         ids += e
-        mask += [0] * len(e)
+        kind += [0] * len(e)
+        block += [-1] * len(e)
     for j in range(k):
-        qi = enc[len(texts) + j]
-        ai = enc[len(texts) + k + j] + [eos]
-        ids += qi
-        mask += [1] * len(qi)
-        ids += ai
-        mask += [2] * len(ai)
-    return ids, mask
+        qi, ai = enc[len(texts) + j], enc[len(texts) + k + j] + [eos]
+        ids += qi + ai
+        kind += [1] * len(qi) + [2] * len(ai)
+        block += [-1] * len(qi) + [j] * len(ai)
+    return ids, kind, block
 
 
-def make_batches(rng, encode_batch, p, budget, eos, pad, cur="a"):
-    """A pool of rows for progress p, bucketed by length into batches of <= budget tokens each.
-    Each batch: x (inputs), y (next-token targets, -100 = unsupervised), c (2 = answer, 1 = question), stage."""
+def pick_task(rng):
+    r, acc = rng.random(), 0.0
+    for task, w in TASK_P:
+        acc += w
+        if r < acc:
+            return task
+    return TASK_P[-1][0]
+
+
+def pack(rows, pad):
+    """rows [(ids, kind, block, task)] -> numpy batch: x, y (-100 = no target), kind, block id, block task."""
     import numpy as np
 
-    C = CURRICULA[cur]
-    stages = C["stages"]
-    si = stage_index(p, stages)
+    L = max(len(r[0]) for r in rows) - 1
+    B = len(rows)
+    x = np.full((B, L), pad, dtype=np.int64)
+    y = np.full((B, L), -100, dtype=np.int64)
+    kd = np.zeros((B, L), dtype=np.int8)
+    blk = np.full((B, L), -1, dtype=np.int32)
+    btask = []
+    for i, (ids, kind, block, task) in enumerate(rows):
+        n = len(ids) - 1
+        x[i, :n] = ids[:-1]
+        y[i, :n] = ids[1:]
+        kd[i, :n] = kind[1:]
+        b = np.asarray(block[1:], dtype=np.int32)
+        nb = int(b.max()) + 1 if n and b.max() >= 0 else 0
+        blk[i, :n] = np.where(b >= 0, b + len(btask), -1)
+        btask += [TASK_ID[task]] * nb
+    return x, y, kd, blk, np.asarray(btask, dtype=np.int64)
+
+
+def make_batches(rng, encode_batch, stage, budget, eos, pad):
+    """A pool of rows (80% from `stage`, 20% from earlier stages), bucketed by length into batches of
+    <= budget tokens (padding included)."""
     rows, tot = [], 0
-    while tot < 3 * budget:
-        st = stages[si] if rng.random() > 0.2 else stages[rng.randrange(si + 1)]
-        r, acc = rng.random(), 0.0
-        for task, w in C["task_p"]:
-            acc += w
-            if r < acc:
-                break
-        ids, mask = build_row(rng, encode_batch, task, sample_doc_tokens(rng, st), eos, C["qmax"])
-        rows.append((ids, mask))
+    while tot < 4 * budget:
+        si = stage if rng.random() > 0.2 else rng.randrange(stage + 1)
+        task = pick_task(rng)
+        ids, kind, block = build_row(rng, encode_batch, task, sample_doc_tokens(rng, STAGES[si]), eos)
+        rows.append((ids, kind, block, task))
         tot += len(ids)
     rows.sort(key=lambda r: len(r[0]))
     batches, cur = [], []
@@ -183,97 +235,18 @@ def make_batches(rng, encode_batch, p, budget, eos, pad, cur="a"):
         cur.append(r)
     if cur:
         batches.append(cur)
-    out = []
-    for b in batches:
-        L = max(len(r[0]) for r in b) - 1
-        x = np.full((len(b), L), pad, dtype=np.int32)
-        y = np.full((len(b), L), -100, dtype=np.int32)
-        c = np.zeros((len(b), L), dtype=np.int8)
-        for i, (ids, mask) in enumerate(b):
-            n = len(ids) - 1
-            x[i, :n] = ids[:-1]
-            tgt = np.asarray(ids[1:], dtype=np.int32)
-            m = np.asarray(mask[1:], dtype=np.int8)
-            if C["question_weight"] <= 0:
-                m = np.where(m == 2, 2, 0).astype(np.int8)
-            y[i, :n] = np.where(m > 0, tgt, -100)
-            c[i, :n] = m
-        out.append((x, y, c, si))
+    out = [pack(b, pad) + (stage,) for b in batches]
     rng.shuffle(out)
     return out
 
 
-def worker_main(wid, seed, tok_path, queue, progress, budget, eos, pad, cur):
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(tok_path)
-
-    def encode_batch(texts):
-        return [e.ids for e in tok.encode_batch(texts)]
-
-    rng = random.Random(f"hypic-train/{seed}/{wid}")
+def worker_main(wid, seed, tok_path, queue, stage, budget, eos, pad, task_p):
+    TASK_P[:] = task_p
+    encode_batch, _, _ = load_tokenizer(tok_path)
+    rng = random.Random(f"hypic-train2/{seed}/{wid}")
     while True:
-        for b in make_batches(rng, encode_batch, progress.value, budget, eos, pad, cur):
+        for b in make_batches(rng, encode_batch, stage.value, budget, eos, pad):
             queue.put(b)
-
-
-# ------------------------------------------------------------------------------------------------
-# tokenizer
-def train_tokenizer(n_per_task=150):
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-
-    texts = []
-    for t in R.TASKS:
-        for i in range(n_per_task):
-            ex = R.example(t, 424242, i, 2, 24, 50, 600)
-            texts.append(R.prompt_text(ex["segments"]) + ex["answer"])
-    vocab_text = " ".join(sum((v for v in R.ATTRIBUTES.values() if v), [])) + " " + ", ".join(R.CARGO)
-    texts += [vocab_text] * 4 + [" ".join(R.NUMBER_VALUES)] * 2
-    tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False, fuse_unk=False))
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
-    ])
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=N_BPE, min_frequency=2, show_progress=False, special_tokens=[],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
-    n_bpe = tok.get_vocab_size(with_added_tokens=True)
-    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
-    return tok, n_bpe, sum(len(t) for t in texts)
-
-
-def tokenizer_config(tok):
-    added = {}
-    for s in SPECIALS:
-        added[str(tok.token_to_id(s))] = {"content": s, "lstrip": False, "normalized": False, "rstrip": False,
-                                          "single_word": False, "special": True}
-    return {
-        "add_bos_token": False,
-        "add_prefix_space": False,
-        "added_tokens_decoder": added,
-        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
-        "bos_token": None,
-        "chat_template": CHAT_TEMPLATE,
-        "clean_up_tokenization_spaces": False,
-        "eos_token": "<|im_end|>",
-        "errors": "replace",
-        "model_max_length": 32768,
-        "pad_token": "<|endoftext|>",
-        "split_special_tokens": False,
-        "tokenizer_class": "Qwen2Tokenizer",
-        "unk_token": None,
-    }
-
-
-def write_tokenizer(tok, folder):
-    os.makedirs(folder, exist_ok=True)
-    tok.save(os.path.join(folder, "tokenizer.json"))
-    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
-        json.dump(tokenizer_config(tok), f, indent=2, ensure_ascii=False)
-        f.write("\n")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -298,376 +271,296 @@ def load_parts(folder, prefix="ckpt"):
     import torch
 
     parts = sorted(f for f in os.listdir(folder) if f.startswith(prefix + "."))
+    if not parts:
+        raise FileNotFoundError(f"no {prefix}.* checkpoint parts in {folder}")
     data = b"".join(open(os.path.join(folder, f), "rb").read() for f in parts)
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
-
-
-def export_model(model, tok, folder):
-    import torch
-    from transformers import GenerationConfig
-
-    os.makedirs(folder, exist_ok=True)
-    m = copy.deepcopy(model).to(torch.bfloat16).cpu()
-    m.generation_config = GenerationConfig(eos_token_id=tok.token_to_id("<|im_end|>"),
-                                           pad_token_id=tok.token_to_id("<|endoftext|>"),
-                                           bos_token_id=None, do_sample=False)
-    m.config.eos_token_id = tok.token_to_id("<|im_end|>")
-    m.config.pad_token_id = tok.token_to_id("<|endoftext|>")
-    m.save_pretrained(folder, safe_serialization=True)
-    write_tokenizer(tok, folder)
-    del m
+    return torch.load(io.BytesIO(data), map_location="cpu")
 
 
 # ------------------------------------------------------------------------------------------------
-def patch_gdn(model):
-    """Route the chunked gated delta rule through the loop-free scan; check it against transformers'."""
+def answer_stats(logits_argmax, y, blk, btask, ntask):
+    """Per-task (exact blocks, blocks): a block is exact when every answer token and eos is the argmax."""
     import torch
-    import transformers.models.qwen3_5.modeling_qwen3_5 as mq
-    from fast_gdn import chunk_gated_delta_rule_scan as fast
 
-    orig = mq.torch_chunk_gated_delta_rule
-    g = torch.Generator(device="cuda").manual_seed(0)
-    B, L, hk, hv, dk, dv = 2, 300, 2, 4, 64, 64
-    q = torch.randn(B, L, hk, dk, device="cuda", generator=g)
-    k = torch.randn(B, L, hk, dk, device="cuda", generator=g)
-    v = torch.randn(B, L, hv, dv, device="cuda", generator=g)
-    gg = -torch.rand(B, L, hv, device="cuda", generator=g) * 0.1  # weak decay: cross-chunk terms matter
-    beta = torch.rand(B, L, hv, device="cuda", generator=g)
-    q, k = q.repeat_interleave(hv // hk, dim=2), k.repeat_interleave(hv // hk, dim=2)  # equal heads: any version
-    try:
-        o1, s1 = orig(q, k, v, g=gg, beta=beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
-        o2, s2 = fast(q, k, v, g=gg, beta=beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
-        err = ((o1 - o2).norm() / o1.norm()).item()
-        serr = ((s1 - s2).norm() / s1.norm()).item()
-    except Exception as e:  # noqa: BLE001
-        log(f"fast GDN check failed: {type(e).__name__}: {e}")
-        return False
-    log(f"fast GDN vs transformers: rel err out {err:.2e} state {serr:.2e}")
-    if not (err < 1e-3 and serr < 1e-3):
-        log("fast GDN disagrees: keeping transformers' implementation")
-        return False
-    mq.torch_chunk_gated_delta_rule = fast
-    n = 0
-    for m in model.modules():
-        if hasattr(m, "chunk_gated_delta_rule"):
-            m.chunk_gated_delta_rule = fast
-            n += 1
-    fast.calls = 0
-    with torch.no_grad():
-        model(input_ids=torch.zeros(1, 70, dtype=torch.long, device="cuda"), use_cache=False)
-    log(f"fast GDN patched ({n} module attributes); calls in a test forward: {fast.calls}")
-    return fast.calls > 0
+    sel = blk >= 0
+    nb = btask.numel()
+    wrong = torch.zeros(nb, device=y.device)
+    if nb:
+        wrong.index_add_(0, blk[sel].long(), (logits_argmax[sel] != y[sel]).float())
+    exact = (wrong == 0).float()
+    ex = torch.zeros(ntask, device=y.device).index_add_(0, btask, exact)
+    cnt = torch.zeros(ntask, device=y.device).index_add_(0, btask, torch.ones_like(exact))
+    return ex, cnt
 
 
-def lr_at(p, step, peak, warmup):
-    w = min(1.0, (step + 1) / warmup)
-    return peak * w * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, p))))
-
-
-def plot_log(log_path, png):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [json.loads(l) for l in open(log_path)]
-    tr = [r for r in rows if "loss" in r]
-    ev = [r for r in rows if "eval" in r]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    ax.plot([r["tokens_seen"] / 1e6 for r in tr], [r["loss"] for r in tr], lw=1, label="train loss (answer tokens)")
-    ax.set_yscale("log")
-    ax.set_xlabel("tokens seen (millions, padding excluded)")
-    ax.set_ylabel("cross-entropy")
-    last = None
-    for r in tr:
-        if r["stage"] != last:
-            ax.axvline(r["tokens_seen"] / 1e6, color="gray", ls=":", lw=0.8)
-            ax.text(r["tokens_seen"] / 1e6, max(x["loss"] for x in tr), f" stage {r['stage']}", fontsize=7, va="top")
-            last = r["stage"]
-    if ev:
-        ax2 = ax.twinx()
-        for t, mk in (("lookup", "o"), ("twohop", "s"), ("aggregate", "^")):
-            pts = [(r["tokens_seen"] / 1e6, r["eval"][t]["score"]) for r in ev if t in r["eval"]]
-            if pts:
-                ax2.plot(*zip(*pts), marker=mk, ls="--", lw=0.8, label=f"{t} ({'em' if t != 'aggregate' else 'rougeL'})")
-        ax2.set_ylim(0, 1)
-        ax2.set_ylabel("held-out score (quick evals, greedy)")
-        ax2.legend(loc="center right", fontsize=7)
-    ax.legend(loc="upper right", fontsize=7)
-    ax.set_title("hypic-mini training")
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-
-
-# ------------------------------------------------------------------------------------------------
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--work", required=True, help="carried folder: checkpoint parts, tokenizer, config, log")
+    ap.add_argument("--work", required=True, help="folder: checkpoint parts and log (carried between calls)")
     ap.add_argument("--out", required=True, help="files to bring back")
-    ap.add_argument("--init", action="store_true")
-    ap.add_argument("--final", action="store_true", help="export the model folder and run the held-out evaluation")
-    ap.add_argument("--train-seconds", type=float, required=True)
-    ap.add_argument("--total-train-seconds", type=float, required=True)
+    ap.add_argument("--init", action="store_true", help="start from random weights (else resume --work)")
+    ap.add_argument("--init-from-model", default="",
+                    help="start from a model folder's weights (e.g. models/default; bf16 is fine) with a fresh state")
+    ap.add_argument("--probe", action="store_true", help="tiny model (CPU recipe experiments)")
+    ap.add_argument("--seconds", type=float, required=True, help="training seconds in this call")
+    ap.add_argument("--decay-seconds", type=float, default=0.0, help="linear lr decay over the call's last seconds")
     ap.add_argument("--budget", type=int, default=65536, help="tokens (with padding) per step")
     ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--warmup", type=int, default=150)
+    ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--workers", type=int, default=12)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--quick-eval-every", type=float, default=150.0, help="seconds between quick evaluations")
-    ap.add_argument("--quick-eval-n", type=int, default=12)
-    ap.add_argument("--curriculum", default="a", choices=sorted(CURRICULA))
-    ap.add_argument("--restart-schedule", action="store_true",
-                    help="learning-rate and length schedule run over this call alone (weights are resumed)")
-    ap.add_argument("--end-eval-n", type=int, default=30, help="end-of-call quick evaluation (0: none)")
-    ap.add_argument("--deadline", type=float, default=585.0,
-                    help="seconds from start by which the final evaluation must stop")
+    ap.add_argument("--advance-at", type=float, default=0.9, help="lookup teacher-forced EM that ends a stage")
+    ap.add_argument("--min-stage-steps", type=int, default=100)
+    ap.add_argument("--max-stage-steps", type=int, default=10**9,
+                    help="advance anyway after this many steps in a stage (a skill the stage cannot teach)")
+    ap.add_argument("--max-stage", type=int, default=len(STAGES) - 1)
+    ap.add_argument("--eval-every", type=float, default=120.0, help="seconds between held-out checks")
+    ap.add_argument("--eval-n", type=int, default=40, help="prompts per task in a held-out check")
+    ap.add_argument("--doc-weight", type=float, default=WEIGHT[0], help="loss weight of document tokens")
+    ap.add_argument("--task-mix", default="", help="e.g. lookup=0.6,twohop=0.25,aggregate=0.15")
+    ap.add_argument("--export", default="", help="write the transformers model folder here at the end")
+    ap.add_argument("--threads", type=int, default=0)
     args = ap.parse_args()
     t_start = time.time()
 
-    import multiprocessing as mp
-
-    import numpy as np  # noqa: F401
+    import numpy as np
     import torch
     import torch.nn.functional as F
-    import transformers
-    from tokenizers import Tokenizer
 
     import eval_rag as E
+    from hybrid import HybridLM, n_params
 
+    WEIGHT[0] = args.doc_weight
+    if args.task_mix:  # the data workers are spawned after this and receive the mix as an argument
+        TASK_P[:] = [(k, float(v)) for k, v in (kv.split("=") for kv in args.task_mix.split(","))]
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cuda":  # TF32 for the float32 delta-rule matmuls in training (the export check turns it off)
+        torch.backends.cuda.matmul.allow_tf32 = True
+    if args.threads:
+        torch.set_num_threads(args.threads)
     os.makedirs(args.work, exist_ok=True)
     os.makedirs(args.out, exist_ok=True)
     log_path = os.path.join(args.work, "train_log.jsonl")
-    tok_path = os.path.join(args.work, "tokenizer.json")
-    log(f"torch {torch.__version__} transformers {transformers.__version__} cuda {torch.cuda.is_available()}")
+    tok_path = os.path.join(TOKENIZER_DIR, "tokenizer.json")
+    encode_batch, decode, token_to_id = load_tokenizer(tok_path)
+    eos, pad = token_to_id("<|im_end|>"), token_to_id("<|endoftext|>")
+    log(f"torch {torch.__version__} device {dev}; eos {eos} pad {pad}")
 
-    if args.init:
-        ts = time.time()
-        tok, n_bpe, nchars = train_tokenizer()
-        write_tokenizer(tok, args.work)
-        log(f"tokenizer: {n_bpe} BPE tokens + specials {[tok.token_to_id(s) for s in SPECIALS]} "
-            f"from {nchars / 1e6:.1f} M chars in {time.time() - ts:.1f} s")
-        if os.path.exists(log_path):
-            os.remove(log_path)
-    tok = Tokenizer.from_file(tok_path)
-    eos, pad = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
-
-    def encode_batch(texts):
-        return [e.ids for e in tok.encode_batch(texts)]
-
-    # data workers first (spawned before CUDA is touched)
-    ctx = mp.get_context("spawn")
-    progress = ctx.Value("d", 0.0)
-    queue = ctx.Queue(maxsize=64)
-    state = {"step": 0, "trained_s": 0.0, "tokens": 0, "calls": 0}
-    ck = None
-    if not args.init:
-        ck = load_parts(args.work)
-        state = ck["state"]
-    sched0 = 0.0 if args.restart_schedule else state["trained_s"]
-    progress.value = sched0 / args.total_train_seconds
-    procs = [ctx.Process(target=worker_main, args=(w, args.seed * 1000 + state["calls"], tok_path, queue, progress,
-                                                    args.budget, eos, pad, args.curriculum), daemon=True)
-             for w in range(args.workers)]
-    for p_ in procs:
-        p_.start()
-
-    cfg = transformers.Qwen3_5TextConfig(**MODEL_KW, eos_token_id=eos, pad_token_id=pad)
-    try:
-        cfg._attn_implementation = "sdpa"
-    except Exception as e:  # noqa: BLE001
-        log(f"could not set sdpa on the config: {e}")
+    kw = PROBE_KW if args.probe else MODEL_KW
     torch.manual_seed(args.seed)
-    model = transformers.Qwen3_5ForCausalLM(cfg)
-    if ck is not None:
-        missing, unexpected = model.load_state_dict(ck["model"], strict=False)
-        log(f"resumed step {state['step']} trained {state['trained_s']:.0f} s; missing {missing} unexpected {unexpected}")
-    model = model.cuda()
-    log(f"attention implementation: {model.config._attn_implementation}")
-    nparams = sum(p.numel() for p in model.parameters())
-    log(f"model: {nparams / 1e6:.3f} M parameters (bf16 {nparams * 2 / 2**20:.2f} MiB), layers {cfg.layer_types}")
-    patched = patch_gdn(model)
+    model = HybridLM(kw)
+    state = {"step": 0, "trained_s": 0.0, "tokens": 0, "calls": 0, "stage": 0, "stage_step": 0}
+    if args.init_from_model:
+        from hybrid import load_safetensors
+
+        sd = load_safetensors(os.path.join(args.init_from_model, "model.safetensors"))
+        model.load_state_dict({k: v for k, v in sd.items() if k != "lm_head.weight"})
+        state["stage"] = len(STAGES) - 2
+        log(f"weights from {args.init_from_model}; curriculum at stage {state['stage']}")
+    elif not args.init:
+        ck = load_parts(args.work)
+        model.load_state_dict(ck["model"])
+        state = ck["state"]
+        kw = ck["model_kw"]
+        log(f"resumed step {state['step']} stage {state['stage']} trained {state['trained_s']:.0f} s")
+    if args.init and os.path.exists(log_path):
+        os.remove(log_path)
+    model = model.to(dev)
+    log(f"model: {n_params(model) / 1e6:.3f} M parameters, layers {kw['layer_types']}")
+
+    # data workers (spawned processes on the GPU machine; in-process on a CPU probe)
+    stage_v = None
+    if args.workers > 0:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        stage_v = ctx.Value("i", state["stage"])
+        queue = ctx.Queue(maxsize=64)
+        procs = [ctx.Process(target=worker_main, args=(w, args.seed * 1000 + state["calls"], tok_path, queue,
+                                                        stage_v, args.budget, eos, pad, list(TASK_P)), daemon=True)
+                 for w in range(args.workers)]
+        for p_ in procs:
+            p_.start()
+
+        def next_batch():
+            return queue.get(timeout=300)
+    else:
+        procs = []
+        rng = random.Random(f"hypic-train2/{args.seed}/{state['calls']}")
+        pool = []
+
+        def next_batch():
+            if not pool:
+                pool.extend(make_batches(rng, encode_batch, state["stage"], args.budget, eos, pad))
+            return pool.pop()
 
     decay, no_decay = [], []
     for n, p in model.named_parameters():
         (decay if p.ndim >= 2 and "embed" not in n else no_decay).append(p)
+    opt_kw = dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    if dev == "cuda":
+        opt_kw["fused"] = True
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+                            **opt_kw)
+    ntask = len(R.TASKS)
 
-    qw = CURRICULA[args.curriculum]["question_weight"]
-
-    def forward_loss(x, y, c=None):
-        """(weighted loss to optimise, answer-token cross-entropy, answer-token accuracy)"""
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            h = model.model(input_ids=x, use_cache=False).last_hidden_state
+    def forward(x, y, kd):
+        """(weighted loss, answer ce, argmax at supervised positions as a [B, L] tensor)"""
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
+            h = model.hidden(x)
             sel = y != -100
-            logits = model.lm_head(h[sel]).float()
+            logits = model.logits(h[sel]).float()
         tgt = y[sel]
         ce = F.cross_entropy(logits, tgt, reduction="none")
-        ans = torch.ones_like(ce, dtype=torch.bool) if c is None else (c[sel] == 2)
-        w = torch.where(ans, 1.0, qw)
+        k = kd[sel].long()
+        w = torch.tensor([WEIGHT[0], WEIGHT[1], WEIGHT[2]], device=x.device)[k]
         loss = (ce * w).sum() / w.sum()
-        ans_f = ans.float()
-        ans_ce = (ce * ans_f).sum() / ans_f.sum().clamp(min=1)
-        acc = ((logits.argmax(-1) == tgt).float() * ans_f).sum() / ans_f.sum().clamp(min=1)
-        return loss, ans_ce, acc
+        ans = (k == 2).float()
+        ans_ce = (ce * ans).sum() / ans.sum().clamp(min=1)
+        am = torch.full_like(y, -1)
+        am[sel] = logits.argmax(-1)
+        return loss, ans_ce, am
 
-    def quick_eval(set_name, n):
+    def heldout(set_name, n):
+        """Teacher-forced exact match (= greedy EM) on the first n prompts per task of a held-out set;
+        aggregate: fraction of answers exact and token accuracy."""
         model.eval()
-        res = []
-        for t in R.TASKS:
-            res += E.run_examples(model, encode_batch, lambda ids: tok.decode(ids, skip_special_tokens=True),
-                                  eos, pad, E.eval_examples(set_name, t, n), "cuda")
+        res = {}
+        with torch.no_grad():
+            for task in R.TASKS:
+                exs = E.eval_examples(set_name, task, n)
+                rows = []
+                for ex in exs:
+                    pids = E.prompt_ids(encode_batch, ex["segments"])
+                    aids = encode_batch([ex["answer"]])[0] + [eos]
+                    rows.append((pids + aids, [0] * len(pids) + [2] * len(aids), [-1] * len(pids) + [0] * len(aids),
+                                 task))
+                rows.sort(key=lambda r: len(r[0]))
+                ex_n, tok_ok, tok_n, i = 0.0, 0.0, 0.0, 0
+                while i < len(rows):
+                    L = len(rows[i][0])
+                    j = i + max(1, min(16, args.budget // max(L, 1)))
+                    x, y, kd, blk, bt = (torch.from_numpy(a).to(dev) for a in pack(rows[i:j], pad))
+                    _, _, am = forward(x, y, kd)
+                    e, _ = answer_stats(am, y, blk, bt, ntask)
+                    ex_n += float(e.sum())
+                    a = kd == 2
+                    tok_ok += float((am[a] == y[a]).sum())
+                    tok_n += float(a.sum())
+                    i = j
+                res[task] = {"em": round(ex_n / len(rows), 4), "token_acc": round(tok_ok / max(tok_n, 1), 4)}
         model.train()
-        return E.summarize(res), res
+        return res
 
     def write_log(rec):
         with open(log_path, "a") as f:
             f.write(json.dumps(rec) + "\n")
 
-    # smoke: throughput per sequence length (random ids, no optimizer step), generation, export + reload
-    if args.init:
-        model.train()
-        for L in (1600, 4000, 8000, 12000):
-            bsz = max(1, args.budget // L)
-            x = torch.randint(0, N_BPE, (bsz, L), device="cuda")
-            y = torch.where(torch.rand(bsz, L, device="cuda") < 0.01, x, torch.full_like(x, -100))
-            for rep in range(2):
-                torch.cuda.synchronize()
-                ts = time.time()
-                loss, _, _ = forward_loss(x, y)
-                loss.backward()
-                torch.cuda.synchronize()
-                dt = time.time() - ts
-            opt.zero_grad(set_to_none=True)
-            log(f"smoke L={L} batch={bsz}: {dt * 1000:.0f} ms/step, {bsz * L / dt / 1e3:.0f} k tok/s, "
-                f"max mem {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
-        s, _ = quick_eval("smoke", 1)
-        log(f"smoke generate ok: {s}")
-        ts = time.time()
-        tmp = "/tmp/hypic_export_smoke"
-        export_model(model, tok, tmp)
-        r = subprocess.run([sys.executable, os.path.join(HERE, "eval_rag.py"), "--model", tmp, "--sets", "smoke",
-                            "--n", "1"], capture_output=True, text=True)
-        log(f"smoke export+eval_rag.py rc={r.returncode} ({time.time() - ts:.1f} s): {r.stdout[-600:]} {r.stderr[-1500:]}")
-
     # training
     model.train()
     state["calls"] += 1
-    t0 = time.time()
-    t_last_eval = t0
-    base_trained = state["trained_s"]
     step0 = state["step"]
-    state.setdefault("history", []).append({"call": state["calls"], "curriculum": args.curriculum,
-                                            "start_step": step0, "train_seconds": args.train_seconds,
-                                            "schedule_seconds": args.total_train_seconds, "lr": args.lr,
-                                            "restart_schedule": args.restart_schedule})
-    agg = {"loss": 0.0, "wloss": 0.0, "acc": 0.0, "n": 0, "tok": 0, "padtok": 0}
+    t0 = time.time()
+    t_eval = t0
+    agg = dict(loss=0.0, ans=0.0, n=0, tok=0, padtok=0)
+    stage_ex = torch.zeros(ntask, device=dev)
+    stage_cnt = torch.zeros(ntask, device=dev)
+    run_ex = torch.zeros(ntask, device=dev)
+    run_cnt = torch.zeros(ntask, device=dev)
     t_log = time.time()
-    warmup = args.warmup
-    log(f"training {args.train_seconds:.0f} s from progress {progress.value:.3f} (warmup {warmup} steps)")
+    log(f"training {args.seconds:.0f} s, stage {state['stage']}, lr {args.lr}, decay over {args.decay_seconds:.0f} s, "
+        f"weights {WEIGHT}, task mix {TASK_P}")
     try:
-        while True:
+        while time.time() - t0 < args.seconds:
             el = time.time() - t0
-            if el >= args.train_seconds:
-                break
-            p = (sched0 + el) / args.total_train_seconds
-            progress.value = p
-            lr = lr_at(p, state["step"] - step0, args.lr, warmup)
+            lr = args.lr * min(1.0, (state["step"] - step0 + 1) / args.warmup)
+            if args.decay_seconds > 0 and el > args.seconds - args.decay_seconds:
+                lr *= max(0.05, (args.seconds - el) / args.decay_seconds)
             for gr in opt.param_groups:
                 gr["lr"] = lr
-            bx, by, bc, si = queue.get(timeout=180)
-            x = torch.from_numpy(bx).to("cuda", non_blocking=True).long()
-            y = torch.from_numpy(by).to("cuda", non_blocking=True).long()
-            c = torch.from_numpy(bc).to("cuda", non_blocking=True)
-            loss, ans_ce, acc = forward_loss(x, y, c)
+            bx, by, bk, bb, bt, bstage = next_batch()
+            x, y, kd, blk, bt_t = (torch.from_numpy(a).to(dev, non_blocking=True) for a in (bx, by, bk, bb, bt))
+            loss, ans_ce, am = forward(x, y, kd)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
             state["step"] += 1
-            ntok = int((bx != pad).sum())
+            state["stage_step"] += 1
+            ntok = int((by != -100).sum())
             state["tokens"] += ntok
-            agg["loss"] += ans_ce.detach()
-            agg["wloss"] += loss.detach()
-            agg["acc"] += acc.detach()
+            with torch.no_grad():
+                e, c = answer_stats(am, y, blk, bt_t, ntask)
+                run_ex += e
+                run_cnt += c
+                if bstage == state["stage"]:
+                    stage_ex += e
+                    stage_cnt += c
+            agg["loss"] += loss.detach()
+            agg["ans"] += ans_ce.detach()
             agg["n"] += 1
             agg["tok"] += ntok
             agg["padtok"] += bx.size
             if state["step"] % 25 == 0:
                 dt = time.time() - t_log
-                rec = {"step": state["step"], "trained_s": round(base_trained + time.time() - t0, 1),
-                       "progress": round(p, 4), "stage": si, "curriculum": args.curriculum,
-                       "loss": round(float(agg["loss"]) / agg["n"], 4),
-                       "weighted_loss": round(float(agg["wloss"]) / agg["n"], 4),
-                       "answer_token_acc": round(float(agg["acc"]) / agg["n"], 4), "lr": round(lr, 7),
+                em = (run_ex / run_cnt.clamp(min=1)).tolist()
+                rec = {"step": state["step"], "trained_s": round(state["trained_s"] + time.time() - t0, 1),
+                       "stage": state["stage"], "loss": round(float(agg["loss"]) / agg["n"], 4),
+                       "answer_loss": round(float(agg["ans"]) / agg["n"], 4),
+                       "train_em": {t: round(em[i], 3) for i, t in enumerate(R.TASKS)}, "lr": round(lr, 7),
                        "tokens_per_s": round(agg["tok"] / dt), "padded_tokens_per_s": round(agg["padtok"] / dt),
-                       "tokens_seen": state["tokens"], "rows": int(bx.shape[0]), "seq_len": int(bx.shape[1]),
-                       "queue": queue.qsize()}
+                       "tokens_seen": state["tokens"], "rows": int(bx.shape[0]), "seq_len": int(bx.shape[1])}
                 write_log(rec)
-                if state["step"] % 100 == 0:
+                if state["step"] % 100 == 0 or dev == "cpu":
                     log(json.dumps(rec))
-                agg = {"loss": 0.0, "wloss": 0.0, "acc": 0.0, "n": 0, "tok": 0, "padtok": 0}
+                agg = dict(loss=0.0, ans=0.0, n=0, tok=0, padtok=0)
+                run_ex.zero_()
+                run_cnt.zero_()
                 t_log = time.time()
-            if time.time() - t_last_eval > args.quick_eval_every and args.train_seconds - (time.time() - t0) > 60:
+                # skill-gated curriculum: lookup exact match within the current stage
+                li = TASK_ID["lookup"]
+                if stage_cnt[li] >= 200:
+                    sem = float(stage_ex[li] / stage_cnt[li])
+                    ready = sem >= args.advance_at and state["stage_step"] >= args.min_stage_steps
+                    if (ready or state["stage_step"] >= args.max_stage_steps) and state["stage"] < args.max_stage:
+                        state["stage"] += 1
+                        state["stage_step"] = 0
+                        if stage_v is not None:
+                            stage_v.value = state["stage"]
+                        else:
+                            pool.clear()
+                        write_log({"step": state["step"], "advance_to_stage": state["stage"], "lookup_em": sem})
+                        log(f"step {state['step']}: lookup EM {sem:.3f} -> stage {state['stage']}")
+                    stage_ex.zero_()
+                    stage_cnt.zero_()
+            if time.time() - t_eval > args.eval_every and args.seconds - (time.time() - t0) > 30:
                 te = time.time()
-                s, _ = quick_eval("moderate", args.quick_eval_n)
-                write_log({"step": state["step"], "tokens_seen": state["tokens"], "eval_set": "moderate",
-                           "eval_n": args.quick_eval_n, "eval": {t: {"score": v["score"]} for t, v in s.items()}})
-                log(f"quick eval step {state['step']}: " + json.dumps({t: v["score"] for t, v in s.items()})
-                    + f" ({time.time() - te:.1f} s)")
-                t0 += time.time() - te  # evaluation time does not count as training time
-                t_last_eval = time.time()
+                r = heldout("moderate", args.eval_n)
+                write_log({"step": state["step"], "tokens_seen": state["tokens"], "heldout": "moderate",
+                           "n": args.eval_n, "scores": r})
+                log(f"held-out moderate step {state['step']}: {json.dumps(r)} ({time.time() - te:.1f} s)")
+                t0 += time.time() - te
+                t_eval = time.time()
     finally:
-        state["trained_s"] = base_trained + min(time.time() - t0, args.train_seconds)
+        state["trained_s"] += min(time.time() - t0, args.seconds)
         for p_ in procs:
             p_.terminate()
         sd = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
-        nbytes = save_parts({"model": sd, "state": state, "model_kw": MODEL_KW}, args.out)
-        log(f"checkpoint: step {state['step']} trained {state['trained_s']:.0f} s tokens {state['tokens']} "
-            f"({nbytes / 2**20:.1f} MiB in parts); patched GDN {patched}")
+        nbytes = save_parts({"model": sd, "state": state, "model_kw": kw}, args.out)
+        log(f"checkpoint: step {state['step']} stage {state['stage']} trained {state['trained_s']:.0f} s "
+            f"tokens {state['tokens']} ({nbytes / 2**20:.1f} MiB in parts)")
 
-    # end-of-call evaluation
-    if args.end_eval_n > 0:
+    for name, n in (("moderate", args.eval_n * 2), ("long", min(30, args.eval_n))):
         te = time.time()
-        s, _ = quick_eval("moderate", args.end_eval_n)
-        write_log({"step": state["step"], "tokens_seen": state["tokens"], "eval_set": "moderate",
-                   "eval_n": args.end_eval_n, "eval": {t: {"score": v["score"]} for t, v in s.items()}})
-        log(f"end-of-call eval step {state['step']}: {json.dumps(s)} ({time.time() - te:.1f} s)")
+        r = heldout(name, n)
+        write_log({"step": state["step"], "tokens_seen": state["tokens"], "heldout": name, "n": n, "scores": r})
+        log(f"end held-out {name} (n={n}): {json.dumps(r)} ({time.time() - te:.1f} s)")
+    import shutil
 
-    def write_bundle(files):
-        with tarfile.open(os.path.join(args.out, "bundle.tar"), "w") as tf:
-            for f in files:
-                if os.path.exists(f):
-                    tf.add(f, arcname=os.path.basename(f))
+    shutil.copy(log_path, os.path.join(args.out, "train_log.jsonl"))
+    if args.export:
+        import export_hf
 
-    if not args.final:
-        write_bundle([log_path, os.path.join(args.work, "tokenizer.json"),
-                      os.path.join(args.work, "tokenizer_config.json")])
-    else:
-        # export first, so that the model comes back even if the evaluation runs out of time
-        mdir = "/tmp/hypic-mini"
-        export_model(model, tok, mdir)
-        import shutil
-
-        shutil.copy(os.path.join(mdir, "model.safetensors"), os.path.join(args.out, "model.safetensors"))
-        log(f"model.safetensors {os.path.getsize(os.path.join(mdir, 'model.safetensors'))} bytes")
-
-        def small_files():
-            return [log_path] + [os.path.join(mdir, f) for f in sorted(os.listdir(mdir)) if f != "model.safetensors"]
-
-        try:
-            plot_log(log_path, os.path.join(mdir, "loss.png"))
-        except Exception as e:  # noqa: BLE001
-            log(f"plot failed: {e}")
-        write_bundle(small_files())
-        te = time.time()
-        limit = max(30.0, args.deadline - (time.time() - t_start))
-        r = subprocess.run([sys.executable, os.path.join(HERE, "eval_rag.py"), "--model", mdir, "--sets", "moderate",
-                            "--n-aggregate", "50", "--time-limit", str(limit),
-                            "--out", os.path.join(mdir, "eval.json"), "--preds", os.path.join(mdir, "preds.jsonl")],
-                           capture_output=True, text=True)
-        log(f"eval_rag.py rc={r.returncode} ({time.time() - te:.1f} s)\n{r.stdout[-5000:]}\n{r.stderr[-2000:]}")
-        write_bundle(small_files())
+        export_hf.export(model, kw, args.export, tok_dir=TOKENIZER_DIR, eos=eos, pad=pad, log=log)
     log(f"done in {time.time() - t_start:.0f} s; out: {sorted(os.listdir(args.out))}")
 
 

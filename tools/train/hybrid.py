@@ -1,0 +1,280 @@
+"""A compact PyTorch Qwen3.5 text model for training (the math and parameter names of transformers'
+Qwen3_5ForCausalLM, so a state dict loads into it with strict=True).
+
+Why not train transformers' class directly: its torch fallback of the gated delta rule loops over
+64-token chunks and over the rows of each chunk's triangular solve in Python, which made the first
+training attempt launch-bound (0.24-0.40 s a step at any length). Here the delta rule goes through
+fast_gdn (one triangular solve per chunk, a log-depth scan across chunks) and attention through
+scaled_dot_product_attention. train.py checks on the device that this module and transformers give
+the same logits for the same weights before it trains, and exports through transformers.
+Runs on torch 1.13 (CPU) too, for small recipe experiments without a GPU.
+"""
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fast_gdn import chunk_gated_delta_rule_scan
+
+_HAS_SDPA = hasattr(F, "scaled_dot_product_attention")
+
+
+class RMSNorm(nn.Module):
+    """Qwen3.5's zero-centred RMSNorm: x / rms(x) * (1 + w), computed in float32."""
+
+    def __init__(self, n, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(n))
+        self.eps = eps
+
+    def forward(self, x):
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class RMSNormGated(nn.Module):
+    """The gated delta rule's output norm: x / rms(x) * w * silu(z) (plain weight, initialised to 1)."""
+
+    def __init__(self, n, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.eps = eps
+
+    def forward(self, x, z):
+        dt = x.dtype
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = self.weight * y.to(dt)
+        return (y * F.silu(z.float())).to(dt)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        H = c["hidden_size"]
+        self.hk, self.hv = c["linear_num_key_heads"], c["linear_num_value_heads"]
+        self.dk, self.dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
+        self.K = c["linear_conv_kernel_dim"]
+        C = 2 * self.hk * self.dk + self.hv * self.dv
+        self.in_proj_qkv = nn.Linear(H, C, bias=False)
+        self.in_proj_z = nn.Linear(H, self.hv * self.dv, bias=False)
+        self.in_proj_b = nn.Linear(H, self.hv, bias=False)
+        self.in_proj_a = nn.Linear(H, self.hv, bias=False)
+        self.conv1d = nn.Conv1d(C, C, self.K, groups=C, padding=self.K - 1, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.hv))
+        self.A_log = nn.Parameter(torch.log(torch.empty(self.hv).uniform_(1e-3, 16)))
+        self.norm = RMSNormGated(self.dv, c["rms_norm_eps"])
+        self.out_proj = nn.Linear(self.hv * self.dv, H, bias=False)
+
+    def forward(self, x):
+        B, L, _ = x.shape
+        qkv = self.in_proj_qkv(x).transpose(1, 2)
+        qkv = F.silu(self.conv1d(qkv)[..., :L]).transpose(1, 2)
+        nk = self.hk * self.dk
+        q = qkv[..., :nk].reshape(B, L, self.hk, self.dk)
+        k = qkv[..., nk : 2 * nk].reshape(B, L, self.hk, self.dk)
+        v = qkv[..., 2 * nk :].reshape(B, L, self.hv, self.dv)
+        beta = self.in_proj_b(x).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        o, _ = chunk_gated_delta_rule_scan(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+        z = self.in_proj_z(x).reshape(B * L * self.hv, self.dv)
+        o = self.norm(o.reshape(B * L * self.hv, self.dv).to(x.dtype), z)
+        return self.out_proj(o.reshape(B, L, self.hv * self.dv))
+
+
+def rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        H = c["hidden_size"]
+        self.hq, self.hkv, self.D = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+        rp = c["rope_parameters"]
+        self.rot = int(self.D * rp.get("partial_rotary_factor", 1.0))
+        self.theta = rp["rope_theta"]
+        self.q_proj = nn.Linear(H, self.hq * self.D * 2, bias=False)  # per head: [q D | gate D]
+        self.k_proj = nn.Linear(H, self.hkv * self.D, bias=False)
+        self.v_proj = nn.Linear(H, self.hkv * self.D, bias=False)
+        self.o_proj = nn.Linear(self.hq * self.D, H, bias=False)
+        self.q_norm = RMSNorm(self.D, c["rms_norm_eps"])
+        self.k_norm = RMSNorm(self.D, c["rms_norm_eps"])
+
+    def rope(self, x, L):
+        inv = 1.0 / (self.theta ** (torch.arange(0, self.rot, 2, device=x.device, dtype=torch.float32) / self.rot))
+        f = torch.arange(L, device=x.device, dtype=torch.float32)[:, None] * inv[None, :]
+        emb = torch.cat([f, f], dim=-1)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        xr, xp = x[..., : self.rot], x[..., self.rot :]
+        return torch.cat([xr * cos + rotate_half(xr) * sin, xp], dim=-1)
+
+    def forward(self, x):
+        B, L, _ = x.shape
+        qg = self.q_proj(x).reshape(B, L, self.hq, 2 * self.D)
+        q, gate = qg[..., : self.D], qg[..., self.D :].reshape(B, L, self.hq * self.D)
+        q = self.rope(self.q_norm(q).transpose(1, 2), L)
+        k = self.rope(self.k_norm(self.k_proj(x).reshape(B, L, self.hkv, self.D)).transpose(1, 2), L)
+        v = self.v_proj(x).reshape(B, L, self.hkv, self.D).transpose(1, 2)
+        r = self.hq // self.hkv
+        if r > 1:
+            k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
+        if _HAS_SDPA:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            s = (q @ k.transpose(-1, -2)) * self.D**-0.5
+            mask = torch.ones(L, L, dtype=torch.bool, device=x.device).triu(1)
+            o = s.float().masked_fill(mask, float("-inf")).softmax(-1).to(v.dtype) @ v
+        o = o.transpose(1, 2).reshape(B, L, self.hq * self.D)
+        return self.o_proj(o * gate.sigmoid())
+
+
+class MLP(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        H, I = c["hidden_size"], c["intermediate_size"]
+        self.gate_proj = nn.Linear(H, I, bias=False)
+        self.up_proj = nn.Linear(H, I, bias=False)
+        self.down_proj = nn.Linear(I, H, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, c, kind):
+        super().__init__()
+        self.kind = kind
+        self.input_layernorm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
+        if kind == "linear_attention":
+            self.linear_attn = GatedDeltaNet(c)
+        else:
+            self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
+        self.mlp = MLP(c)
+
+    def forward(self, x):
+        h = self.input_layernorm(x)
+        x = x + (self.linear_attn(h) if self.kind == "linear_attention" else self.self_attn(h))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Body(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c["vocab_size"], c["hidden_size"])
+        self.layers = nn.ModuleList([Layer(c, t) for t in c["layer_types"]])
+        self.norm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
+
+    def forward(self, ids):
+        x = self.embed_tokens(ids)
+        for l in self.layers:
+            x = l(x)
+        return self.norm(x)
+
+
+class HybridLM(nn.Module):
+    """Qwen3_5ForCausalLM with tied embeddings: state_dict() keys are transformers' (no lm_head.weight)."""
+
+    def __init__(self, c, init_std=0.02):
+        super().__init__()
+        self.cfg = dict(c)
+        self.model = Body(c)
+        for n, p in self.named_parameters():
+            if p.ndim == 2 or n.endswith("conv1d.weight"):
+                if p.ndim == 2:
+                    nn.init.normal_(p, 0.0, init_std)
+
+    def hidden(self, ids):
+        return self.model(ids)
+
+    def logits(self, h):
+        return F.linear(h, self.model.embed_tokens.weight)
+
+    def forward(self, ids):
+        return self.logits(self.hidden(ids))
+
+
+def hf_state_dict(model):
+    """The state dict in transformers' key layout (tied lm_head left out, as save_pretrained does)."""
+    return {k: v for k, v in model.state_dict().items()}
+
+
+def n_params(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+if __name__ == "__main__":  # smoke test on CPU
+    c = dict(vocab_size=100, hidden_size=64, intermediate_size=96, layer_types=["linear_attention", "full_attention"],
+             num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+             rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25},
+             linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=32, linear_value_head_dim=32,
+             linear_conv_kernel_dim=4, rms_norm_eps=1e-6)
+    m = HybridLM(c)
+    ids = torch.randint(0, 100, (2, 150))
+    out = m(ids)
+    out.sum().backward()
+    # causality: the logits at t must not depend on tokens after t
+    ids2 = ids.clone()
+    ids2[:, 100:] = (ids2[:, 100:] + 1) % 100
+    d = (m(ids2)[:, :100] - out[:, :100]).abs().max().item()
+    print("logits", tuple(out.shape), "params", n_params(m), "causal leak", d, "sdpa", _HAS_SDPA)
+    assert d < 1e-4
+    print(sorted(m.state_dict().keys())[:12])
+
+
+def save_folder(model, folder, tok_dir, eos, pad):
+    """A transformers-style folder (fp32 safetensors written by hand, config.json, tokenizer) without
+    transformers or safetensors installed: for checks against the C++ engine on a CPU machine."""
+    import json
+    import os
+    import shutil
+    import struct
+
+    os.makedirs(folder, exist_ok=True)
+    sd = {k: v.detach().float().contiguous().cpu() for k, v in model.state_dict().items()}
+    header, off, blobs = {}, 0, []
+    for k in sorted(sd):
+        b = sd[k].numpy().tobytes()
+        header[k] = {"dtype": "F32", "shape": list(sd[k].shape), "data_offsets": [off, off + len(b)]}
+        off += len(b)
+        blobs.append(b)
+    h = json.dumps(header).encode()
+    h += b" " * ((8 - len(h) % 8) % 8)
+    with open(os.path.join(folder, "model.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h)
+        for b in blobs:
+            f.write(b)
+    cfg = dict(model.cfg, architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", eos_token_id=eos,
+               pad_token_id=pad, bos_token_id=None, hidden_act="silu", attention_bias=False)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    for n in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(tok_dir, n), os.path.join(folder, n))
+
+
+def load_safetensors(path):
+    """{name: float32 tensor} from a .safetensors file (F32, BF16 or F16), without the safetensors package."""
+    import json
+    import struct
+
+    import numpy as np
+
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        data = f.read()
+    out = {}
+    for k, v in header.items():
+        if k == "__metadata__":
+            continue
+        s, e = v["data_offsets"]
+        raw = np.frombuffer(data[s:e], dtype={"F32": np.float32, "BF16": np.uint16, "F16": np.float16}[v["dtype"]])
+        if v["dtype"] == "BF16":
+            raw = (raw.astype(np.uint32) << 16).view(np.float32)
+        out[k] = torch.from_numpy(raw.astype(np.float32).reshape(v["shape"]))
+    return out
