@@ -350,10 +350,12 @@ PrefillResult PicEngine::prefill_composed(const std::vector<std::vector<int32_t>
     // The first segment sits at its true position 0: reused whole, no seam needed.
     const int seam = (i == 0 || naive) ? 0 : opt.seam;
     const int tail = (i == 0 || naive) ? 0 : opt.tail_seam;
+    const int hits_before = r.report.hit_segments;
     auto e = get_or_build(ids, seam, tail, r.report);
     const int64_t head = std::min<int64_t>(seam, L);
     const int64_t tl = std::min<int64_t>(tail, L - head);
-    r.report.reused_tokens += L - head - tl;
+    // Only entries that were already cached count as reused; one built for this request was computed.
+    if (r.report.hit_segments > hits_before) r.report.reused_tokens += L - head - tl;
     r.report.computed_tokens += head + tl;
     rows.insert(rows.end(), ids.begin(), ids.begin() + head);
     rows.insert(rows.end(), ids.end() - tl, ids.end());

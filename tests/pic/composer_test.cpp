@@ -120,8 +120,9 @@ TEST_P(Pic, AnswersDoNotDependOnCacheHistory) {
   EXPECT_EQ(rc.miss_segments, 4);
   EXPECT_EQ(rw.hit_segments, 3);
   EXPECT_EQ(rw.miss_segments, 1);
-  EXPECT_EQ(rw.reused_tokens, 20 + (70 - 8) + (41 - 8) + (90 - 8));
-  EXPECT_EQ(rw.computed_tokens, 20 + 8 * 3 + 12);  // new prefix prefilled + seams + question
+  EXPECT_EQ(rc.reused_tokens, 0);                               // cold: everything computed
+  EXPECT_EQ(rw.reused_tokens, (70 - 8) + (41 - 8) + (90 - 8));  // the new prefix was built, not reused
+  EXPECT_EQ(rw.computed_tokens, 20 + 8 * 3 + 12);               // new prefix prefilled + seams + question
 }
 
 TEST_P(Pic, NaiveAdditionIsMeasurablyWrongAndPicIsCloser) {
