@@ -48,7 +48,10 @@ GenerateResult decode_from(Model& model, const Tokenizer* tok, const GenerateReq
     if (step == 0) res.ttft_ms = ms_since(t0);
     res.ids.push_back(id);
     if (req.logprobs >= 0) res.logprobs.push_back(token_logprob(row, id, req.logprobs));
-    std::string piece = dec ? dec->push(id) : std::string();
+    bool is_eos = false;
+    for (auto e : req.eos_ids) is_eos |= (e == id);
+    // An end-of-sequence token ends the text and is not part of it (as in the server's output).
+    std::string piece = dec && !is_eos ? dec->push(id) : std::string();
     bool stop_now = false;
     if (!req.stop.empty()) {
       const size_t from = full.size() > 64 ? full.size() - 64 : 0;
@@ -72,8 +75,6 @@ GenerateResult decode_from(Model& model, const Tokenizer* tok, const GenerateReq
       res.finish_reason = "stop";
       break;
     }
-    bool is_eos = false;
-    for (auto e : req.eos_ids) is_eos |= (e == id);
     if (is_eos || stop_now) {
       res.finish_reason = "stop";
       break;
