@@ -12,6 +12,7 @@
 #include "cli/commands.h"
 #include "engine/loader.h"
 #include "engine/sampler.h"
+#include "eval/harness.h"
 #include "pic/composer.h"
 
 namespace hypic::cli {
@@ -125,6 +126,7 @@ double median(std::vector<double> v) {
 struct RagOpts {
   int segments = 16, segment_tokens = 512, query_tokens = 32, prefix_tokens = 32, requests = 5, seam = 8;
   std::string modes = "full,prefix,pic,naive", seams = "0,4,8,16,32";
+  std::string task, set = "moderate";  // fidelity: held-out task prompts instead of random tokens
   double cache_mib = 8192;
 };
 
@@ -365,6 +367,10 @@ void register_bench(CLI::App& app) {
   add_rag(f, *fr);
   f->add_option("--seams", fr->seams, "Seam widths for pic")->capture_default_str();
   f->add_option("--modes", fr->modes, "Modes besides full")->capture_default_str();
+  f->add_option("--task", fr->task,
+                "Measure on held-out task prompts (lookup, twohop, aggregate; the model's own tokenizer) "
+                "instead of random-token documents");
+  f->add_option("--set", fr->set, "Held-out set for --task: smoke, moderate, long, full")->capture_default_str();
   f->callback([fo, fr] {
     guarded([&] {
       const auto& o = *fo;
@@ -395,15 +401,30 @@ void register_bench(CLI::App& app) {
           configs.push_back({ms, {mode, 0}});
       }
       RagWorkload w(ro, m.config().vocab_size, o.seed);
-      std::vector<std::vector<std::vector<int32_t>>> requests;
-      for (int r = 0; r < ro.requests; ++r) requests.push_back(w.request());
+      // Each request, and the same request with its documents in another order (served first, so
+      // that every document is cached from a different position).
+      std::vector<std::vector<std::vector<int32_t>>> requests, warm;
+      if (ro.task.empty()) {
+        for (int r = 0; r < ro.requests; ++r) requests.push_back(w.request());
+        warm.push_back(w.request());
+      } else {
+        if (!lm.tokenizer) throw std::invalid_argument("--task needs a model folder with tokenizer.json");
+        eval::SetSpec spec = eval::eval_set(ro.set);
+        spec.n = ro.requests;
+        for (const auto& ex : eval::generate_examples(ro.task, spec)) {
+          requests.push_back(eval::prompt_segments(*lm.tokenizer, ex));
+          auto r = requests.back();
+          if (r.size() > 3) std::reverse(r.begin() + 1, r.end() - 1);
+          warm.push_back(std::move(r));
+        }
+      }
       const size_t L = static_cast<size_t>(m.config().num_hidden_layers);
       nlohmann::json rows = nlohmann::json::array();
       for (auto& cfg : configs) {
         PicEngine eng(m, static_cast<size_t>(ro.cache_mib * 1048576.0)), ref(m, 1 << 20);
         PicOptions opt = cfg.opt;
         opt.skip_question = true;
-        eng.prefill(w.request(), opt);  // warm: documents seen before in another order
+        for (auto& segs : warm) eng.prefill(segs, opt);  // warm: documents seen before in another order
         std::vector<double> drift(L, 0.0);
         double kl = 0, agree = 0;
         for (auto& segs : requests) {
@@ -434,8 +455,19 @@ void register_bench(CLI::App& app) {
                        {"segments", ro.segments},
                        {"segment_tokens", ro.segment_tokens},
                        {"query_tokens", ro.query_tokens},
-                       {"requests", ro.requests},
+                       {"requests", requests.size()},
                        {"results", rows}};
+      if (!ro.task.empty()) {
+        double tokens = 0;
+        for (auto& r : requests)
+          for (auto& seg : r) tokens += static_cast<double>(seg.size()) / requests.size();
+        j.erase("segments");
+        j.erase("segment_tokens");
+        j.erase("query_tokens");
+        j["task"] = ro.task;
+        j["set"] = ro.set;
+        j["mean_prompt_tokens"] = tokens;
+      }
       std::cout << j.dump(o.json ? -1 : 2) << "\n";
       if (!o.json) {
         std::printf("%-14s %10s %8s  rel L2 per layer (%s)\n", "config", "KL", "top1", map.c_str());

@@ -111,7 +111,7 @@ std::vector<Result> run(LoadedModel& lm, const std::vector<Example>& examples, c
     std::vector<double> ttft;
     for (size_t i = 0; i < examples.size(); ++i) {
       const auto& segs = prompts[i];
-      if (opt.warm && segs.size() > 3) {
+      if (opt.warm && segs.size() > 3 && cfg.opt.mode != PicMode::Full) {  // full recompute reads no cache
         // The documents were seen before, in another order (as retrieval reorders them).
         auto warm = segs;
         std::shuffle(warm.begin() + 1, warm.end() - 1, rng);
