@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The main job on the bundled default model: a multi-document (RAG) question answered twice,
+# The main job on the bundled default model (hypic-mini, trained on the multi-document tasks of
+# tools/tasks/rag_tasks.py): a multi-document (RAG) question answered twice,
 # the second time with the documents in another order, as retrieval reorders them. The first
 # request prefills every document in isolation and caches it; the second reuses them at their new
 # positions (PIC) and computes only the seams and the question. The same request with exact
@@ -27,6 +28,7 @@ run() {  # label, extra args...
   "$hypic" generate --max-tokens 16 --json "$@" 2>/dev/null | python3 -c "$FORMAT" "$label"
 }
 
+echo "question: $(python3 -c 'import json; d=json.load(open("examples/rag-request-2.json")); print(d["segments"][-1]["text"].splitlines()[0], "(expected:", d["expected_answer"] + ")")')"
 echo "model: $("$hypic" info --json | python3 -c 'import json,sys; d=json.load(sys.stdin); print(d["architecture"], d["layer_map"], d["parameters"], "parameters")')"
 run "request 1 (cold, pic)" --segments-file examples/rag-request-1.json --mode pic --cache-dir "$cache"
 run "request 2 (documents reordered, pic)" --segments-file examples/rag-request-2.json --mode pic --cache-dir "$cache"
