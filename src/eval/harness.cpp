@@ -1,5 +1,7 @@
 #include "eval/harness.h"
 
+#include <spdlog/spdlog.h>
+
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -104,6 +106,7 @@ std::vector<Result> run(LoadedModel& lm, const std::vector<Example>& examples, c
   for (const auto& ex : examples) prompts.push_back(prompt_segments(tok, ex));
   std::vector<Result> out;
   for (const auto& cfg : configs) {
+    const auto t_cfg = std::chrono::steady_clock::now();
     PicEngine eng(m, static_cast<size_t>(opt.cache_mib * 1048576.0));
     std::mt19937_64 rng(opt.seed);
     Result res;
@@ -143,6 +146,9 @@ std::vector<Result> run(LoadedModel& lm, const std::vector<Example>& examples, c
     res.score = sum / static_cast<double>(res.scores.size());
     std::sort(ttft.begin(), ttft.end());
     res.ttft_ms_median = ttft[ttft.size() / 2];
+    // Progress on stderr: a full evaluation runs for many minutes.
+    spdlog::info("eval {} {}: score {:.3f} over {} prompts in {:.1f} s", examples[0].task, cfg.name, res.score,
+                 examples.size(), std::chrono::duration<double>(std::chrono::steady_clock::now() - t_cfg).count());
     out.push_back(std::move(res));
   }
   return out;
