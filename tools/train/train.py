@@ -316,6 +316,9 @@ def main():
     ap.add_argument("--eval-every", type=float, default=120.0, help="seconds between held-out checks")
     ap.add_argument("--eval-n", type=int, default=40, help="prompts per task in a held-out check")
     ap.add_argument("--doc-weight", type=float, default=WEIGHT[0], help="loss weight of document tokens")
+    ap.add_argument("--doc-loss-frac", type=float, default=1.0,
+                    help="share of document positions in the loss (weighted up to stay unbiased)")
+    ap.add_argument("--profile-steps", type=int, default=0, help="profile this many steps after the 10th")
     ap.add_argument("--task-mix", default="", help="e.g. lookup=0.6,twohop=0.25,aggregate=0.15")
     ap.add_argument("--export", default="", help="write the transformers model folder here at the end")
     ap.add_argument("--threads", type=int, default=0)
@@ -403,16 +406,21 @@ def main():
                             **opt_kw)
     ntask = len(R.TASKS)
 
-    def forward(x, y, kd):
-        """(weighted loss, answer ce, argmax at supervised positions as a [B, L] tensor)"""
+    def forward(x, y, kd, doc_frac=1.0):
+        """(weighted loss, answer ce, argmax at supervised positions as a [B, L] tensor). Document
+        positions enter the loss with probability doc_frac, weighted 1/doc_frac (unbiased; fewer
+        vocabulary-wide logits to compute); doc_frac 0 leaves them out."""
         with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
             h = model.hidden(x)
             sel = y != -100
+            if doc_frac < 1.0:
+                sel = sel & ((kd > 0) | (torch.rand(y.shape, device=y.device) < doc_frac))
             logits = model.logits(h[sel]).float()
         tgt = y[sel]
         ce = F.cross_entropy(logits, tgt, reduction="none")
         k = kd[sel].long()
-        w = torch.tensor([WEIGHT[0], WEIGHT[1], WEIGHT[2]], device=x.device)[k]
+        w0 = WEIGHT[0] / doc_frac if doc_frac > 0 else 0.0
+        w = torch.tensor([w0, WEIGHT[1], WEIGHT[2]], device=x.device)[k]
         loss = (ce * w).sum() / w.sum()
         ans = (k == 2).float()
         ans_ce = (ce * ans).sum() / ans.sum().clamp(min=1)
@@ -440,7 +448,7 @@ def main():
                     L = len(rows[i][0])
                     j = i + max(1, min(16, args.budget // max(L, 1)))
                     x, y, kd, blk, bt = (torch.from_numpy(a).to(dev) for a in pack(rows[i:j], pad))
-                    _, _, am = forward(x, y, kd)
+                    _, _, am = forward(x, y, kd, doc_frac=0.0)
                     e, _ = answer_stats(am, y, blk, bt, ntask)
                     ex_n += float(e.sum())
                     a = kd == 2
@@ -479,13 +487,26 @@ def main():
                 gr["lr"] = lr
             bx, by, bk, bb, bt, bstage = next_batch()
             x, y, kd, blk, bt_t = (torch.from_numpy(a).to(dev, non_blocking=True) for a in (bx, by, bk, bb, bt))
-            loss, ans_ce, am = forward(x, y, kd)
+            if args.profile_steps and state["step"] - step0 == 10:
+                prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
+                    [torch.profiler.ProfilerActivity.CUDA] if dev == "cuda" else []))
+                prof.__enter__()
+            loss, ans_ce, am = forward(x, y, kd, args.doc_loss_frac)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
             state["step"] += 1
             state["stage_step"] += 1
+            if args.profile_steps and state["step"] - step0 == 10 + args.profile_steps:
+                if dev == "cuda":
+                    torch.cuda.synchronize()
+                prof.__exit__(None, None, None)
+                key = "self_cuda_time_total" if dev == "cuda" else "self_cpu_time_total"
+                table = prof.key_averages().table(sort_by=key, row_limit=40)
+                with open(os.path.join(args.out, "profile.txt"), "w") as f:
+                    f.write(f"{args.profile_steps} steps, batch {tuple(bx.shape)}\n{table}\n")
+                log(table)
             ntok = int((by != -100).sum())
             state["tokens"] += ntok
             with torch.no_grad():
