@@ -74,6 +74,7 @@ STAGES = [
 TASK_P = [("lookup", 0.5), ("twohop", 0.3), ("aggregate", 0.2)]
 TASK_ID = {t: i for i, t in enumerate(R.TASKS)}
 QMAX = {"lookup": 12, "twohop": 6, "aggregate": 1}
+NUMBER_FIRST = [0.0]  # probability that a prompt asks its numeric-answer questions first (--number-first)
 WEIGHT = {0: 0.1, 1: 0.5, 2: 1.0}  # documents, questions, answers (+ <|im_end|>)
 PART_BYTES = 15 * 1024 * 1024
 
@@ -168,6 +169,9 @@ def build_row(rng, encode_batch, task, doc_tok, eos):
     """ids, kind (0 document/system, 1 question, 2 answer and eos), block (answer block number or -1)."""
     words = [max(8, int(round(t / R.TOKENS_PER_WORD))) for t in doc_tok]
     segs, qa = R.make_prompt(rng, task, words)
+    if NUMBER_FIRST[0] > 0 and rng.random() < NUMBER_FIRST[0]:
+        # questions with numeric answers (one token per digit: the hardest copies) asked first
+        qa = sorted(qa, key=lambda q: not q[1].isdigit())
     k = 1 if QMAX[task] == 1 else rng.randint(1, min(QMAX[task], len(qa)))
     texts = [s + "\n" for s in segs[:-1]]
     enc = encode_batch(texts + [R.question_segment(q[0]) + "\n" for q in qa[:k]] + [q[1] for q in qa[:k]])
@@ -240,8 +244,9 @@ def make_batches(rng, encode_batch, stage, budget, eos, pad):
     return out
 
 
-def worker_main(wid, seed, tok_path, queue, stage, budget, eos, pad, task_p):
+def worker_main(wid, seed, tok_path, queue, stage, budget, eos, pad, task_p, number_first):
     TASK_P[:] = task_p
+    NUMBER_FIRST[0] = number_first
     encode_batch, _, _ = load_tokenizer(tok_path)
     rng = random.Random(f"hypic-train2/{seed}/{wid}")
     while True:
@@ -318,6 +323,8 @@ def main():
     ap.add_argument("--doc-weight", type=float, default=WEIGHT[0], help="loss weight of document tokens")
     ap.add_argument("--doc-loss-frac", type=float, default=1.0,
                     help="share of document positions in the loss (weighted up to stay unbiased)")
+    ap.add_argument("--number-first", type=float, default=0.0,
+                    help="probability that a training prompt asks its numeric-answer questions first")
     ap.add_argument("--profile-steps", type=int, default=0, help="profile this many steps after the 10th")
     ap.add_argument("--task-mix", default="", help="e.g. lookup=0.6,twohop=0.25,aggregate=0.15")
     ap.add_argument("--export", default="", help="write the transformers model folder here at the end")
@@ -333,6 +340,7 @@ def main():
     from hybrid import HybridLM, n_params
 
     WEIGHT[0] = args.doc_weight
+    NUMBER_FIRST[0] = args.number_first
     if args.task_mix:  # the data workers are spawned after this and receive the mix as an argument
         TASK_P[:] = [(k, float(v)) for k, v in (kv.split("=") for kv in args.task_mix.split(","))]
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -358,7 +366,11 @@ def main():
         sd = load_safetensors(os.path.join(args.init_from_model, "model.safetensors"))
         model.load_state_dict({k: v for k, v in sd.items() if k != "lm_head.weight"})
         state["stage"] = len(STAGES) - 2
-        log(f"weights from {args.init_from_model}; curriculum at stage {state['stage']}")
+        if os.path.exists(log_path):  # continue the counters of the log that made these weights
+            last = [json.loads(l) for l in open(log_path) if '"loss"' in l][-1:]
+            for r in last:
+                state.update(step=r["step"], tokens=r["tokens_seen"], trained_s=r["trained_s"], calls=3)
+        log(f"weights from {args.init_from_model}; curriculum at stage {state['stage']}; step {state['step']}")
     elif not args.init:
         ck = load_parts(args.work)
         model.load_state_dict(ck["model"])
@@ -379,7 +391,8 @@ def main():
         stage_v = ctx.Value("i", state["stage"])
         queue = ctx.Queue(maxsize=64)
         procs = [ctx.Process(target=worker_main, args=(w, args.seed * 1000 + state["calls"], tok_path, queue,
-                                                        stage_v, args.budget, eos, pad, list(TASK_P)), daemon=True)
+                                                        stage_v, args.budget, eos, pad, list(TASK_P), args.number_first),
+                               daemon=True)
                  for w in range(args.workers)]
         for p_ in procs:
             p_.start()
