@@ -184,10 +184,9 @@ class HybridLM(nn.Module):
         super().__init__()
         self.cfg = dict(c)
         self.model = Body(c)
-        for n, p in self.named_parameters():
-            if p.ndim == 2 or n.endswith("conv1d.weight"):
-                if p.ndim == 2:
-                    nn.init.normal_(p, 0.0, init_std)
+        for p in self.parameters():  # matrices and embeddings as transformers initialises them
+            if p.ndim == 2:
+                nn.init.normal_(p, 0.0, init_std)
 
     def hidden(self, ids):
         return self.model(ids)
@@ -197,11 +196,6 @@ class HybridLM(nn.Module):
 
     def forward(self, ids):
         return self.logits(self.hidden(ids))
-
-
-def hf_state_dict(model):
-    """The state dict in transformers' key layout (tied lm_head left out, as save_pretrained does)."""
-    return {k: v for k, v in model.state_dict().items()}
 
 
 def n_params(model):

@@ -2,7 +2,7 @@
 """Train hypic-mini, the bundled default model: a small Qwen3.5 hybrid (Gated DeltaNet : gated
 attention = 3:1) that answers questions about multi-document prompts (tools/tasks/rag_tasks.py).
 
-Recipe (attempt 2; attempt 1 is attempt1-train.py and stayed at chance, see attempt1-model.md):
+Recipe (attempt 2; attempt 1, `git show 2191ab8:tools/train/train.py`, stayed at chance, see attempt1-model.md):
 - the model is hybrid.py (transformers' Qwen3_5ForCausalLM math and parameter names; checked against
   transformers on the device before training, exported through transformers);
 - dense signal: next-token loss on every token (documents weigh 0.1, questions 0.5, answers and
