@@ -326,8 +326,11 @@ def fact_sentence(rng, e, attr, v):
 # ------------------------------------------------------------------------------------------------
 # tasks. Each returns (docs, qa) where qa is a list of (question, answer, answers); the first entry
 # is the prompt's question, the others (all distinct facts of the same prompt) serve training.
-def gen_lookup(rng, doc_words):
+def gen_lookup(rng, doc_words, attrs=None):
+    """attrs: the attribute pool (default: all). Training passes one or two attributes so that
+    every fact has same-attribute distractors and only the entity tells them apart."""
     n = len(doc_words)
+    attrs = attrs or ATTR_NAMES
     ents = unique_names(rng, max(4, n + 2))
     used = set()
     doc_facts = [[] for _ in range(n)]
@@ -336,7 +339,7 @@ def gen_lookup(rng, doc_words):
         for _ in range(rng.randint(1, 3)):
             for _try in range(20):
                 e = rng.choice(ents)
-                a = rng.choice(ATTR_NAMES)
+                a = rng.choice(attrs)
                 if (e, a) not in used:
                     break
             else:
@@ -414,10 +417,10 @@ def question_segment(q):
     return "Question: " + q + "\nAnswer:"
 
 
-def make_prompt(rng, task, doc_words):
+def make_prompt(rng, task, doc_words, **gen_kw):
     """(segments, qa) for one prompt with len(doc_words) documents of about doc_words[i] words.
     segments = [system, doc1..docN, question of qa[0]]; qa = [(question_text, answer, answers, meta)]."""
-    docs, qa = GENERATORS[task](rng, doc_words)
+    docs, qa = GENERATORS[task](rng, doc_words, **gen_kw)
     return [SYSTEM] + docs + [question_segment(qa[0][0])], qa
 
 

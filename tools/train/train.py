@@ -72,8 +72,13 @@ STAGES = [
     dict(docs=(4, 24), doc_tok=(100, 700), cap=10000),
 ]
 TASK_P = [("lookup", 0.5), ("twohop", 0.3), ("aggregate", 0.2)]
-TASK_ID = {t: i for i, t in enumerate(R.TASKS)}
-QMAX = {"lookup": 12, "twohop": 6, "aggregate": 1}
+# "bind": lookup prompts whose facts all share one or two attributes, so that only the entity tells
+# the candidates apart (with every attribute drawn, a model can reach ~2/3 of stage-0 lookups by
+# copying any value of the asked attribute, and attempt 2 stopped there: docs/quality.md)
+TRAIN_TASKS = R.TASKS + ("bind",)
+TASK_ID = {t: i for i, t in enumerate(TRAIN_TASKS)}
+QMAX = {"lookup": 12, "twohop": 6, "aggregate": 1, "bind": 12}
+BIND_NUMBERS = [0.3]  # share of "bind" prompts about lucky numbers alone (--bind-numbers)
 NUMBER_FIRST = [0.0]  # probability that a prompt asks its numeric-answer questions first (--number-first)
 WEIGHT = {0: 0.1, 1: 0.5, 2: 1.0}  # documents, questions, answers (+ <|im_end|>)
 PART_BYTES = 15 * 1024 * 1024
@@ -168,7 +173,14 @@ def sample_doc_tokens(rng, st):
 def build_row(rng, encode_batch, task, doc_tok, eos):
     """ids, kind (0 document/system, 1 question, 2 answer and eos), block (answer block number or -1)."""
     words = [max(8, int(round(t / R.TOKENS_PER_WORD))) for t in doc_tok]
-    segs, qa = R.make_prompt(rng, task, words)
+    if task == "bind":
+        if rng.random() < BIND_NUMBERS[0]:
+            attrs = ["lucky number"]
+        else:
+            attrs = rng.sample(R.ATTR_NAMES, rng.randint(1, 2))
+        segs, qa = R.make_prompt(rng, "lookup", words, attrs=attrs)
+    else:
+        segs, qa = R.make_prompt(rng, task, words)
     if NUMBER_FIRST[0] > 0 and rng.random() < NUMBER_FIRST[0]:
         # questions with numeric answers (one token per digit: the hardest copies) asked first
         qa = sorted(qa, key=lambda q: not q[1].isdigit())
@@ -244,9 +256,10 @@ def make_batches(rng, encode_batch, stage, budget, eos, pad):
     return out
 
 
-def worker_main(wid, seed, tok_path, queue, stage, budget, eos, pad, task_p, number_first):
+def worker_main(wid, seed, tok_path, queue, stage, budget, eos, pad, task_p, number_first, bind_numbers):
     TASK_P[:] = task_p
     NUMBER_FIRST[0] = number_first
+    BIND_NUMBERS[0] = bind_numbers
     encode_batch, _, _ = load_tokenizer(tok_path)
     rng = random.Random(f"hypic-train2/{seed}/{wid}")
     while True:
@@ -326,7 +339,11 @@ def main():
     ap.add_argument("--number-first", type=float, default=0.0,
                     help="probability that a training prompt asks its numeric-answer questions first")
     ap.add_argument("--profile-steps", type=int, default=0, help="profile this many steps after the 10th")
-    ap.add_argument("--task-mix", default="", help="e.g. lookup=0.6,twohop=0.25,aggregate=0.15")
+    ap.add_argument("--task-mix", default="", help="e.g. lookup=0.4,twohop=0.2,aggregate=0.1,bind=0.3")
+    ap.add_argument("--bind-numbers", type=float, default=BIND_NUMBERS[0],
+                    help="share of bind prompts whose facts are all lucky numbers")
+    ap.add_argument("--start-stage", type=int, default=-1,
+                    help="curriculum stage to start at with --init-from-model (default: the last but one)")
     ap.add_argument("--export", default="", help="write the transformers model folder here at the end")
     ap.add_argument("--threads", type=int, default=0)
     args = ap.parse_args()
@@ -341,6 +358,7 @@ def main():
 
     WEIGHT[0] = args.doc_weight
     NUMBER_FIRST[0] = args.number_first
+    BIND_NUMBERS[0] = args.bind_numbers
     if args.task_mix:  # the data workers are spawned after this and receive the mix as an argument
         TASK_P[:] = [(k, float(v)) for k, v in (kv.split("=") for kv in args.task_mix.split(","))]
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -365,7 +383,7 @@ def main():
 
         sd = load_safetensors(os.path.join(args.init_from_model, "model.safetensors"))
         model.load_state_dict({k: v for k, v in sd.items() if k != "lm_head.weight"})
-        state["stage"] = len(STAGES) - 2
+        state["stage"] = args.start_stage if args.start_stage >= 0 else len(STAGES) - 2
         if os.path.exists(log_path):  # continue the counters of the log that made these weights
             last = [json.loads(l) for l in open(log_path) if '"loss"' in l][-1:]
             for r in last:
@@ -391,7 +409,8 @@ def main():
         stage_v = ctx.Value("i", state["stage"])
         queue = ctx.Queue(maxsize=64)
         procs = [ctx.Process(target=worker_main, args=(w, args.seed * 1000 + state["calls"], tok_path, queue,
-                                                        stage_v, args.budget, eos, pad, list(TASK_P), args.number_first),
+                                                        stage_v, args.budget, eos, pad, list(TASK_P), args.number_first,
+                                                        args.bind_numbers),
                                daemon=True)
                  for w in range(args.workers)]
         for p_ in procs:
@@ -417,7 +436,7 @@ def main():
         opt_kw["fused"] = True
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}],
                             **opt_kw)
-    ntask = len(R.TASKS)
+    ntask = len(TRAIN_TASKS)
 
     def forward(x, y, kd, doc_frac=1.0):
         """(weighted loss, answer ce, argmax at supervised positions as a [B, L] tensor). Document
@@ -540,7 +559,7 @@ def main():
                 rec = {"step": state["step"], "trained_s": round(state["trained_s"] + time.time() - t0, 1),
                        "stage": state["stage"], "loss": round(float(agg["loss"]) / agg["n"], 4),
                        "answer_loss": round(float(agg["ans"]) / agg["n"], 4),
-                       "train_em": {t: round(em[i], 3) for i, t in enumerate(R.TASKS)}, "lr": round(lr, 7),
+                       "train_em": {t: round(em[i], 3) for i, t in enumerate(TRAIN_TASKS)}, "lr": round(lr, 7),
                        "tokens_per_s": round(agg["tok"] / dt), "padded_tokens_per_s": round(agg["padtok"] / dt),
                        "tokens_seen": state["tokens"], "rows": int(bx.shape[0]), "seq_len": int(bx.shape[1])}
                 write_log(rec)
