@@ -343,7 +343,7 @@ def main():
     ap.add_argument("--bind-numbers", type=float, default=BIND_NUMBERS[0],
                     help="share of bind prompts whose facts are all lucky numbers")
     ap.add_argument("--start-stage", type=int, default=-1,
-                    help="curriculum stage to start at with --init-from-model (default: the last but one)")
+                    help="curriculum stage to start at (default: the checkpoint's; with --init-from-model the last but one)")
     ap.add_argument("--export", default="", help="write the transformers model folder here at the end")
     ap.add_argument("--threads", type=int, default=0)
     args = ap.parse_args()
@@ -395,6 +395,8 @@ def main():
         state = ck["state"]
         kw = ck["model_kw"]
         log(f"resumed step {state['step']} stage {state['stage']} trained {state['trained_s']:.0f} s")
+        if args.start_stage >= 0:
+            state["stage"], state["stage_step"] = args.start_stage, 0
     if args.init and os.path.exists(log_path):
         os.remove(log_path)
     model = model.to(dev)
