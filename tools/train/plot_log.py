@@ -31,10 +31,16 @@ def main(log_path, png):
         for a in (ax, bx):
             a.axvline(step_tokens[s] / 1e6, color="gray", ls=":", lw=0.8)
         ax.text(step_tokens[s] / 1e6, ax.get_ylim()[1], f" stage {r['advance_to_stage']}", fontsize=7, va="top")
+    first_bind = next((r for r in tr if "bind" in r["train_em"]), None)
+    if first_bind:  # attempt 3: the binding drill starts (the curriculum restarts at stage 0)
+        for a in (ax, bx):
+            a.axvline(first_bind["tokens_seen"] / 1e6, color="C3", ls="--", lw=0.8)
+        ax.text(first_bind["tokens_seen"] / 1e6, ax.get_ylim()[0], " bind task", fontsize=7, color="C3", va="bottom")
     ax.legend(fontsize=8)
-    for t, c in (("lookup", "C0"), ("twohop", "C1"), ("aggregate", "C2")):
-        bx.plot(x, [r["train_em"][t] for r in tr], lw=0.8, color=c, alpha=0.6, label=f"{t}: training batches (EM)")
-        if ho:
+    for t, c in (("lookup", "C0"), ("twohop", "C1"), ("aggregate", "C2"), ("bind", "C3")):
+        pts = [(xx, r["train_em"][t]) for xx, r in zip(x, tr) if t in r["train_em"]]
+        bx.plot([p[0] for p in pts], [p[1] for p in pts], lw=0.8, color=c, alpha=0.6, label=f"{t}: training batches (EM)")
+        if ho and t in ho[-1]["scores"]:
             bx.plot([r["tokens_seen"] / 1e6 for r in ho], [r["scores"][t]["em"] for r in ho], "o--", color=c, lw=1,
                     label=f"{t}: held-out moderate (EM)")
     bx.set_ylim(0, 1)
