@@ -39,10 +39,7 @@ def main():
     tok = T.PyBPE(os.path.join(args.model, "tokenizer.json"))
     cfg = json.load(open(os.path.join(args.model, "config.json")))
     eos = cfg["eos_token_id"]
-    m = H.HybridLM(T.MODEL_KW)
-    sd = H.load_safetensors(os.path.join(args.model, "model.safetensors"))
-    m.load_state_dict({k: v for k, v in sd.items() if k != "lm_head.weight"})
-    m.eval()
+    m = H.load_folder(args.model)
     rng = random.Random(f"binding-report/{args.seed}")
     by_k = collections.defaultdict(lambda: [0, 0])
     numbers = [0, 0]

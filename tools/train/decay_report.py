@@ -29,24 +29,14 @@ def main():
     ap.add_argument("--n", type=int, default=3)
     args = ap.parse_args()
 
-    import json
-
     import torch
     import torch.nn.functional as F
 
     import eval_rag as E
-    from hybrid import HybridLM, load_safetensors
+    from hybrid import load_folder
     from train import PyBPE
 
-    cfg = json.load(open(os.path.join(args.model, "config.json")))
-    kw = {k: cfg[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "layer_types",
-                              "num_attention_heads", "num_key_value_heads", "head_dim", "rope_parameters",
-                              "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                              "linear_value_head_dim", "linear_conv_kernel_dim", "rms_norm_eps")}
-    m = HybridLM(kw)
-    sd = load_safetensors(os.path.join(args.model, "model.safetensors"))
-    m.load_state_dict({k: v for k, v in sd.items() if k != "lm_head.weight"})
-    m.eval()
+    m = load_folder(args.model)
     tok = PyBPE(os.path.join(args.model, "tokenizer.json"))
     per_layer = {}
     with torch.no_grad():

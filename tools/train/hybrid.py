@@ -272,3 +272,28 @@ def load_safetensors(path):
             raw = (raw.astype(np.uint32) << 16).view(np.float32)
         out[k] = torch.from_numpy(raw.astype(np.float32).reshape(v["shape"]))
     return out
+
+
+# config.json keys that shape the model (the rest are metadata: ids, dtype, architecture name)
+CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "layer_types",
+               "num_attention_heads", "num_key_value_heads", "head_dim", "rope_parameters", "linear_num_key_heads",
+               "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
+               "rms_norm_eps")
+
+
+def load_weights(model, folder):
+    """A model folder's model.safetensors (F32 / BF16 / F16) into model; the tied lm_head is skipped."""
+    import os
+
+    sd = load_safetensors(os.path.join(folder, "model.safetensors"))
+    model.load_state_dict({k: v for k, v in sd.items() if k != "lm_head.weight"})
+    return model
+
+
+def load_folder(folder):
+    """HybridLM shaped by the folder's config.json, with its weights, in eval mode."""
+    import json
+    import os
+
+    cfg = json.load(open(os.path.join(folder, "config.json")))
+    return load_weights(HybridLM({k: cfg[k] for k in CONFIG_KEYS}), folder).eval()

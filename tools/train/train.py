@@ -379,10 +379,9 @@ def main():
     model = HybridLM(kw)
     state = {"step": 0, "trained_s": 0.0, "tokens": 0, "calls": 0, "stage": 0, "stage_step": 0}
     if args.init_from_model:
-        from hybrid import load_safetensors
+        from hybrid import load_weights
 
-        sd = load_safetensors(os.path.join(args.init_from_model, "model.safetensors"))
-        model.load_state_dict({k: v for k, v in sd.items() if k != "lm_head.weight"})
+        load_weights(model, args.init_from_model)
         state["stage"] = args.start_stage if args.start_stage >= 0 else len(STAGES) - 2
         if os.path.exists(log_path):  # continue the counters of the log that made these weights
             last = [json.loads(l) for l in open(log_path) if '"loss"' in l][-1:]
