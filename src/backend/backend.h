@@ -101,7 +101,10 @@ class Backend {
                            const ExpertWeights& experts, Tensor& out) = 0;
 };
 
-// Creates a backend by name: "cpu" (threads <= 0: all cores).
+// Creates a backend by name: "cpu" (threads <= 0: all cores), "cuda" or "cuda:N" (GPU N; threads
+// is ignored). Throws naming the problem when the backend is unknown, not built or has no device.
 std::unique_ptr<Backend> make_backend(const std::string& name, int threads = 0);
+// "" when make_backend(name) can succeed here; otherwise why not (tests skip with this reason).
+std::string backend_unavailable(const std::string& name);
 
 }  // namespace hypic

@@ -118,7 +118,19 @@ TEST(MakeBackend, NamesAndErrors) {
   EXPECT_EQ(be->name(), "cpu");
   EXPECT_EQ(be->num_threads(), 3);
   EXPECT_GE(make_backend("cpu")->num_threads(), 1);
-  EXPECT_EQ(error_of([] { make_backend("tpu"); }), "unknown backend 'tpu' (available: cpu)");
+  EXPECT_EQ(error_of([] { make_backend("tpu"); }), "unknown backend 'tpu' (available: cpu, cuda, cuda:N)");
+  EXPECT_EQ(error_of([] { make_backend("cuda:x"); }), "unknown backend 'cuda:x' (available: cpu, cuda, cuda:N)");
+  EXPECT_EQ(backend_unavailable("cpu"), "");
+  EXPECT_NE(backend_unavailable("tpu"), "");
+  // Where no GPU is usable, asking for one fails with a reason rather than crashing.
+  if (!backend_unavailable("cuda").empty()) {
+    try {
+      make_backend("cuda");
+      ADD_FAILURE() << "make_backend(cuda) succeeded although backend_unavailable says it cannot";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find("cuda"), std::string::npos) << e.what();
+    }
+  }
 }
 
 // ---- memory -----------------------------------------------------------------------------------

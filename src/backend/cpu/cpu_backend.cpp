@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "backend/checks.h"
+#include "backend/moe_routing.h"
 #include "linear/gated_delta.h"
 #include "linear/recurrence.h"
 
@@ -26,52 +28,7 @@ namespace hypic::cpu {
 // std::invalid_argument("<op>: <what>") naming the tensors involved.
 // ================================================================================================
 namespace {
-
-[[noreturn]] void fail(const char* op, const std::string& msg) {
-  throw std::invalid_argument(std::string(op) + ": " + msg);
-}
-
-void need_def(const char* op, const char* name, const Tensor& t) {
-  if (!t.defined()) fail(op, std::string(name) + " is undefined");
-  if (!t.is_cpu()) fail(op, std::string(name) + " " + t.str() + " is not on the cpu device");
-}
-
-void need_f32(const char* op, const char* name, const Tensor& t) {
-  need_def(op, name, t);
-  if (t.dtype() != DType::F32) fail(op, std::string(name) + " " + t.str() + ": must be f32");
-}
-
-bool is_half_or_f32(DType d) {
-  return d == DType::F32 || d == DType::BF16 || d == DType::F16;
-}
-
-void need_float(const char* op, const char* name, const Tensor& t) {
-  need_def(op, name, t);
-  if (!is_half_or_f32(t.dtype())) fail(op, std::string(name) + " " + t.str() + ": must be f32, bf16 or f16");
-}
-
-void need_ndim(const char* op, const char* name, const Tensor& t, int nd) {
-  if (t.ndim() != nd)
-    fail(op, std::string(name) + " " + t.str() + ": expected " + std::to_string(nd) + " dims, got " +
-                 std::to_string(t.ndim()));
-}
-
-void need_shape(const char* op, const char* name, const Tensor& t, const Shape& s) {
-  if (t.shape() != s) fail(op, std::string(name) + " " + t.str() + ": expected shape " + shape_str(s));
-}
-
-int64_t last_dim(const Tensor& t) {
-  return t.ndim() == 0 ? 1 : t.dim(-1);
-}
-int64_t rows_of(const Tensor& t) {
-  int64_t d = last_dim(t);
-  return d == 0 ? 0 : t.numel() / d;
-}
-
-bool overlaps(const Tensor& a, const Tensor& b) {
-  auto pa = static_cast<const char*>(a.raw()), pb = static_cast<const char*>(b.raw());
-  return pa < pb + b.nbytes() && pb < pa + a.nbytes() && a.nbytes() && b.nbytes();
-}
+using namespace checks;
 
 // ================================================================================================
 // Element loads (f32 / bf16 / f16) and small vector helpers.
@@ -1026,84 +983,22 @@ void CpuBackend::set_identity(Tensor& t) {
 // ================================================================================================
 void CpuBackend::moe_experts(const Tensor& x, const Tensor& router_logits, int top_k, bool norm_topk,
                              const ExpertWeights& experts, Tensor& out) {
-  const char* op = "moe_experts";
-  need_f32(op, "x", x);
-  need_f32(op, "router_logits", router_logits);
-  need_f32(op, "out", out);
-  need_ndim(op, "x", x, 2);
-  need_ndim(op, "router_logits", router_logits, 2);
+  const int64_t I = check_moe_args(x, router_logits, top_k, experts, out, DeviceKind::CPU);
   const int64_t T = x.dim(0), H = x.dim(1), E = router_logits.dim(1);
-  if (router_logits.dim(0) != T)
-    fail(op, "router_logits " + router_logits.str() + " and x " + x.str() + ": token counts differ");
-  need_shape(op, "out", out, {T, H});
-  if (top_k < 1 || top_k > E)
-    fail(op, "top_k " + std::to_string(top_k) + " out of range for " + std::to_string(E) + " experts");
-  if (static_cast<int64_t>(experts.gate.size()) != E || static_cast<int64_t>(experts.up.size()) != E ||
-      static_cast<int64_t>(experts.down.size()) != E)
-    fail(op, "expected " + std::to_string(E) + " experts in gate/up/down, got " + std::to_string(experts.gate.size()) +
-                 "/" + std::to_string(experts.up.size()) + "/" + std::to_string(experts.down.size()));
-  if (overlaps(out, x)) fail(op, "out overlaps x");
-  int64_t I = -1;
-  for (int64_t e = 0; e < E; ++e) {
-    const Tensor &gt = experts.gate[e], &ut = experts.up[e], &dt = experts.down[e];
-    need_float(op, "gate", gt);
-    need_float(op, "up", ut);
-    need_float(op, "down", dt);
-    if (gt.ndim() != 2 || gt.dim(1) != H || (I >= 0 && gt.dim(0) != I))
-      fail(op, "expert " + std::to_string(e) + " gate " + gt.str() + " does not match x " + x.str());
-    I = gt.dim(0);
-    if (ut.shape() != gt.shape()) fail(op, "expert " + std::to_string(e) + " up " + ut.str() + " != gate " + gt.str());
-    if (dt.shape() != Shape{H, I})
-      fail(op, "expert " + std::to_string(e) + " down " + dt.str() + ": expected shape " + shape_str({H, I}));
-  }
   float* o = out.data<float>();
   std::fill(o, o + T * H, 0.f);
   if (T == 0) return;
-
-  // Routing.
-  const float* lg = router_logits.data<float>();
-  std::vector<int32_t> sel(static_cast<size_t>(T * top_k));
-  std::vector<float> wsel(static_cast<size_t>(T * top_k));
-  {
-    std::vector<float> p(static_cast<size_t>(E));
-    std::vector<int32_t> idx(static_cast<size_t>(E));
-    for (int64_t t = 0; t < T; ++t) {
-      const float* r = lg + t * E;
-      float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t e = 0; e < E; ++e) mx = std::max(mx, r[e]);
-      float sum = 0.f;
-      for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(r[e] - mx));
-      for (int64_t e = 0; e < E; ++e) p[e] /= sum;
-      for (int64_t e = 0; e < E; ++e) idx[e] = static_cast<int32_t>(e);
-      std::partial_sort(idx.begin(), idx.begin() + top_k, idx.end(),
-                        [&](int32_t a, int32_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
-      float ws = 0.f;
-      for (int j = 0; j < top_k; ++j) ws += p[idx[j]];
-      for (int j = 0; j < top_k; ++j) {
-        sel[t * top_k + j] = idx[j];
-        wsel[t * top_k + j] = norm_topk ? p[idx[j]] / ws : p[idx[j]];
-      }
-    }
-  }
-  // Group by expert (counting sort keeps token order within an expert).
-  std::vector<int64_t> start(static_cast<size_t>(E + 1), 0);
-  for (auto e : sel) ++start[e + 1];
-  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
-  std::vector<int64_t> slot(static_cast<size_t>(T * top_k));  // token*top_k + j, grouped by expert
-  {
-    std::vector<int64_t> fillp(start.begin(), start.end() - 1);
-    for (int64_t i = 0; i < T * top_k; ++i) slot[fillp[sel[i]]++] = i;
-  }
+  const MoeRouting rt = route_topk(router_logits.data<float>(), T, E, top_k, norm_topk);
   int64_t maxn = 0;
-  for (int64_t e = 0; e < E; ++e) maxn = std::max(maxn, start[e + 1] - start[e]);
+  for (int64_t e = 0; e < E; ++e) maxn = std::max(maxn, rt.start[e + 1] - rt.start[e]);
   std::vector<float> xs(static_cast<size_t>(maxn * H)), gs(static_cast<size_t>(maxn * I)),
       us(static_cast<size_t>(maxn * I)), ds(static_cast<size_t>(maxn * H));
   const float* xp = x.data<float>();
   for (int64_t e = 0; e < E; ++e) {
-    const int64_t n = start[e + 1] - start[e];
+    const int64_t n = rt.start[e + 1] - rt.start[e];
     if (n == 0) continue;
     for (int64_t r = 0; r < n; ++r) {
-      const int64_t t = slot[start[e] + r] / top_k;
+      const int64_t t = rt.order[rt.start[e] + r] / top_k;
       std::memcpy(xs.data() + r * H, xp + t * H, static_cast<size_t>(H) * 4);
     }
     Tensor xt = Tensor::borrow(xs.data(), DType::F32, {n, H});
@@ -1115,8 +1010,8 @@ void CpuBackend::moe_experts(const Tensor& x, const Tensor& router_logits, int t
     silu_mul(gt, ut, gt);
     matmul(gt, experts.down[e], dt);
     for (int64_t r = 0; r < n; ++r) {
-      const int64_t i = slot[start[e] + r], t = i / top_k;
-      axpy(wsel[i], ds.data() + r * H, o + t * H, H);
+      const int64_t i = rt.order[rt.start[e] + r], t = i / top_k;
+      axpy(rt.weight[i], ds.data() + r * H, o + t * H, H);
     }
   }
 }

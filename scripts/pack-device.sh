@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Packs what the GPU device machine needs to run a build made here (Debian 12) into one archive,
+# .device/hypic-device.tar.gz: the hypic binary, the GPU test binaries and every non-system shared
+# library they load (spdlog, fmt, OpenBLAS, ...), found with ldd. glibc and the CUDA libraries
+# (runtime, cuBLAS) are left out: the device machine has its own, of the same CUDA version.
+# Usage: scripts/pack-device.sh [build-dir]   (then carry .device; scripts/device-run.sh unpacks it)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build="${1:-build}"
+out=.device
+stage="$(mktemp -d)"
+trap 'rm -rf "$stage"' EXIT
+mkdir -p "$stage/bin" "$stage/lib" "$out"
+grep -qx '/.device/' .git/info/exclude 2>/dev/null || echo '/.device/' >> .git/info/exclude
+
+bins=("$build/hypic")
+for t in "$build"/tests/cuda_*_test; do [ -x "$t" ] && bins+=("$t"); done
+for b in "${bins[@]}"; do
+  cp "$b" "$stage/bin/"
+  strip --strip-debug "$stage/bin/$(basename "$b")"
+done
+# The device's newer libstdc++ and libgcc_s serve binaries built against older ones.
+skip='^(linux-vdso|ld-linux|libc\.so|libm\.so|libdl\.so|libpthread\.so|librt\.so|libstdc\+\+|libgcc_s|libcuda|libcudart|libcublas|libnvidia)'
+for b in "${bins[@]}"; do
+  ldd "$b" | awk '$3 ~ /^\// {print $1, $3}' | while read -r name path; do
+    [[ "$name" =~ $skip ]] && continue
+    [ -e "$stage/lib/$name" ] || cp -L "$path" "$stage/lib/$name"
+  done
+done
+# The binaries name this checkout's folder (test data, the default model) by absolute path.
+pwd > "$stage/srcdir"
+tar -C "$stage" -czf "$out/hypic-device.tar.gz" bin lib srcdir
+du -h "$out/hypic-device.tar.gz"

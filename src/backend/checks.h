@@ -1,0 +1,62 @@
+// Argument checks shared by every backend: each op validates dtypes, ranks, shapes and the device
+// of its tensors before touching memory and throws std::invalid_argument("<op>: <what>") naming the
+// tensors involved, so a bad call fails the same way on the CPU and on the GPU.
+#pragma once
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "tensor/tensor.h"
+
+namespace hypic::checks {
+
+[[noreturn]] inline void fail(const char* op, const std::string& msg) {
+  throw std::invalid_argument(std::string(op) + ": " + msg);
+}
+
+inline void need_def(const char* op, const char* name, const Tensor& t, DeviceKind dev = DeviceKind::CPU) {
+  if (!t.defined()) fail(op, std::string(name) + " is undefined");
+  if (t.device().kind != dev)
+    fail(op, std::string(name) + " " + t.str() + " is on " + t.device().str() + ", not on the " +
+                 (dev == DeviceKind::CPU ? "cpu" : "cuda") + " device");
+}
+
+inline void need_f32(const char* op, const char* name, const Tensor& t, DeviceKind dev = DeviceKind::CPU) {
+  need_def(op, name, t, dev);
+  if (t.dtype() != DType::F32) fail(op, std::string(name) + " " + t.str() + ": must be f32");
+}
+
+inline bool is_half_or_f32(DType d) {
+  return d == DType::F32 || d == DType::BF16 || d == DType::F16;
+}
+
+inline void need_float(const char* op, const char* name, const Tensor& t, DeviceKind dev = DeviceKind::CPU) {
+  need_def(op, name, t, dev);
+  if (!is_half_or_f32(t.dtype())) fail(op, std::string(name) + " " + t.str() + ": must be f32, bf16 or f16");
+}
+
+inline void need_ndim(const char* op, const char* name, const Tensor& t, int nd) {
+  if (t.ndim() != nd)
+    fail(op, std::string(name) + " " + t.str() + ": expected " + std::to_string(nd) + " dims, got " +
+                 std::to_string(t.ndim()));
+}
+
+inline void need_shape(const char* op, const char* name, const Tensor& t, const Shape& s) {
+  if (t.shape() != s) fail(op, std::string(name) + " " + t.str() + ": expected shape " + shape_str(s));
+}
+
+inline int64_t last_dim(const Tensor& t) {
+  return t.ndim() == 0 ? 1 : t.dim(-1);
+}
+inline int64_t rows_of(const Tensor& t) {
+  int64_t d = last_dim(t);
+  return d == 0 ? 0 : t.numel() / d;
+}
+
+// Address ranges intersect (valid for host and device pointers alike: both are flat addresses).
+inline bool overlaps(const Tensor& a, const Tensor& b) {
+  auto pa = static_cast<const char*>(a.raw()), pb = static_cast<const char*>(b.raw());
+  return pa < pb + b.nbytes() && pb < pa + a.nbytes() && a.nbytes() && b.nbytes();
+}
+
+}  // namespace hypic::checks

@@ -1,0 +1,607 @@
+#include "backend/cuda/cuda_backend.h"
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <vector>
+
+#include "backend/checks.h"
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/kernels.h"
+#include "backend/moe_routing.h"
+
+namespace hypic::cuda {
+
+using namespace checks;
+
+namespace {
+
+constexpr DeviceKind kDev = DeviceKind::CUDA;
+
+// Caching device allocator. Blocks are rounded (powers of two up to 1 MiB, then 2 MiB steps) and
+// kept per rounded size when freed. One stream orders all work, so a block freed by the host can be
+// handed out again at once: every later use is enqueued after every earlier one.
+class DeviceAllocator {
+ public:
+  explicit DeviceAllocator(int dev) : dev_(dev) {}
+  ~DeviceAllocator() { release_cached(); }
+
+  static size_t round(size_t bytes) {
+    if (bytes <= 512) return 512;
+    if (bytes <= (size_t(1) << 20)) {
+      size_t r = 512;
+      while (r < bytes) r <<= 1;
+      return r;
+    }
+    const size_t step = size_t(2) << 20;
+    return (bytes + step - 1) / step * step;
+  }
+
+  void* get(size_t bytes) {
+    const size_t r = round(bytes);
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      auto it = free_.find(r);
+      if (it != free_.end() && !it->second.empty()) {
+        void* p = it->second.back();
+        it->second.pop_back();
+        cached_ -= r;
+        in_use_ += r;
+        peak_ = std::max(peak_, in_use_);
+        return p;
+      }
+    }
+    void* p = nullptr;
+    cudaError_t e = cudaMalloc(&p, r);
+    if (e == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();  // clear the sticky-free error state of the failed call
+      release_cached();
+      e = cudaMalloc(&p, r);
+    }
+    if (e != cudaSuccess)
+      throw std::runtime_error("cudaMalloc of " + std::to_string(r) + " bytes failed: " + cudaGetErrorString(e) +
+                               " (" + std::to_string(in_use_ >> 20) + " MiB in use by hypic)");
+    std::lock_guard<std::mutex> lk(mu_);
+    in_use_ += r;
+    peak_ = std::max(peak_, in_use_);
+    return p;
+  }
+
+  void put(void* p, size_t bytes) {
+    const size_t r = round(bytes);
+    std::lock_guard<std::mutex> lk(mu_);
+    free_[r].push_back(p);
+    in_use_ -= r;
+    cached_ += r;
+  }
+
+  void release_cached() {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (auto& [sz, v] : free_)
+      for (void* p : v) cudaFree(p);  // errors at process exit (context gone) are harmless
+    free_.clear();
+    cached_ = 0;
+  }
+
+  size_t reserved() const {
+    std::lock_guard<std::mutex> lk(mu_);
+    return in_use_ + cached_;
+  }
+  size_t peak() const {
+    std::lock_guard<std::mutex> lk(mu_);
+    return peak_;
+  }
+
+ private:
+  int dev_;
+  mutable std::mutex mu_;
+  std::map<size_t, std::vector<void*>> free_;
+  size_t in_use_ = 0, cached_ = 0, peak_ = 0;
+};
+
+cudaDataType_t cuda_type(DType d) {
+  switch (d) {
+    case DType::BF16:
+      return CUDA_R_16BF;
+    case DType::F16:
+      return CUDA_R_16F;
+    default:
+      return CUDA_R_32F;
+  }
+}
+
+}  // namespace
+
+struct CudaBackend::Impl {
+  int dev = 0;
+  cudaDeviceProp prop{};
+  cudaStream_t stream = nullptr;
+  cublasHandle_t blas = nullptr;
+  std::shared_ptr<DeviceAllocator> mem;
+  // Reused scratch for activations converted to a weight's dtype (stream order makes reuse safe).
+  Tensor half_x;
+  // inv_freq tables per (rot_dim, theta), uploaded once.
+  std::map<std::pair<int, double>, Tensor> inv_freq;
+};
+
+bool device_available() {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) (void)cudaGetLastError();
+  return e == cudaSuccess && n > 0;
+}
+
+CudaBackend::CudaBackend(int device) : impl_(std::make_unique<Impl>()) {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess || n == 0)
+    throw std::runtime_error(std::string("cuda backend: no CUDA device found (") +
+                             (e != cudaSuccess ? cudaGetErrorString(e) : "0 devices") + ")");
+  if (device < 0 || device >= n)
+    throw std::runtime_error("cuda backend: device " + std::to_string(device) + " does not exist (" +
+                             std::to_string(n) + " found)");
+  auto& m = *impl_;
+  m.dev = device;
+  CUDA_CHECK(cudaSetDevice(device));
+  CUDA_CHECK(cudaGetDeviceProperties(&m.prop, device));
+  CUDA_CHECK(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
+  CUBLAS_CHECK(cublasCreate(&m.blas));
+  CUBLAS_CHECK(cublasSetStream(m.blas, m.stream));
+  // Plain f32 products stay f32: conformance with f32 references needs it (no TF32).
+  CUBLAS_CHECK(cublasSetMathMode(m.blas, CUBLAS_PEDANTIC_MATH));
+  m.mem = std::make_shared<DeviceAllocator>(device);
+}
+
+CudaBackend::~CudaBackend() {
+  auto& m = *impl_;
+  if (m.stream) cudaStreamSynchronize(m.stream);
+  m.half_x = Tensor();
+  m.inv_freq.clear();
+  if (m.blas) cublasDestroy(m.blas);
+  if (m.stream) cudaStreamDestroy(m.stream);
+}
+
+Device CudaBackend::device() const {
+  return Device{DeviceKind::CUDA, impl_->dev};
+}
+int CudaBackend::num_threads() const {
+  return impl_->prop.multiProcessorCount;
+}
+std::string CudaBackend::description() const {
+  const auto& p = impl_->prop;
+  char buf[256];
+  std::snprintf(buf, sizeof buf, "%s, sm_%d%d, %d SMs, %.1f GiB", p.name, p.major, p.minor, p.multiProcessorCount,
+                static_cast<double>(p.totalGlobalMem) / (1u << 30));
+  return buf;
+}
+size_t CudaBackend::reserved_bytes() const {
+  return impl_->mem->reserved();
+}
+size_t CudaBackend::peak_bytes() const {
+  return impl_->mem->peak();
+}
+
+// ---- memory ----------------------------------------------------------------------------------
+
+Tensor CudaBackend::alloc_uninit(DType dt, Shape shape) {
+  for (auto d : shape)
+    if (d < 0) throw std::invalid_argument("alloc: negative dimension in shape " + shape_str(shape));
+  const size_t bytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dt);
+  auto mem = impl_->mem;
+  void* p = mem->get(std::max<size_t>(bytes, 1));
+  auto st = std::make_shared<Storage>(p, bytes, device(), [mem, bytes](void* q) { mem->put(q, std::max<size_t>(bytes, 1)); });
+  return Tensor(std::move(st), 0, dt, std::move(shape));
+}
+
+Tensor CudaBackend::alloc(DType dt, Shape shape) {
+  Tensor t = alloc_uninit(dt, std::move(shape));
+  if (t.nbytes()) CUDA_CHECK(cudaMemsetAsync(t.raw(), 0, t.nbytes(), impl_->stream));
+  return t;
+}
+
+Tensor CudaBackend::upload(const void* host, DType dt, int64_t n) {
+  Tensor t = alloc_uninit(dt, {n});
+  // From pageable memory the call returns once the bytes are staged, so `host` may go away after.
+  if (n) CUDA_CHECK(cudaMemcpyAsync(t.raw(), host, t.nbytes(), cudaMemcpyHostToDevice, impl_->stream));
+  return t;
+}
+
+Tensor CudaBackend::to_device(const Tensor& host) {
+  if (!host.defined()) fail("to_device", "host is undefined");
+  if (host.device().kind == DeviceKind::CUDA) return host;
+  Tensor t = alloc_uninit(host.dtype(), host.shape());
+  if (t.nbytes()) CUDA_CHECK(cudaMemcpyAsync(t.raw(), host.raw(), t.nbytes(), cudaMemcpyHostToDevice, impl_->stream));
+  return t;
+}
+
+Tensor CudaBackend::to_host(const Tensor& t) {
+  if (!t.defined()) fail("to_host", "t is undefined");
+  if (t.is_cpu()) return t;
+  Tensor h = Tensor::empty(t.dtype(), t.shape());
+  if (t.nbytes()) CUDA_CHECK(cudaMemcpyAsync(h.raw(), t.raw(), t.nbytes(), cudaMemcpyDeviceToHost, impl_->stream));
+  CUDA_CHECK(cudaStreamSynchronize(impl_->stream));
+  return h;
+}
+
+void CudaBackend::copy(const Tensor& src, Tensor& dst) {
+  if (!src.defined()) fail("copy", "src is undefined");
+  if (!dst.defined()) fail("copy", "dst is undefined");
+  if (src.dtype() != dst.dtype() || src.numel() != dst.numel())
+    fail("copy", "src " + src.str() + " and dst " + dst.str() + ": dtype or element count differ");
+  if (src.raw() == dst.raw() || src.nbytes() == 0) return;
+  CUDA_CHECK(cudaMemcpyAsync(dst.raw(), src.raw(), src.nbytes(), cudaMemcpyDefault, impl_->stream));
+  if (src.is_cpu() || dst.is_cpu()) CUDA_CHECK(cudaStreamSynchronize(impl_->stream));
+}
+
+void CudaBackend::fill(Tensor& t, float value) {
+  need_f32("fill", "t", t, kDev);
+  launch_fill(impl_->stream, t.data<float>(), t.numel(), value);
+}
+
+void CudaBackend::synchronize() {
+  CUDA_CHECK(cudaStreamSynchronize(impl_->stream));
+}
+
+// ---- dense -----------------------------------------------------------------------------------
+
+void CudaBackend::matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate) {
+  const char* op = "matmul";
+  need_f32(op, "x", x, kDev);
+  need_float(op, "w", w, kDev);
+  need_f32(op, "y", y, kDev);
+  need_ndim(op, "x", x, 2);
+  need_ndim(op, "w", w, 2);
+  need_ndim(op, "y", y, 2);
+  const int64_t M = x.dim(0), K = x.dim(1), N = w.dim(0);
+  if (w.dim(1) != K) fail(op, "x " + x.str() + " and w " + w.str() + ": inner dims differ");
+  if (y.dim(0) != M || y.dim(1) != N)
+    fail(op, "y " + y.str() + ": expected shape " + shape_str({M, N}) + " for x " + x.str() + " and w " + w.str());
+  if (overlaps(y, x) || overlaps(y, w)) fail(op, "y " + y.str() + " overlaps an input");
+  if (M == 0 || N == 0) return;
+  auto& m = *impl_;
+  if (K == 0) {
+    if (!accumulate) launch_fill(m.stream, y.data<float>(), M * N, 0.f);
+    return;
+  }
+  // Row-major y[M,N] = x[M,K] W[N,K]^T is column-major y^T[N,M] = W^T(N x K) x^T(K x M).
+  const float alpha = 1.f, beta = accumulate ? 1.f : 0.f;
+  if (w.dtype() == DType::F32) {
+    CUBLAS_CHECK(cublasSgemm(m.blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(M),
+                             static_cast<int>(K), &alpha, w.data<float>(), static_cast<int>(K), x.data<float>(),
+                             static_cast<int>(K), &beta, y.data<float>(), static_cast<int>(N)));
+    return;
+  }
+  const int64_t need = M * K;
+  if (!m.half_x.defined() || m.half_x.numel() < need || m.half_x.dtype() != w.dtype())
+    m.half_x = alloc_uninit(w.dtype(), {std::max<int64_t>(need, m.half_x.defined() ? m.half_x.numel() : 0)});
+  launch_convert_f32(m.stream, x.data<float>(), w.dtype(), m.half_x.raw(), need);
+  CUBLAS_CHECK(cublasGemmEx(m.blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(M),
+                            static_cast<int>(K), &alpha, w.raw(), cuda_type(w.dtype()), static_cast<int>(K),
+                            m.half_x.raw(), cuda_type(w.dtype()), static_cast<int>(K), &beta, y.raw(), CUDA_R_32F,
+                            static_cast<int>(N), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+void CudaBackend::embedding(const Tensor& table, std::span<const int32_t> ids, Tensor& out) {
+  const char* op = "embedding";
+  need_float(op, "table", table, kDev);
+  need_f32(op, "out", out, kDev);
+  need_ndim(op, "table", table, 2);
+  const int64_t V = table.dim(0), H = table.dim(1), n = static_cast<int64_t>(ids.size());
+  need_shape(op, "out", out, {n, H});
+  for (int64_t i = 0; i < n; ++i)
+    if (ids[i] < 0 || ids[i] >= V)
+      fail(op, "id " + std::to_string(ids[i]) + " at " + std::to_string(i) + " out of range for table " + table.str());
+  if (n == 0) return;
+  Tensor d = upload(ids.data(), DType::I32, n);
+  launch_embedding(impl_->stream, table.raw(), table.dtype(), d.data<int32_t>(), n, H, out.data<float>());
+}
+
+// ---- elementwise and norms -------------------------------------------------------------------
+
+void CudaBackend::rms_norm(const Tensor& x, const Tensor& w, float eps, bool one_plus_w, Tensor& out) {
+  const char* op = "rms_norm";
+  need_f32(op, "x", x, kDev);
+  need_float(op, "w", w, kDev);
+  need_f32(op, "out", out, kDev);
+  if (x.ndim() == 0) fail(op, "x " + x.str() + ": needs at least one dim");
+  const int64_t D = last_dim(x), R = rows_of(x);
+  need_ndim(op, "w", w, 1);
+  if (w.dim(0) != D) fail(op, "w " + w.str() + " does not match the last dim of x " + x.str());
+  need_shape(op, "out", out, x.shape());
+  launch_rms_norm(impl_->stream, x.data<float>(), w.raw(), w.dtype(), eps, one_plus_w, out.data<float>(), R, D);
+}
+
+void CudaBackend::rms_norm_gated(const Tensor& x, const Tensor& z, const Tensor& w, float eps, Tensor& out) {
+  const char* op = "rms_norm_gated";
+  need_f32(op, "x", x, kDev);
+  need_f32(op, "z", z, kDev);
+  need_float(op, "w", w, kDev);
+  need_f32(op, "out", out, kDev);
+  if (x.ndim() == 0) fail(op, "x " + x.str() + ": needs at least one dim");
+  const int64_t D = last_dim(x), R = rows_of(x);
+  need_shape(op, "z", z, x.shape());
+  need_ndim(op, "w", w, 1);
+  if (w.dim(0) != D) fail(op, "w " + w.str() + " does not match the last dim of x " + x.str());
+  need_shape(op, "out", out, x.shape());
+  launch_rms_norm_gated(impl_->stream, x.data<float>(), z.data<float>(), w.raw(), w.dtype(), eps, out.data<float>(), R,
+                        D);
+}
+
+namespace {
+void check_binary(const char* op, const char* an, const Tensor& a, const char* bn, const Tensor& b, const Tensor& out) {
+  need_f32(op, an, a, kDev);
+  need_f32(op, bn, b, kDev);
+  need_f32(op, "out", out, kDev);
+  if (a.shape() != b.shape())
+    fail(op, std::string(an) + " " + a.str() + " and " + bn + " " + b.str() + ": shapes differ");
+  need_shape(op, "out", out, a.shape());
+}
+}  // namespace
+
+void CudaBackend::add(const Tensor& a, const Tensor& b, Tensor& out) {
+  check_binary("add", "a", a, "b", b, out);
+  launch_binary(impl_->stream, BinOp::Add, a.data<float>(), b.data<float>(), out.data<float>(), a.numel());
+}
+void CudaBackend::silu_mul(const Tensor& gate, const Tensor& up, Tensor& out) {
+  check_binary("silu_mul", "gate", gate, "up", up, out);
+  launch_binary(impl_->stream, BinOp::SiluMul, gate.data<float>(), up.data<float>(), out.data<float>(), gate.numel());
+}
+void CudaBackend::sigmoid_mul(const Tensor& x, const Tensor& gate, Tensor& out) {
+  if (gate.defined() && x.defined() && gate.ndim() == 2 && gate.dim(1) == 1 && last_dim(x) != 1) {
+    const char* op = "sigmoid_mul";
+    need_f32(op, "x", x, kDev);
+    need_f32(op, "gate", gate, kDev);
+    need_f32(op, "out", out, kDev);
+    if (rows_of(x) != gate.dim(0) || out.numel() != x.numel())
+      fail(op, "x " + x.str() + ", gate " + gate.str() + " and out " + out.str() + ": shapes differ");
+    launch_sigmoid_mul_rows(impl_->stream, x.data<float>(), gate.data<float>(), out.data<float>(), rows_of(x),
+                            last_dim(x));
+    return;
+  }
+  check_binary("sigmoid_mul", "x", x, "gate", gate, out);
+  launch_binary(impl_->stream, BinOp::SigmoidMul, x.data<float>(), gate.data<float>(), out.data<float>(), x.numel());
+}
+
+namespace {
+void cols_common(const char* op, const Tensor& wide, const Tensor& narrow, int64_t col, const char* wn,
+                 const char* nn) {
+  need_def(op, wn, wide, kDev);
+  need_def(op, nn, narrow, kDev);
+  if (wide.dtype() != narrow.dtype())
+    fail(op, std::string(wn) + " " + wide.str() + " and " + nn + " " + narrow.str() + ": dtypes differ");
+  if (wide.ndim() < 1 || narrow.ndim() < 1) fail(op, "tensors need at least one dim");
+  if (rows_of(wide) != rows_of(narrow) && last_dim(narrow) != 0 && last_dim(wide) != 0)
+    fail(op, std::string(wn) + " " + wide.str() + " and " + nn + " " + narrow.str() + ": row counts differ");
+  if (col < 0 || col + last_dim(narrow) > last_dim(wide))
+    fail(op, "columns [" + std::to_string(col) + ", " + std::to_string(col + last_dim(narrow)) + ") out of range of " +
+                 wn + " " + wide.str());
+  if (overlaps(wide, narrow)) fail(op, "src and dst overlap");
+}
+}  // namespace
+
+void CudaBackend::copy_cols(const Tensor& src, int64_t col, Tensor& dst) {
+  cols_common("copy_cols", src, dst, col, "src", "dst");
+  if (last_dim(dst) == 0) return;
+  launch_copy_cols(impl_->stream, src.raw(), last_dim(src), col, dst.raw(), last_dim(dst), 0, rows_of(dst),
+                   last_dim(dst), dtype_size(src.dtype()));
+}
+
+void CudaBackend::set_cols(const Tensor& src, int64_t col, Tensor& dst) {
+  cols_common("set_cols", dst, src, col, "dst", "src");
+  if (last_dim(src) == 0) return;
+  launch_copy_cols(impl_->stream, src.raw(), last_dim(src), 0, dst.raw(), last_dim(dst), col, rows_of(src),
+                   last_dim(src), dtype_size(src.dtype()));
+}
+
+// ---- positions -------------------------------------------------------------------------------
+
+void CudaBackend::rope_neox(Tensor& x, std::span<const int64_t> positions, int rot_dim, double theta) {
+  const char* op = "rope_neox";
+  need_f32(op, "x", x, kDev);
+  need_ndim(op, "x", x, 3);
+  const int64_t T = x.dim(0), H = x.dim(1), D = x.dim(2);
+  if (static_cast<int64_t>(positions.size()) != T)
+    fail(op,
+         "x " + x.str() + " has " + std::to_string(T) + " rows but " + std::to_string(positions.size()) + " positions");
+  if (rot_dim <= 0 || rot_dim % 2 != 0 || rot_dim > D)
+    fail(op, "rot_dim " + std::to_string(rot_dim) + " must be even, positive and <= head dim of x " + x.str());
+  if (!(theta > 0)) fail(op, "theta must be positive");
+  if (T == 0) return;
+  const int half = rot_dim / 2;
+  auto& m = *impl_;
+  auto key = std::make_pair(rot_dim, theta);
+  auto it = m.inv_freq.find(key);
+  if (it == m.inv_freq.end()) {
+    // As transformers (and the CPU backend): 1 / theta ** (2i / rot) in f32.
+    std::vector<float> f(static_cast<size_t>(half));
+    const float th = static_cast<float>(theta);
+    for (int i = 0; i < half; ++i) {
+      const float e = static_cast<float>(2 * i) / static_cast<float>(rot_dim);
+      f[i] = 1.0f / static_cast<float>(std::pow(static_cast<double>(th), static_cast<double>(e)));
+    }
+    it = m.inv_freq.emplace(key, upload(f.data(), DType::F32, half)).first;
+  }
+  Tensor pos = upload(positions.data(), DType::I64, T);
+  launch_rope_neox(m.stream, x.data<float>(), T, H, D, pos.data<int64_t>(), it->second.data<float>(), half);
+}
+
+// ---- attention -------------------------------------------------------------------------------
+
+void CudaBackend::attention(const Tensor& q, const Tensor& k, const Tensor& v, int64_t kv_len, int64_t q_offset,
+                            float scale, Tensor& out) {
+  const char* op = "attention";
+  need_f32(op, "q", q, kDev);
+  need_f32(op, "k", k, kDev);
+  need_f32(op, "v", v, kDev);
+  need_f32(op, "out", out, kDev);
+  need_ndim(op, "q", q, 3);
+  need_ndim(op, "k", k, 3);
+  need_ndim(op, "v", v, 3);
+  const int64_t T = q.dim(0), Hq = q.dim(1), D = q.dim(2), S = k.dim(0), Hkv = k.dim(1), Dv = v.dim(2);
+  if (k.dim(2) != D) fail(op, "q " + q.str() + " and k " + k.str() + ": head dims differ");
+  if (v.dim(0) != S || v.dim(1) != Hkv) fail(op, "k " + k.str() + " and v " + v.str() + ": rows or heads differ");
+  if (Hkv <= 0 || Hq % Hkv != 0)
+    fail(op, "q " + q.str() + " and k " + k.str() + ": query heads not a multiple of kv heads");
+  need_shape(op, "out", out, {T, Hq, Dv});
+  if (kv_len < 0 || kv_len > S) fail(op, "kv_len " + std::to_string(kv_len) + " out of range for k " + k.str());
+  if (q_offset < 0) fail(op, "q_offset " + std::to_string(q_offset) + " is negative");
+  if (T > 0 && kv_len == 0) fail(op, "kv_len is 0: no keys to attend to");
+  if (overlaps(out, q) || overlaps(out, k) || overlaps(out, v)) fail(op, "out overlaps an input");
+  launch_attention(impl_->stream, q.data<float>(), k.data<float>(), v.data<float>(), T, Hq, Hkv, D, Dv, kv_len,
+                   q_offset, scale, out.data<float>());
+}
+
+// ---- linear-attention layer pieces -----------------------------------------------------------
+
+void CudaBackend::causal_conv1d_silu(const Tensor& x, const Tensor& w, Tensor& state, Tensor& out) {
+  const char* op = "causal_conv1d_silu";
+  need_f32(op, "x", x, kDev);
+  need_float(op, "w", w, kDev);
+  need_f32(op, "state", state, kDev);
+  need_f32(op, "out", out, kDev);
+  need_ndim(op, "x", x, 2);
+  const int64_t T = x.dim(0), C = x.dim(1);
+  if (!(w.ndim() == 2 || (w.ndim() == 3 && w.dim(1) == 1))) fail(op, "w " + w.str() + ": expected [C, K] or [C, 1, K]");
+  const int64_t K = w.dim(-1);
+  if (w.dim(0) != C) fail(op, "w " + w.str() + " and x " + x.str() + ": channel counts differ");
+  if (K < 1) fail(op, "w " + w.str() + ": kernel size must be >= 1");
+  need_shape(op, "state", state, {K - 1, C});
+  need_shape(op, "out", out, {T, C});
+  if (overlaps(out, x) || overlaps(out, state) || overlaps(out, w) || overlaps(state, x))
+    fail(op, "out, x and state must not overlap");
+  launch_causal_conv1d_silu(impl_->stream, x.data<float>(), w.raw(), w.dtype(), state.data<float>(), out.data<float>(),
+                            T, C, K);
+}
+
+void CudaBackend::gdn_gates(const Tensor& a, const Tensor& b, const Tensor& A_log, const Tensor& dt_bias, Tensor& g,
+                            Tensor& beta) {
+  const char* op = "gdn_gates";
+  need_f32(op, "a", a, kDev);
+  need_f32(op, "b", b, kDev);
+  need_float(op, "A_log", A_log, kDev);
+  need_float(op, "dt_bias", dt_bias, kDev);
+  need_f32(op, "g", g, kDev);
+  need_f32(op, "beta", beta, kDev);
+  need_ndim(op, "a", a, 2);
+  const int64_t T = a.dim(0), H = a.dim(1);
+  need_shape(op, "b", b, a.shape());
+  need_shape(op, "A_log", A_log, {H});
+  need_shape(op, "dt_bias", dt_bias, {H});
+  need_shape(op, "g", g, a.shape());
+  need_shape(op, "beta", beta, a.shape());
+  launch_gdn_gates(impl_->stream, a.data<float>(), b.data<float>(), A_log.raw(), A_log.dtype(), dt_bias.raw(),
+                   dt_bias.dtype(), g.data<float>(), beta.data<float>(), T, H);
+}
+
+void CudaBackend::gated_delta_rule(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                   const Tensor& beta, bool l2norm_qk, Tensor& state, Tensor& out,
+                                   Tensor* transition) {
+  const char* op = "gated_delta_rule";
+  need_f32(op, "q", q, kDev);
+  need_f32(op, "k", k, kDev);
+  need_f32(op, "v", v, kDev);
+  need_f32(op, "g", g, kDev);
+  need_f32(op, "beta", beta, kDev);
+  need_f32(op, "state", state, kDev);
+  need_f32(op, "out", out, kDev);
+  need_ndim(op, "q", q, 3);
+  need_ndim(op, "v", v, 3);
+  const int64_t T = q.dim(0), Hk = q.dim(1), dk = q.dim(2), Hv = v.dim(1), dv = v.dim(2);
+  need_shape(op, "k", k, q.shape());
+  if (v.dim(0) != T) fail(op, "v " + v.str() + " and q " + q.str() + ": token counts differ");
+  if (Hk <= 0 || Hv % Hk != 0)
+    fail(op, "v " + v.str() + " and k " + k.str() + ": value heads not a multiple of key heads");
+  need_shape(op, "g", g, {T, Hv});
+  need_shape(op, "beta", beta, {T, Hv});
+  need_shape(op, "state", state, {Hv, dk, dv});
+  need_shape(op, "out", out, {T, Hv, dv});
+  float* tr = nullptr;
+  if (transition && transition->defined()) {
+    need_f32(op, "transition", *transition, kDev);
+    need_shape(op, "transition", *transition, {Hv, dk, dk});
+    tr = transition->data<float>();
+  }
+  launch_gated_delta_rule(impl_->stream, q.data<float>(), k.data<float>(), v.data<float>(), g.data<float>(),
+                          beta.data<float>(), l2norm_qk, T, Hk, Hv, dk, dv, state.data<float>(), out.data<float>(), tr);
+}
+
+// ---- segment summaries -----------------------------------------------------------------------
+
+void CudaBackend::compose_state(const Tensor& T, const Tensor& S, const Tensor& B, float alpha, Tensor& out) {
+  const char* op = "compose_state";
+  need_f32(op, "T", T, kDev);
+  need_f32(op, "S", S, kDev);
+  need_f32(op, "B", B, kDev);
+  need_f32(op, "out", out, kDev);
+  need_ndim(op, "T", T, 3);
+  need_ndim(op, "S", S, 3);
+  const int64_t H = T.dim(0), dk = T.dim(1), dv = S.dim(2);
+  if (T.dim(2) != dk) fail(op, "T " + T.str() + ": matrices must be square");
+  if (S.dim(0) != H || S.dim(1) != dk) fail(op, "T " + T.str() + " and S " + S.str() + ": shapes do not chain");
+  need_shape(op, "B", B, S.shape());
+  need_shape(op, "out", out, S.shape());
+  if (overlaps(out, S) || overlaps(out, T)) fail(op, "out must not overlap T or S");
+  if (B.raw() != out.raw() && overlaps(out, B)) fail(op, "out partially overlaps B");
+  if (H == 0 || dk == 0 || dv == 0) return;
+  copy(B, out);
+  // Row-major out_h[dk,dv] += alpha T_h S_h is column-major out_h^T = alpha S_h^T T_h^T + out_h^T.
+  const float beta = 1.f;
+  CUBLAS_CHECK(cublasSgemmStridedBatched(impl_->blas, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(dv),
+                                         static_cast<int>(dk), static_cast<int>(dk), &alpha, S.data<float>(),
+                                         static_cast<int>(dv), dk * dv, T.data<float>(), static_cast<int>(dk), dk * dk,
+                                         &beta, out.data<float>(), static_cast<int>(dv), dk * dv, static_cast<int>(H)));
+}
+
+void CudaBackend::set_identity(Tensor& t) {
+  const char* op = "set_identity";
+  need_f32(op, "t", t, kDev);
+  need_ndim(op, "t", t, 3);
+  if (t.dim(2) != t.dim(1)) fail(op, "t " + t.str() + ": matrices must be square");
+  launch_set_identity(impl_->stream, t.data<float>(), t.dim(0), t.dim(1));
+}
+
+// ---- mixture of experts ----------------------------------------------------------------------
+// Routing is computed on the host from the router logits (one device-to-host copy per MoE layer),
+// then each used expert runs as three cuBLAS products over its gathered rows and adds its weighted
+// output into `out`. Experts run in order on one stream, so the scatter-adds never race.
+void CudaBackend::moe_experts(const Tensor& x, const Tensor& router_logits, int top_k, bool norm_topk,
+                              const ExpertWeights& experts, Tensor& out) {
+  const int64_t I = check_moe_args(x, router_logits, top_k, experts, out, kDev);
+  const int64_t T = x.dim(0), H = x.dim(1), E = router_logits.dim(1);
+  auto& m = *impl_;
+  CUDA_CHECK(cudaMemsetAsync(out.raw(), 0, out.nbytes(), m.stream));
+  if (T == 0) return;
+  Tensor lg = to_host(router_logits);
+  const MoeRouting rt = route_topk(lg.data<float>(), T, E, top_k, norm_topk);
+  std::vector<int32_t> tok(rt.order.size());
+  std::vector<float> wts(rt.order.size());
+  int64_t maxn = 0;
+  for (size_t i = 0; i < rt.order.size(); ++i) {
+    tok[i] = static_cast<int32_t>(rt.order[i] / top_k);
+    wts[i] = rt.weight[static_cast<size_t>(rt.order[i])];
+  }
+  for (int64_t e = 0; e < E; ++e) maxn = std::max(maxn, rt.start[e + 1] - rt.start[e]);
+  Tensor dtok = upload(tok.data(), DType::I32, static_cast<int64_t>(tok.size()));
+  Tensor dw = upload(wts.data(), DType::F32, static_cast<int64_t>(wts.size()));
+  Tensor xs = alloc_uninit(DType::F32, {maxn, H}), gs = alloc_uninit(DType::F32, {maxn, I}),
+         us = alloc_uninit(DType::F32, {maxn, I}), ds = alloc_uninit(DType::F32, {maxn, H});
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = rt.start[e + 1] - rt.start[e];
+    if (n == 0) continue;
+    const int32_t* idx = dtok.data<int32_t>() + rt.start[e];
+    launch_gather_rows(m.stream, x.data<float>(), idx, xs.data<float>(), n, H);
+    Tensor xt = xs.slice_rows(0, n), gt = gs.slice_rows(0, n), ut = us.slice_rows(0, n), dt = ds.slice_rows(0, n);
+    matmul(xt, experts.gate[e], gt);
+    matmul(xt, experts.up[e], ut);
+    silu_mul(gt, ut, gt);
+    matmul(gt, experts.down[e], dt);
+    launch_scatter_add_rows(m.stream, dt.data<float>(), idx, dw.data<float>() + rt.start[e], out.data<float>(), n, H);
+  }
+}
+
+}  // namespace hypic::cuda

@@ -1,0 +1,78 @@
+// The CUDA backend: every op of backend.h on one NVIDIA GPU, in one stream.
+//  * Memory comes from a caching allocator (freed blocks are kept per size and reused in stream
+//    order; the driver is asked again only when no cached block fits, and the cache is emptied and
+//    the request retried once when the driver runs out).
+//  * Dense products go through cuBLAS: f32 weights in f32 (no TF32), bf16/f16 weights with the
+//    activations rounded to the weight's dtype and f32 accumulation, as bf16 checkpoints are served
+//    elsewhere (transformers, vLLM).
+//  * Activations, recurrent states and KV rows are f32 for now (the CPU backend's conventions).
+// This header has no CUDA types, so the rest of hypic builds with the host compiler alone.
+#pragma once
+#include <memory>
+
+#include "backend/backend.h"
+
+namespace hypic::cuda {
+
+class CudaBackend : public Backend {
+ public:
+  explicit CudaBackend(int device = 0);
+  ~CudaBackend() override;
+
+  Device device() const override;
+  std::string name() const override { return "cuda"; }
+  int num_threads() const override;  // multiprocessors of the device
+  // "NVIDIA H200, sm_90, 132 SMs, 139.8 GiB"
+  std::string description() const;
+
+  Tensor alloc(DType dt, Shape shape) override;
+  Tensor to_device(const Tensor& host) override;
+  Tensor to_host(const Tensor& t) override;
+  void copy(const Tensor& src, Tensor& dst) override;
+  void fill(Tensor& t, float value) override;
+  void synchronize() override;
+
+  void matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate = false) override;
+  void embedding(const Tensor& table, std::span<const int32_t> ids, Tensor& out) override;
+
+  void rms_norm(const Tensor& x, const Tensor& w, float eps, bool one_plus_w, Tensor& out) override;
+  void rms_norm_gated(const Tensor& x, const Tensor& z, const Tensor& w, float eps, Tensor& out) override;
+  void add(const Tensor& a, const Tensor& b, Tensor& out) override;
+  void silu_mul(const Tensor& gate, const Tensor& up, Tensor& out) override;
+  void sigmoid_mul(const Tensor& x, const Tensor& gate, Tensor& out) override;
+  void copy_cols(const Tensor& src, int64_t col, Tensor& dst) override;
+  void set_cols(const Tensor& src, int64_t col, Tensor& dst) override;
+
+  void rope_neox(Tensor& x, std::span<const int64_t> positions, int rot_dim, double theta) override;
+
+  void attention(const Tensor& q, const Tensor& k, const Tensor& v, int64_t kv_len, int64_t q_offset, float scale,
+                 Tensor& out) override;
+
+  void causal_conv1d_silu(const Tensor& x, const Tensor& w, Tensor& state, Tensor& out) override;
+  void gdn_gates(const Tensor& a, const Tensor& b, const Tensor& A_log, const Tensor& dt_bias, Tensor& g,
+                 Tensor& beta) override;
+  void gated_delta_rule(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                        bool l2norm_qk, Tensor& state, Tensor& out, Tensor* transition = nullptr) override;
+
+  void compose_state(const Tensor& T, const Tensor& S, const Tensor& B, float alpha, Tensor& out) override;
+  void set_identity(Tensor& t) override;
+
+  void moe_experts(const Tensor& x, const Tensor& router_logits, int top_k, bool norm_topk,
+                   const ExpertWeights& experts, Tensor& out) override;
+
+  // Bytes held by the caching allocator (in use + cached) and the peak in use since start.
+  size_t reserved_bytes() const;
+  size_t peak_bytes() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  Tensor alloc_uninit(DType dt, Shape shape);
+  Tensor upload(const void* host, DType dt, int64_t n);  // small host array -> device tensor
+};
+
+// True when this process can see at least one CUDA device (false on machines without a GPU or
+// driver; never throws).
+bool device_available();
+
+}  // namespace hypic::cuda

@@ -1,0 +1,319 @@
+// Elementwise ops, norms, rotary embedding, gates, causal conv1d and row movement on the GPU.
+// Arithmetic follows the CPU backend (f32, the same formulas) so the two agree to rounding.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/kernels.h"
+
+namespace hypic::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;
+
+inline unsigned blocks_for(int64_t n, int threads = kThreads) {
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((n + threads - 1) / threads, 1 << 20)));
+}
+
+// One element of a weight tensor of any float dtype, as f32.
+__device__ __forceinline__ float ldw(const void* p, DType dt, int64_t i) {
+  switch (dt) {
+    case DType::BF16:
+      return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+    case DType::F16:
+      return __half2float(static_cast<const __half*>(p)[i]);
+    default:
+      return static_cast<const float*>(p)[i];
+  }
+}
+
+__device__ __forceinline__ float silu(float x) {
+  return x / (1.0f + expf(-x));
+}
+__device__ __forceinline__ float sigmoid(float x) {
+  return 1.0f / (1.0f + expf(-x));
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the total.
+__device__ float block_sum(float v) {
+  __shared__ float part[32];
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int w = threadIdx.x / 32, l = threadIdx.x % 32;
+  __syncthreads();  // `part` may still be read from a previous call
+  if (l == 0) part[w] = v;
+  __syncthreads();
+  float t = 0.f;
+  const int nw = blockDim.x / 32;
+  for (int i = 0; i < nw; ++i) t += part[i];
+  return t;
+}
+
+__global__ void k_fill(float* p, int64_t n, float v) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    p[i] = v;
+}
+
+__global__ void k_convert(const float* x, DType to, void* y, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    if (to == DType::BF16)
+      static_cast<__nv_bfloat16*>(y)[i] = __float2bfloat16_rn(x[i]);
+    else
+      static_cast<__half*>(y)[i] = __float2half_rn(x[i]);
+  }
+}
+
+__global__ void k_embedding(const void* table, DType dt, const int32_t* ids, int64_t n, int64_t H, float* out) {
+  const int64_t r = blockIdx.x;
+  const int64_t base = static_cast<int64_t>(ids[r]) * H;
+  for (int64_t c = threadIdx.x; c < H; c += blockDim.x) out[r * H + c] = ldw(table, dt, base + c);
+}
+
+__global__ void k_rms_norm(const float* x, const void* w, DType wdt, float eps, bool one_plus_w, float* out,
+                           int64_t D) {
+  const float* xr = x + blockIdx.x * D;
+  float* o = out + blockIdx.x * D;
+  float ss = 0.f;
+  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) ss += xr[i] * xr[i];
+  ss = block_sum(ss);
+  const float inv = 1.0f / sqrtf(ss / static_cast<float>(D) + eps);
+  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
+    float wv = ldw(w, wdt, i);
+    if (one_plus_w) wv = 1.0f + wv;
+    o[i] = (xr[i] * inv) * wv;
+  }
+}
+
+__global__ void k_rms_norm_gated(const float* x, const float* z, const void* w, DType wdt, float eps, float* out,
+                                 int64_t D) {
+  const float* xr = x + blockIdx.x * D;
+  const float* zr = z + blockIdx.x * D;
+  float* o = out + blockIdx.x * D;
+  float ss = 0.f;
+  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) ss += xr[i] * xr[i];
+  ss = block_sum(ss);
+  const float inv = 1.0f / sqrtf(ss / static_cast<float>(D) + eps);
+  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) o[i] = ldw(w, wdt, i) * (xr[i] * inv) * silu(zr[i]);
+}
+
+__global__ void k_binary(BinOp op, const float* a, const float* b, float* out, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const float u = a[i], v = b[i];
+    out[i] = op == BinOp::Add ? u + v : op == BinOp::SiluMul ? silu(u) * v : u * sigmoid(v);
+  }
+}
+
+__global__ void k_sigmoid_mul_rows(const float* x, const float* gate, float* out, int64_t R, int64_t C) {
+  const int64_t n = R * C;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = x[i] * sigmoid(gate[i / C]);
+}
+
+template <typename E>
+__global__ void k_copy_cols(const E* src, int64_t sc, int64_t scol, E* dst, int64_t dc, int64_t dcol, int64_t R,
+                            int64_t W) {
+  const int64_t n = R * W;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / W, j = i % W;
+    dst[r * dc + dcol + j] = src[r * sc + scol + j];
+  }
+}
+
+// One block per row t; angles as the CPU backend: f32(pos) * inv_freq in f32, cos/sin in f64.
+__global__ void k_rope_neox(float* x, int64_t H, int64_t D, const int64_t* pos, const float* inv_freq, int half) {
+  const int64_t t = blockIdx.x;
+  const float p = static_cast<float>(pos[t]);
+  for (int64_t e = threadIdx.x; e < H * half; e += blockDim.x) {
+    const int64_t h = e / half;
+    const int i = static_cast<int>(e % half);
+    const float ang = p * inv_freq[i];
+    const float c = static_cast<float>(cos(static_cast<double>(ang)));
+    const float s = static_cast<float>(sin(static_cast<double>(ang)));
+    float* r = x + (t * H + h) * D;
+    const float x1 = r[i], x2 = r[i + half];
+    r[i] = x1 * c - x2 * s;
+    r[i + half] = x2 * c + x1 * s;
+  }
+}
+
+__global__ void k_gdn_gates(const float* a, const float* b, const void* A_log, DType adt, const void* dt_bias,
+                            DType bdt, float* g, float* beta, int64_t T, int64_t H) {
+  const int64_t n = T * H;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t h = i % H;
+    const float u = a[i] + ldw(dt_bias, bdt, h);
+    const float sp = u > 20.f ? u : log1pf(expf(u));  // torch softplus, threshold 20
+    g[i] = -expf(ldw(A_log, adt, h)) * sp;
+    beta[i] = sigmoid(b[i]);
+  }
+}
+
+// out[t, c] = silu(sum_j w[c, j] * xx(t + j)), xx = state rows (K-1, oldest first) then x rows.
+__global__ void k_conv1d(const float* x, const void* w, DType wdt, const float* state, float* out, int64_t T,
+                         int64_t C, int64_t K) {
+  const int64_t n = T * C, P = K - 1;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i / C, c = i % C;
+    float acc = 0.f;
+    for (int64_t j = 0; j < K; ++j) {
+      const int64_t r = t + j;
+      const float xv = r < P ? state[r * C + c] : x[(r - P) * C + c];
+      acc += ldw(w, wdt, c * K + j) * xv;
+    }
+    out[i] = silu(acc);
+  }
+}
+
+// The state becomes rows T .. T+K-2 of (state ++ x); ascending order per channel is safe in place.
+__global__ void k_conv1d_state(const float* x, float* state, int64_t T, int64_t C, int64_t K) {
+  const int64_t P = K - 1;
+  for (int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; c < C; c += int64_t(gridDim.x) * blockDim.x)
+    for (int64_t r = 0; r < P; ++r) {
+      const int64_t src = T + r;
+      state[r * C + c] = src < P ? state[src * C + c] : x[(src - P) * C + c];
+    }
+}
+
+__global__ void k_set_identity(float* t, int64_t H, int64_t n) {
+  const int64_t total = H * n * n;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = (i / n) % n, c = i % n;
+    t[i] = r == c ? 1.f : 0.f;
+  }
+}
+
+__global__ void k_gather_rows(const float* x, const int32_t* idx, float* out, int64_t H) {
+  const int64_t r = blockIdx.x;
+  const float* src = x + static_cast<int64_t>(idx[r]) * H;
+  for (int64_t c = threadIdx.x; c < H; c += blockDim.x) out[r * H + c] = src[c];
+}
+
+__global__ void k_scatter_add_rows(const float* y, const int32_t* idx, const float* w, float* out, int64_t H) {
+  const int64_t r = blockIdx.x;
+  float* dst = out + static_cast<int64_t>(idx[r]) * H;
+  const float a = w[r];
+  for (int64_t c = threadIdx.x; c < H; c += blockDim.x) dst[c] += a * y[r * H + c];
+}
+
+int row_threads(int64_t D) {
+  return D >= 1024 ? 1024 : D >= 256 ? 256 : D >= 64 ? 64 : 32;
+}
+
+}  // namespace
+
+void launch_fill(cudaStream_t s, float* p, int64_t n, float v) {
+  if (n == 0) return;
+  k_fill<<<blocks_for(n), kThreads, 0, s>>>(p, n, v);
+  CUDA_LAUNCH_CHECK("k_fill");
+}
+
+void launch_convert_f32(cudaStream_t s, const float* x, DType to, void* y, int64_t n) {
+  if (n == 0) return;
+  k_convert<<<blocks_for(n), kThreads, 0, s>>>(x, to, y, n);
+  CUDA_LAUNCH_CHECK("k_convert");
+}
+
+void launch_embedding(cudaStream_t s, const void* table, DType dt, const int32_t* ids, int64_t n, int64_t H,
+                      float* out) {
+  if (n == 0) return;
+  k_embedding<<<static_cast<unsigned>(n), row_threads(H), 0, s>>>(table, dt, ids, n, H, out);
+  CUDA_LAUNCH_CHECK("k_embedding");
+}
+
+void launch_rms_norm(cudaStream_t s, const float* x, const void* w, DType wdt, float eps, bool one_plus_w, float* out,
+                     int64_t R, int64_t D) {
+  if (R == 0) return;
+  k_rms_norm<<<static_cast<unsigned>(R), row_threads(D), 0, s>>>(x, w, wdt, eps, one_plus_w, out, D);
+  CUDA_LAUNCH_CHECK("k_rms_norm");
+}
+
+void launch_rms_norm_gated(cudaStream_t s, const float* x, const float* z, const void* w, DType wdt, float eps,
+                           float* out, int64_t R, int64_t D) {
+  if (R == 0) return;
+  k_rms_norm_gated<<<static_cast<unsigned>(R), row_threads(D), 0, s>>>(x, z, w, wdt, eps, out, D);
+  CUDA_LAUNCH_CHECK("k_rms_norm_gated");
+}
+
+void launch_binary(cudaStream_t s, BinOp op, const float* a, const float* b, float* out, int64_t n) {
+  if (n == 0) return;
+  k_binary<<<blocks_for(n), kThreads, 0, s>>>(op, a, b, out, n);
+  CUDA_LAUNCH_CHECK("k_binary");
+}
+
+void launch_sigmoid_mul_rows(cudaStream_t s, const float* x, const float* gate, float* out, int64_t R, int64_t C) {
+  if (R * C == 0) return;
+  k_sigmoid_mul_rows<<<blocks_for(R * C), kThreads, 0, s>>>(x, gate, out, R, C);
+  CUDA_LAUNCH_CHECK("k_sigmoid_mul_rows");
+}
+
+void launch_copy_cols(cudaStream_t s, const void* src, int64_t src_cols, int64_t scol, void* dst, int64_t dst_cols,
+                      int64_t dcol, int64_t R, int64_t W, size_t es) {
+  if (R * W == 0) return;
+  const unsigned b = blocks_for(R * W);
+  switch (es) {
+    case 1:
+      k_copy_cols<<<b, kThreads, 0, s>>>(static_cast<const uint8_t*>(src), src_cols, scol, static_cast<uint8_t*>(dst),
+                                         dst_cols, dcol, R, W);
+      break;
+    case 2:
+      k_copy_cols<<<b, kThreads, 0, s>>>(static_cast<const uint16_t*>(src), src_cols, scol,
+                                         static_cast<uint16_t*>(dst), dst_cols, dcol, R, W);
+      break;
+    case 4:
+      k_copy_cols<<<b, kThreads, 0, s>>>(static_cast<const uint32_t*>(src), src_cols, scol,
+                                         static_cast<uint32_t*>(dst), dst_cols, dcol, R, W);
+      break;
+    default:
+      k_copy_cols<<<b, kThreads, 0, s>>>(static_cast<const uint64_t*>(src), src_cols, scol,
+                                         static_cast<uint64_t*>(dst), dst_cols, dcol, R, W);
+  }
+  CUDA_LAUNCH_CHECK("k_copy_cols");
+}
+
+void launch_rope_neox(cudaStream_t s, float* x, int64_t T, int64_t H, int64_t D, const int64_t* pos,
+                      const float* inv_freq, int half) {
+  if (T == 0 || H == 0) return;
+  k_rope_neox<<<static_cast<unsigned>(T), row_threads(H * half), 0, s>>>(x, H, D, pos, inv_freq, half);
+  CUDA_LAUNCH_CHECK("k_rope_neox");
+}
+
+void launch_gdn_gates(cudaStream_t s, const float* a, const float* b, const void* A_log, DType adt,
+                      const void* dt_bias, DType bdt, float* g, float* beta, int64_t T, int64_t H) {
+  if (T * H == 0) return;
+  k_gdn_gates<<<blocks_for(T * H), kThreads, 0, s>>>(a, b, A_log, adt, dt_bias, bdt, g, beta, T, H);
+  CUDA_LAUNCH_CHECK("k_gdn_gates");
+}
+
+void launch_causal_conv1d_silu(cudaStream_t s, const float* x, const void* w, DType wdt, float* state, float* out,
+                               int64_t T, int64_t C, int64_t K) {
+  if (T == 0 || C == 0) return;
+  k_conv1d<<<blocks_for(T * C), kThreads, 0, s>>>(x, w, wdt, state, out, T, C, K);
+  CUDA_LAUNCH_CHECK("k_conv1d");
+  if (K > 1) {
+    k_conv1d_state<<<blocks_for(C), kThreads, 0, s>>>(x, state, T, C, K);
+    CUDA_LAUNCH_CHECK("k_conv1d_state");
+  }
+}
+
+void launch_set_identity(cudaStream_t s, float* t, int64_t H, int64_t n) {
+  if (H * n == 0) return;
+  k_set_identity<<<blocks_for(H * n * n), kThreads, 0, s>>>(t, H, n);
+  CUDA_LAUNCH_CHECK("k_set_identity");
+}
+
+void launch_gather_rows(cudaStream_t s, const float* x, const int32_t* idx, float* out, int64_t n, int64_t H) {
+  if (n == 0) return;
+  k_gather_rows<<<static_cast<unsigned>(n), row_threads(H), 0, s>>>(x, idx, out, H);
+  CUDA_LAUNCH_CHECK("k_gather_rows");
+}
+
+void launch_scatter_add_rows(cudaStream_t s, const float* y, const int32_t* idx, const float* w, float* out,
+                             int64_t n, int64_t H) {
+  if (n == 0) return;
+  k_scatter_add_rows<<<static_cast<unsigned>(n), row_threads(H), 0, s>>>(y, idx, w, out, H);
+  CUDA_LAUNCH_CHECK("k_scatter_add_rows");
+}
+
+}  // namespace hypic::cuda

@@ -1,0 +1,159 @@
+// Gated delta rule on the GPU: the token-sequential recurrence (correctness-first version; the
+// chunked tensor-core kernel replaces it for long prefills and keeps this one as its reference).
+//
+// Per value head h (key head h / (Hv/Hk)), with S [dk, dv] and left multiplication:
+//   S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,  o_t = S_t^T q_t.
+// Columns of S are independent given k_t, so a block owns 32 columns of one head and P threads
+// share a column (dk/P rows each, reduced with shuffles). The transition T_C = A_L ... A_1 obeys
+// the same update with v = 0 from T = I, so its dk columns ride along as extra columns of the
+// same pass: T_C costs (dv + dk)/dv of the plain recurrence and no second sweep over the tokens.
+#include <algorithm>
+#include <cmath>
+
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/kernels.h"
+
+namespace hypic::cuda {
+
+namespace {
+
+constexpr int kCols = 32;  // columns per block
+constexpr int kRows = 32;  // rows per thread at most (dk <= 32 P)
+constexpr int kTile = 16;  // tokens staged in shared memory at a time
+
+template <int P>
+__global__ void __launch_bounds__(kCols * P)
+    k_gdn(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+          const float* __restrict__ g, const float* __restrict__ beta, bool l2norm, int64_t T, int64_t Hk, int64_t Hv,
+          int dk, int dv, float* state, float* out, float* transition) {
+  extern __shared__ float smem[];
+  float* qs = smem;              // [kTile][dk]
+  float* ks = qs + kTile * dk;   // [kTile][dk]
+  float* gs = ks + kTile * dk;   // [kTile]
+  float* bs = gs + kTile;        // [kTile]
+  const int h = blockIdx.y;
+  const int64_t hk = h / (Hv / Hk);
+  const int p = threadIdx.x % P;
+  const int col = blockIdx.x * kCols + threadIdx.x / P;
+  const int ncols = dv + (transition ? dk : 0);
+  const bool valid = col < ncols, is_T = col >= dv;
+  const int c = is_T ? col - dv : col;
+  float* sbase = is_T ? transition + static_cast<int64_t>(h) * dk * dk : state + static_cast<int64_t>(h) * dk * dv;
+  const int ld = is_T ? dk : dv;
+
+  float s[kRows];
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+    const int r = i * P + p;
+    s[i] = (valid && r < dk) ? (is_T ? (r == c ? 1.f : 0.f) : sbase[static_cast<int64_t>(r) * ld + c]) : 0.f;
+  }
+  const float qscale = rsqrtf(static_cast<float>(dk));
+  const int nthreads = kCols * P, lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = nthreads / 32;
+
+  for (int64_t t0 = 0; t0 < T; t0 += kTile) {
+    const int nt = static_cast<int>(T - t0 < kTile ? T - t0 : kTile);
+    __syncthreads();
+    for (int e = threadIdx.x; e < nt * dk; e += nthreads) {
+      const int tt = e / dk, d = e % dk;
+      const int64_t src = ((t0 + tt) * Hk + hk) * dk + d;
+      qs[tt * dk + d] = q[src];
+      ks[tt * dk + d] = k[src];
+    }
+    for (int tt = threadIdx.x; tt < nt; tt += nthreads) {
+      gs[tt] = g[(t0 + tt) * Hv + h];
+      bs[tt] = beta[(t0 + tt) * Hv + h];
+    }
+    __syncthreads();
+    // q and k scales (L2 norms as the CPU backend: x / sqrt(sum x^2 + 1e-6)), one warp per token.
+    for (int tt = warp; tt < nt; tt += nwarps) {
+      float sq = 0.f, sk = 0.f;
+      for (int d = lane; d < dk; d += 32) {
+        sq += qs[tt * dk + d] * qs[tt * dk + d];
+        sk += ks[tt * dk + d] * ks[tt * dk + d];
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        sq += __shfl_xor_sync(0xffffffffu, sq, o);
+        sk += __shfl_xor_sync(0xffffffffu, sk, o);
+      }
+      const float fq = l2norm ? qscale / sqrtf(sq + 1e-6f) : qscale, fk = l2norm ? 1.f / sqrtf(sk + 1e-6f) : 1.f;
+      __syncwarp();
+      for (int d = lane; d < dk; d += 32) {
+        qs[tt * dk + d] *= fq;
+        ks[tt * dk + d] *= fk;
+      }
+    }
+    __syncthreads();
+    for (int tt = 0; tt < nt; ++tt) {
+      const float* kt = ks + tt * dk;
+      const float* qt = qs + tt * dk;
+      const float decay = expf(gs[tt]), b = bs[tt];
+      const int64_t orow = ((t0 + tt) * Hv + h) * dv;
+      const float vc = (valid && !is_T) ? v[orow + c] : 0.f;
+      float kS = 0.f;
+#pragma unroll
+      for (int i = 0; i < kRows; ++i) {
+        const int r = i * P + p;
+        if (r < dk) kS += kt[r] * s[i];
+      }
+#pragma unroll
+      for (int o = P / 2; o > 0; o >>= 1) kS += __shfl_xor_sync(0xffffffffu, kS, o);
+      const float u = b * (vc - decay * kS);
+      float o_ = 0.f;
+#pragma unroll
+      for (int i = 0; i < kRows; ++i) {
+        const int r = i * P + p;
+        if (r < dk) {
+          s[i] = decay * s[i] + kt[r] * u;
+          o_ += qt[r] * s[i];
+        }
+      }
+#pragma unroll
+      for (int o = P / 2; o > 0; o >>= 1) o_ += __shfl_xor_sync(0xffffffffu, o_, o);
+      if (valid && !is_T && p == 0) out[orow + c] = o_;
+    }
+  }
+  if (valid) {
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      const int r = i * P + p;
+      if (r < dk) sbase[static_cast<int64_t>(r) * ld + c] = s[i];
+    }
+  }
+}
+
+template <int P>
+void run(cudaStream_t st, const float* q, const float* k, const float* v, const float* g, const float* beta,
+         bool l2norm, int64_t T, int64_t Hk, int64_t Hv, int dk, int dv, float* state, float* out, float* tr) {
+  const int ncols = dv + (tr ? dk : 0);
+  const size_t smem = static_cast<size_t>(kTile * (2 * dk + 2)) * sizeof(float);
+  if (smem > 48 * 1024) CUDA_CHECK(cudaFuncSetAttribute(k_gdn<P>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                        static_cast<int>(smem)));
+  dim3 grid(static_cast<unsigned>((ncols + kCols - 1) / kCols), static_cast<unsigned>(Hv));
+  k_gdn<P><<<grid, kCols * P, smem, st>>>(q, k, v, g, beta, l2norm, T, Hk, Hv, dk, dv, state, out, tr);
+  CUDA_LAUNCH_CHECK("k_gdn");
+}
+
+}  // namespace
+
+void launch_gated_delta_rule(cudaStream_t s, const float* q, const float* k, const float* v, const float* g,
+                             const float* beta, bool l2norm_qk, int64_t T, int64_t Hk, int64_t Hv, int64_t dk,
+                             int64_t dv, float* state, float* out, float* transition) {
+  if (Hv == 0 || dk == 0 || dv == 0) return;
+  if (transition) launch_set_identity(s, transition, Hv, dk);  // T of an empty span is I
+  if (T == 0) return;
+  const int idk = static_cast<int>(dk), idv = static_cast<int>(dv);
+  if (dk <= 32)
+    run<1>(s, q, k, v, g, beta, l2norm_qk, T, Hk, Hv, idk, idv, state, out, transition);
+  else if (dk <= 64)
+    run<2>(s, q, k, v, g, beta, l2norm_qk, T, Hk, Hv, idk, idv, state, out, transition);
+  else if (dk <= 128)
+    run<4>(s, q, k, v, g, beta, l2norm_qk, T, Hk, Hv, idk, idv, state, out, transition);
+  else if (dk <= 256)
+    run<8>(s, q, k, v, g, beta, l2norm_qk, T, Hk, Hv, idk, idv, state, out, transition);
+  else
+    throw std::invalid_argument("gated_delta_rule: key head dim " + std::to_string(dk) +
+                                " above 256 is not supported on cuda");
+}
+
+}  // namespace hypic::cuda

@@ -1,0 +1,51 @@
+// Host-side launchers of the CUDA kernels, one .cu file per op family (elementwise.cu,
+// attention.cu, gated_delta.cu). Arguments are device pointers and sizes; every launcher enqueues
+// on the given stream and checks the launch. Shapes were validated by CudaBackend before the call.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "tensor/dtype.h"
+
+namespace hypic::cuda {
+
+void launch_fill(cudaStream_t s, float* p, int64_t n, float v);
+void launch_convert_f32(cudaStream_t s, const float* x, DType to, void* y, int64_t n);  // to bf16/f16
+void launch_embedding(cudaStream_t s, const void* table, DType dt, const int32_t* ids, int64_t n, int64_t H,
+                      float* out);
+void launch_rms_norm(cudaStream_t s, const float* x, const void* w, DType wdt, float eps, bool one_plus_w, float* out,
+                     int64_t R, int64_t D);
+void launch_rms_norm_gated(cudaStream_t s, const float* x, const float* z, const void* w, DType wdt, float eps,
+                           float* out, int64_t R, int64_t D);
+enum class BinOp { Add, SiluMul, SigmoidMul };
+void launch_binary(cudaStream_t s, BinOp op, const float* a, const float* b, float* out, int64_t n);
+void launch_sigmoid_mul_rows(cudaStream_t s, const float* x, const float* gate, float* out, int64_t R, int64_t C);
+// dst[r, dcol + j] = src[r, scol + j] for j < W, elements of `es` bytes.
+void launch_copy_cols(cudaStream_t s, const void* src, int64_t src_cols, int64_t scol, void* dst, int64_t dst_cols,
+                      int64_t dcol, int64_t R, int64_t W, size_t es);
+void launch_rope_neox(cudaStream_t s, float* x, int64_t T, int64_t H, int64_t D, const int64_t* pos,
+                      const float* inv_freq, int half);
+void launch_gdn_gates(cudaStream_t s, const float* a, const float* b, const void* A_log, DType adt,
+                      const void* dt_bias, DType bdt, float* g, float* beta, int64_t T, int64_t H);
+void launch_causal_conv1d_silu(cudaStream_t s, const float* x, const void* w, DType wdt, float* state, float* out,
+                               int64_t T, int64_t C, int64_t K);
+void launch_set_identity(cudaStream_t s, float* t, int64_t H, int64_t n);
+// rows: out[i, :] = x[idx[i], :]
+void launch_gather_rows(cudaStream_t s, const float* x, const int32_t* idx, float* out, int64_t n, int64_t H);
+// out[idx[i], :] += w[i] * y[i, :]   (indices distinct within one call)
+void launch_scatter_add_rows(cudaStream_t s, const float* y, const int32_t* idx, const float* w, float* out,
+                             int64_t n, int64_t H);
+
+// Causal GQA attention, f32: q [T, Hq, D], k [S, Hkv, D], v [S, Hkv, Dv]; query t sees keys
+// j < min(kv_len, q_offset + t + 1).
+void launch_attention(cudaStream_t s, const float* q, const float* k, const float* v, int64_t T, int64_t Hq,
+                      int64_t Hkv, int64_t D, int64_t Dv, int64_t kv_len, int64_t q_offset, float scale, float* out);
+
+// Gated delta rule over T tokens from state [Hv, dk, dv] (advanced in place); transition
+// [Hv, dk, dk] (may be null) receives T_C of the span, computed in the same pass.
+void launch_gated_delta_rule(cudaStream_t s, const float* q, const float* k, const float* v, const float* g,
+                             const float* beta, bool l2norm_qk, int64_t T, int64_t Hk, int64_t Hv, int64_t dk,
+                             int64_t dv, float* state, float* out, float* transition);
+
+}  // namespace hypic::cuda

@@ -1,0 +1,293 @@
+// CUDA backend ops against the CPU backend on fresh random inputs with ragged sizes. Outputs are
+// poisoned with NaN before each GPU call, so an element the kernel never wrote fails the check
+// (NaN never passes). Tolerances (relative L2): 1e-5 where both backends do the same f32 arithmetic
+// in another order; 2e-4 for the gated delta rule (the CPU runs the chunked WY form, the GPU the
+// token recurrence); 1e-2 for products with bf16 weights, where the GPU rounds activations to bf16
+// for the tensor cores and the CPU keeps them f32. Skipped where no GPU is visible (ctest -L cuda).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+
+using namespace hypic;
+
+namespace {
+
+Tensor randn(Shape s, std::mt19937& rng, float scale = 1.0f) {
+  Tensor t = Tensor::empty(DType::F32, std::move(s));
+  std::normal_distribution<float> nd(0.f, scale);
+  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = nd(rng);
+  return t;
+}
+
+Tensor as(const Tensor& f, DType dt) {
+  Tensor t = Tensor::empty(dt, f.shape());
+  convert_from_f32(f.data<float>(), dt, t.raw(), static_cast<size_t>(f.numel()));
+  return t;
+}
+
+template <typename F>
+std::string error_of(F f) {
+  try {
+    f();
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  return "<no invalid_argument thrown>";
+}
+
+class CudaOps : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const std::string why = backend_unavailable("cuda");
+    if (!why.empty()) GTEST_SKIP() << "cuda backend unavailable: " << why;
+    gpu = make_backend("cuda");
+    cpu = make_backend("cpu", 2);
+    rng.seed(static_cast<uint32_t>(::testing::UnitTest::GetInstance()->random_seed()) + 7919u * ++calls);
+  }
+  // A device copy of a host tensor.
+  Tensor dev(const Tensor& h) { return gpu->to_device(h); }
+  // A device tensor full of NaN: whatever the kernel leaves unwritten fails the comparison.
+  Tensor poisoned(DType dt, Shape s) {
+    EXPECT_EQ(dt, DType::F32);
+    Tensor t = gpu->alloc(dt, std::move(s));
+    gpu->fill(t, std::numeric_limits<float>::quiet_NaN());
+    return t;
+  }
+  // Relative L2 distance of a device tensor from a host reference; NaN or Inf anywhere gives +inf.
+  double err(const Tensor& got, const Tensor& want) {
+    Tensor g = gpu->to_host(got).to_f32(), w = want.to_f32();
+    EXPECT_EQ(g.shape(), w.shape());
+    double num = 0, den = 0;
+    for (int64_t i = 0; i < g.numel() && i < w.numel(); ++i) {
+      const double a = g.data<float>()[i], b = w.data<float>()[i];
+      if (!std::isfinite(a)) return std::numeric_limits<double>::infinity();
+      num += (a - b) * (a - b);
+      den += b * b;
+    }
+    return std::sqrt(num / std::max(den, 1e-300));
+  }
+  std::unique_ptr<Backend> gpu, cpu;
+  std::mt19937 rng;
+  static inline uint32_t calls = 0;
+};
+
+}  // namespace
+
+TEST_F(CudaOps, AllocIsZeroEvenWhenReusingAFreedBlock) {
+  for (int i = 0; i < 3; ++i) {
+    {
+      Tensor t = gpu->alloc(DType::F32, {1000 + i});
+      gpu->fill(t, 7.f);
+    }
+    Tensor z = gpu->alloc(DType::F32, {1000 + i});
+    Tensor h = gpu->to_host(z);
+    for (int64_t j = 0; j < h.numel(); ++j) ASSERT_EQ(h.data<float>()[j], 0.f) << j;
+  }
+  EXPECT_EQ(gpu->device().kind, DeviceKind::CUDA);
+}
+
+TEST_F(CudaOps, MatmulF32AndHalfWeights) {
+  for (int64_t M : {1, 3, 37, 130})
+    for (DType wd : {DType::F32, DType::BF16, DType::F16})
+      for (bool acc : {false, true}) {
+        const int64_t K = 70 + M % 5, N = 93;
+        Tensor x = randn({M, K}, rng), w = as(randn({N, K}, rng, 0.2f), wd), y0 = randn({M, N}, rng);
+        Tensor yc = y0.clone();
+        cpu->matmul(x, w, yc, acc);
+        Tensor yg = dev(y0);
+        gpu->matmul(dev(x), dev(w), yg, acc);
+        const double tol = wd == DType::F32 ? 1e-5 : 1e-2;
+        EXPECT_LE(err(yg, yc), tol) << "M=" << M << " " << dtype_name(wd) << " acc=" << acc;
+      }
+}
+
+TEST_F(CudaOps, EmbeddingNormsAndElementwise) {
+  const int64_t R = 37, D = 200, V = 51;
+  Tensor table = as(randn({V, D}, rng), DType::BF16);
+  std::vector<int32_t> ids = {0, 50, 7, 7, 3, 49};
+  Tensor ec = cpu->alloc(DType::F32, {6, D}), eg = poisoned(DType::F32, {6, D});
+  cpu->embedding(table, ids, ec);
+  gpu->embedding(dev(table), ids, eg);
+  EXPECT_EQ(err(eg, ec), 0.0);
+
+  Tensor x = randn({R, D}, rng, 3.f), z = randn({R, D}, rng), w = as(randn({D}, rng, 0.3f), DType::BF16);
+  for (bool opw : {false, true}) {
+    Tensor oc = cpu->alloc(DType::F32, {R, D}), og = poisoned(DType::F32, {R, D});
+    cpu->rms_norm(x, w, 1e-6f, opw, oc);
+    gpu->rms_norm(dev(x), dev(w), 1e-6f, opw, og);
+    EXPECT_LE(err(og, oc), 1e-5) << "one_plus_w=" << opw;
+  }
+  {
+    Tensor oc = cpu->alloc(DType::F32, {R, D}), og = poisoned(DType::F32, {R, D});
+    cpu->rms_norm_gated(x, z, w, 1e-6f, oc);
+    gpu->rms_norm_gated(dev(x), dev(z), dev(w), 1e-6f, og);
+    EXPECT_LE(err(og, oc), 1e-5);
+    // In place, as the model calls it.
+    Tensor xg = dev(x);
+    gpu->rms_norm(xg, dev(w), 1e-6f, true, xg);
+    Tensor oc2 = cpu->alloc(DType::F32, {R, D});
+    cpu->rms_norm(x, w, 1e-6f, true, oc2);
+    EXPECT_LE(err(xg, oc2), 1e-5);
+  }
+  Tensor gx = dev(x), gz = dev(z);
+  for (int op = 0; op < 3; ++op) {
+    Tensor oc = cpu->alloc(DType::F32, {R, D}), og = poisoned(DType::F32, {R, D});
+    if (op == 0) cpu->add(x, z, oc), gpu->add(gx, gz, og);
+    if (op == 1) cpu->silu_mul(x, z, oc), gpu->silu_mul(gx, gz, og);
+    if (op == 2) cpu->sigmoid_mul(x, z, oc), gpu->sigmoid_mul(gx, gz, og);
+    EXPECT_LE(err(og, oc), 1e-6) << "op " << op;
+  }
+  Tensor rg = randn({R, 1}, rng);
+  Tensor oc = cpu->alloc(DType::F32, {R, D}), og = poisoned(DType::F32, {R, D});
+  cpu->sigmoid_mul(x, rg, oc);
+  gpu->sigmoid_mul(gx, dev(rg), og);
+  EXPECT_LE(err(og, oc), 1e-6);
+}
+
+TEST_F(CudaOps, CopyAndSetColumns) {
+  const int64_t R = 29, C = 77;
+  Tensor src = randn({R, C}, rng);
+  for (auto [col, w] : {std::pair<int64_t, int64_t>{0, 10}, {13, 40}, {70, 7}}) {
+    Tensor dc = cpu->alloc(DType::F32, {R, w}), dg = poisoned(DType::F32, {R, w});
+    cpu->copy_cols(src, col, dc);
+    gpu->copy_cols(dev(src), col, dg);
+    EXPECT_EQ(err(dg, dc), 0.0);
+    Tensor wide_c = randn({R, C}, rng);
+    Tensor wide_g = dev(wide_c);
+    cpu->set_cols(dc, col, wide_c);
+    gpu->set_cols(dev(dc), col, wide_g);
+    EXPECT_EQ(err(wide_g, wide_c), 0.0);
+  }
+}
+
+TEST_F(CudaOps, RopeAtArbitraryPositions) {
+  const int64_t T = 23, H = 3, D = 64;
+  std::vector<int64_t> pos(T);
+  for (int64_t t = 0; t < T; ++t) pos[t] = (t * 7919) % 131072 + (t % 3 == 0 ? 5 : 0);
+  for (int rot : {16, 64}) {
+    Tensor x = randn({T, H, D}, rng);
+    Tensor xc = x.clone(), xg = dev(x);
+    cpu->rope_neox(xc, pos, rot, 1e7);
+    gpu->rope_neox(xg, pos, rot, 1e7);
+    EXPECT_LE(err(xg, xc), 1e-6) << "rot " << rot;
+  }
+}
+
+TEST_F(CudaOps, AttentionPrefillDecodeAndOffsets) {
+  struct Case {
+    int64_t T, S, kv_len, q_offset, Hq, Hkv, D, Dv;
+  };
+  for (Case c : {Case{1, 40, 40, 39, 4, 2, 64, 64}, Case{5, 64, 61, 56, 8, 2, 256, 256},
+                 Case{70, 70, 70, 0, 6, 3, 96, 40}, Case{33, 100, 90, 57, 2, 2, 128, 128}}) {
+    Tensor q = randn({c.T, c.Hq, c.D}, rng), k = randn({c.S, c.Hkv, c.D}, rng), v = randn({c.S, c.Hkv, c.Dv}, rng);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(c.D));
+    Tensor oc = cpu->alloc(DType::F32, {c.T, c.Hq, c.Dv}), og = poisoned(DType::F32, {c.T, c.Hq, c.Dv});
+    cpu->attention(q, k, v, c.kv_len, c.q_offset, scale, oc);
+    gpu->attention(dev(q), dev(k), dev(v), c.kv_len, c.q_offset, scale, og);
+    EXPECT_LE(err(og, oc), 1e-5) << "T=" << c.T << " D=" << c.D;
+  }
+}
+
+TEST_F(CudaOps, CausalConvAndGates) {
+  for (int64_t T : {1, 2, 3, 50}) {
+    const int64_t C = 70, K = 4, H = 6;
+    Tensor x = randn({T, C}, rng), w = as(randn({C, K}, rng, 0.5f), DType::BF16), st = randn({K - 1, C}, rng);
+    Tensor sc = st.clone(), sg = dev(st);
+    Tensor oc = cpu->alloc(DType::F32, {T, C}), og = poisoned(DType::F32, {T, C});
+    cpu->causal_conv1d_silu(x, w, sc, oc);
+    gpu->causal_conv1d_silu(dev(x), dev(w), sg, og);
+    EXPECT_LE(err(og, oc), 1e-6) << "T=" << T;
+    EXPECT_EQ(err(sg, sc), 0.0) << "state T=" << T;
+
+    Tensor a = randn({T, H}, rng, 5.f), b = randn({T, H}, rng), al = randn({H}, rng), db = randn({H}, rng);
+    Tensor gc = cpu->alloc(DType::F32, {T, H}), bc = cpu->alloc(DType::F32, {T, H});
+    Tensor gg = poisoned(DType::F32, {T, H}), bg = poisoned(DType::F32, {T, H});
+    cpu->gdn_gates(a, b, al, db, gc, bc);
+    gpu->gdn_gates(dev(a), dev(b), dev(al), dev(db), gg, bg);
+    EXPECT_LE(err(gg, gc), 1e-6);
+    EXPECT_LE(err(bg, bc), 1e-6);
+  }
+}
+
+TEST_F(CudaOps, GatedDeltaRuleWithTransition) {
+  struct Case {
+    int64_t T, Hk, Hv, dk, dv;
+  };
+  for (Case c : {Case{1, 2, 4, 16, 32}, Case{7, 1, 2, 64, 48}, Case{100, 2, 4, 128, 128}, Case{37, 1, 1, 200, 24}})
+    for (bool with_t : {false, true}) {
+      Tensor q = randn({c.T, c.Hk, c.dk}, rng), k = randn({c.T, c.Hk, c.dk}, rng), v = randn({c.T, c.Hv, c.dv}, rng);
+      Tensor g = randn({c.T, c.Hv}, rng, 0.3f), beta = randn({c.T, c.Hv}, rng);
+      for (int64_t i = 0; i < g.numel(); ++i) g.data<float>()[i] = -std::abs(g.data<float>()[i]);
+      for (int64_t i = 0; i < beta.numel(); ++i) beta.data<float>()[i] = 1.f / (1.f + std::exp(-beta.data<float>()[i]));
+      Tensor s0 = randn({c.Hv, c.dk, c.dv}, rng, 0.5f);
+      Tensor sc = s0.clone(), sg = dev(s0);
+      Tensor oc = cpu->alloc(DType::F32, {c.T, c.Hv, c.dv}), og = poisoned(DType::F32, {c.T, c.Hv, c.dv});
+      Tensor tc = cpu->alloc(DType::F32, {c.Hv, c.dk, c.dk}), tg = poisoned(DType::F32, {c.Hv, c.dk, c.dk});
+      cpu->gated_delta_rule(q, k, v, g, beta, true, sc, oc, with_t ? &tc : nullptr);
+      gpu->gated_delta_rule(dev(q), dev(k), dev(v), dev(g), dev(beta), true, sg, og, with_t ? &tg : nullptr);
+      EXPECT_LE(err(og, oc), 2e-4) << "T=" << c.T << " dk=" << c.dk;
+      EXPECT_LE(err(sg, sc), 2e-4) << "state T=" << c.T << " dk=" << c.dk;
+      if (with_t) EXPECT_LE(err(tg, tc), 2e-4) << "transition T=" << c.T << " dk=" << c.dk;
+    }
+}
+
+TEST_F(CudaOps, ComposeStateAndIdentity) {
+  const int64_t H = 3, dk = 40, dv = 56;
+  Tensor T = randn({H, dk, dk}, rng, 0.2f), S = randn({H, dk, dv}, rng), B = randn({H, dk, dv}, rng);
+  for (float alpha : {1.f, 0.5f}) {
+    Tensor oc = cpu->alloc(DType::F32, {H, dk, dv}), og = poisoned(DType::F32, {H, dk, dv});
+    cpu->compose_state(T, S, B, alpha, oc);
+    gpu->compose_state(dev(T), dev(S), dev(B), alpha, og);
+    EXPECT_LE(err(og, oc), 1e-5);
+  }
+  Tensor ic = cpu->alloc(DType::F32, {H, dk, dk}), ig = poisoned(DType::F32, {H, dk, dk});
+  cpu->set_identity(ic);
+  gpu->set_identity(ig);
+  EXPECT_EQ(err(ig, ic), 0.0);
+}
+
+TEST_F(CudaOps, MoeExperts) {
+  for (DType wd : {DType::F32, DType::BF16})
+    for (int64_t T : {1, 9, 40}) {
+      const int64_t E = 8, H = 48, I = 32;
+      const int top_k = 3;
+      Tensor x = randn({T, H}, rng), logits = randn({T, E}, rng, 2.f);
+      Tensor gu = as(randn({E * 2 * I, H}, rng, 0.2f), wd), dn = as(randn({E * H, I}, rng, 0.2f), wd);
+      ExpertWeights ec, eg;
+      Tensor gug = dev(gu), dng = dev(dn);
+      for (int64_t e = 0; e < E; ++e) {
+        ec.gate.push_back(gu.slice_rows(2 * e * I, 2 * e * I + I));
+        ec.up.push_back(gu.slice_rows(2 * e * I + I, 2 * (e + 1) * I));
+        ec.down.push_back(dn.slice_rows(e * H, (e + 1) * H));
+        eg.gate.push_back(gug.slice_rows(2 * e * I, 2 * e * I + I));
+        eg.up.push_back(gug.slice_rows(2 * e * I + I, 2 * (e + 1) * I));
+        eg.down.push_back(dng.slice_rows(e * H, (e + 1) * H));
+      }
+      for (bool norm : {false, true}) {
+        Tensor oc = cpu->alloc(DType::F32, {T, H}), og = poisoned(DType::F32, {T, H});
+        cpu->moe_experts(x, logits, top_k, norm, ec, oc);
+        gpu->moe_experts(dev(x), dev(logits), top_k, norm, eg, og);
+        EXPECT_LE(err(og, oc), wd == DType::F32 ? 1e-5 : 1e-2) << "T=" << T << " " << dtype_name(wd);
+      }
+    }
+}
+
+TEST_F(CudaOps, BadInputIsRejectedWithAClearError) {
+  Tensor x = randn({4, 8}, rng);
+  Tensor w = gpu->alloc(DType::F32, {5, 8}), y = gpu->alloc(DType::F32, {4, 5});
+  EXPECT_NE(error_of([&] { gpu->matmul(x, w, y); }).find("not on the cuda device"), std::string::npos);
+  Tensor bad = gpu->alloc(DType::F32, {4, 6});
+  EXPECT_NE(error_of([&] { gpu->matmul(dev(x), w, bad); }).find("expected shape [4, 5]"), std::string::npos);
+  Tensor q = gpu->alloc(DType::F32, {2, 3, 8}), k = gpu->alloc(DType::F32, {4, 2, 8}), o = gpu->alloc(DType::F32, {2, 3, 8});
+  EXPECT_NE(error_of([&] { gpu->attention(q, k, k, 4, 0, 1.f, o); }).find("not a multiple"), std::string::npos);
+  std::vector<int32_t> ids = {3, 99};
+  Tensor tab = gpu->alloc(DType::F32, {10, 8}), e = gpu->alloc(DType::F32, {2, 8});
+  EXPECT_NE(error_of([&] { gpu->embedding(tab, ids, e); }).find("out of range"), std::string::npos);
+}
