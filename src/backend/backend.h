@@ -40,6 +40,18 @@ class Backend {
   virtual void copy(const Tensor& src, Tensor& dst) = 0;  // same dtype and numel
   virtual void fill(Tensor& t, float value) = 0;          // f32 tensors
   virtual void synchronize() {}
+  // Rows per prefill chunk (Model::forward splits long prompts; results do not depend on it): large
+  // enough to amortise per-call costs, small enough to bound activation memory.
+  virtual int64_t prefill_chunk() const { return 1024; }
+  // Peak bytes of device memory this backend has held for tensors (-1: not tracked).
+  virtual int64_t peak_memory_bytes() const { return -1; }
+
+  // Precision of products. Default (false): a backend may round activations to bf16/f16 for its
+  // tensor cores (the GPU does in products with half-precision weights and in prefill attention,
+  // as bf16 checkpoints are served elsewhere). true: every product is f32-exact in the activations
+  // (the CPU always is; the GPU splits each f32 activation into two half-precision parts and runs two
+  // products, and uses its f32 attention kernel), for conformance and quality checks.
+  virtual void set_precise(bool exact) {}
 
   // ---- dense --------------------------------------------------------------------------------
   // y[M,N] = x[M,K] W[N,K]^T (+ y when accumulate).

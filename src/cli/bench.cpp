@@ -59,13 +59,25 @@ double mixer_flops_per_token(const ModelConfig& c, double ctx) {
   return f;
 }
 
-// Measured f32 GEMM rate of this backend, the ceiling prefill efficiency is compared with.
-double measure_gemm_gflops(Backend& be) {
-  const int64_t M = 512, N = 1024, K = 1024;
-  Tensor x = be.alloc(DType::F32, {M, K}), w = be.alloc(DType::F32, {N, K}), y = be.alloc(DType::F32, {M, N});
-  be.fill(x, 0.5f);
-  be.fill(w, 0.25f);
+// Measured GEMM rate of this backend, the ceiling prefill efficiency is compared with: f32 weights
+// at 512x1024x1024 on the CPU; on a GPU, the model's weight dtype at 8192^3 on random values (large
+// enough to fill the chip; zeros would run faster than real data).
+double measure_gemm_gflops(Backend& be, DType wdt = DType::F32) {
+  const bool gpu = be.device().kind != DeviceKind::CPU;
+  const int64_t M = gpu ? 8192 : 512, N = gpu ? 8192 : 1024, K = gpu ? 8192 : 1024;
+  if (!gpu) wdt = DType::F32;
+  Tensor xh = Tensor::empty(DType::F32, {M, K}), wf = Tensor::empty(DType::F32, {N, K});
+  uint64_t st = 12345;
+  for (Tensor* t : {&xh, &wf})
+    for (int64_t i = 0; i < t->numel(); ++i) {
+      st = st * 6364136223846793005ull + 1442695040888963407ull;
+      t->data<float>()[i] = static_cast<float>(static_cast<int64_t>(st >> 40) % 2001 - 1000) * 1e-3f;
+    }
+  Tensor wh = Tensor::empty(wdt, {N, K});
+  convert_from_f32(wf.data<float>(), wdt, wh.raw(), static_cast<size_t>(wf.numel()));
+  Tensor x = be.to_device(xh), w = be.to_device(wh), y = be.alloc(DType::F32, {M, N});
   be.matmul(x, w, y);
+  be.synchronize();
   double best = 0;
   for (int r = 0; r < 5; ++r) {
     auto t0 = Clock::now();
@@ -79,7 +91,7 @@ double measure_gemm_gflops(Backend& be) {
 struct BenchOpts {
   std::string model = default_model_dir(), config, dtype = "bf16", backend = "cpu";
   bool random = false, json = false;
-  int tokens = 512, repeats = 3, context = 128, threads = 0;
+  int tokens = 512, repeats = 3, context = 128, threads = 0, batch = 1;
   uint64_t seed = 1;
 };
 
@@ -221,13 +233,14 @@ void register_bench(CLI::App& app) {
       }
       const double t = median(times);
       const double flops = o.tokens * (weight_flops_per_token(cfg) + mixer_flops_per_token(cfg, o.tokens / 2.0));
-      const double gemm = measure_gemm_gflops(m.backend());
+      const double gemm = measure_gemm_gflops(m.backend(), DType::BF16);
       nlohmann::json j{{"bench", "prefill"},
                        {"model", lm.description},
                        {"backend", m.backend().name()},
                        {"threads", m.backend().num_threads()},
                        {"parameters", m.parameter_count()},
                        {"tokens", o.tokens},
+                       {"peak_device_bytes", m.backend().peak_memory_bytes()},
                        {"seconds", t},
                        {"tokens_per_s", o.tokens / t},
                        {"gflop", flops / 1e9},
@@ -247,23 +260,38 @@ void register_bench(CLI::App& app) {
   add_common(d, *dopt);
   d->add_option("--tokens", dopt->tokens, "Tokens to decode")->capture_default_str();
   d->add_option("--context", dopt->context, "Prompt length before decoding")->capture_default_str();
+  d->add_option("--batch", dopt->batch, "Sequences decoded together (each after its own --context tokens)")
+      ->capture_default_str();
   d->callback([dopt] {
     guarded([&] {
       const auto& o = *dopt;
-      if (o.tokens <= 0 || o.context <= 0 || o.repeats <= 0)
-        throw std::invalid_argument("--tokens, --context and --repeats must be positive");
+      if (o.tokens <= 0 || o.context <= 0 || o.repeats <= 0 || o.batch <= 0)
+        throw std::invalid_argument("--tokens, --context, --repeats and --batch must be positive");
       LoadedModel lm = open(o);
       auto& m = *lm.model;
       const auto& cfg = m.config();
-      auto ids = random_ids(o.context + o.tokens, cfg.vocab_size, o.seed);
+      const int B = o.batch;
+      auto ids = random_ids(o.context + int64_t(o.tokens) * B, cfg.vocab_size, o.seed);
+      // The context is prefilled once; every sequence of the batch starts from a copy of its state.
+      SequenceState ctx = m.new_state(o.context + o.tokens);
+      m.forward(std::span<const int32_t>(ids.data(), static_cast<size_t>(o.context)), ctx);
       std::vector<double> times;
       for (int r = 0; r < o.repeats + 1; ++r) {
-        SequenceState st = m.new_state(o.context + o.tokens);
-        m.forward(std::span<const int32_t>(ids.data(), static_cast<size_t>(o.context)), st);
+        std::vector<SequenceState> st;
+        for (int b = 0; b < B; ++b) st.push_back(m.clone_state(ctx));
+        m.backend().synchronize();
         auto t0 = Clock::now();
         for (int i = 0; i < o.tokens; ++i) {
-          Tensor lg = m.forward(std::span<const int32_t>(ids.data() + o.context + i, 1), st);
-          m.backend().to_host(lg);  // a real decode step reads its logits
+          if (B == 1) {
+            Tensor lg = m.forward(std::span<const int32_t>(ids.data() + o.context + i, 1), st[0]);
+            m.backend().to_host(lg);  // a real decode step reads its logits
+          } else {
+            std::vector<BatchItem> items;
+            for (int b = 0; b < B; ++b)
+              items.push_back({&st[static_cast<size_t>(b)],
+                               std::span<const int32_t>(ids.data() + o.context + int64_t(i) * B + b, 1)});
+            m.backend().to_host(m.forward_batch(items));
+          }
         }
         if (r > 0) times.push_back(secs(t0, Clock::now()));
       }
@@ -276,9 +304,11 @@ void register_bench(CLI::App& app) {
                        {"threads", m.backend().num_threads()},
                        {"parameters", m.parameter_count()},
                        {"context", o.context},
+                       {"batch", o.batch},
                        {"tokens", o.tokens},
+                       {"peak_device_bytes", m.backend().peak_memory_bytes()},
                        {"seconds", t},
-                       {"tokens_per_s", o.tokens / t},
+                       {"tokens_per_s", double(o.tokens) * o.batch / t},
                        {"ms_per_token", 1000 * t / o.tokens},
                        {"weight_bytes", m.weight_bytes()},
                        {"weight_gb_per_s", gbps}};

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <random>
 #include <stdexcept>
+#include <thread>
 
 #include "io/safetensors.h"
 #include "models/model.h"
@@ -30,6 +31,9 @@ class StoreSource : public WeightSource {
   const WeightStore& s_;
 };
 
+// Seeded random weights for benchmarks on real shapes. Values come from a counter-based generator
+// (splitmix64 per block of 2^16 elements, Box-Muller normals), so blocks are generated in parallel on
+// every core and a 35B-parameter model is ready in seconds; the same seed gives the same weights.
 class RandomSource : public WeightSource {
  public:
   RandomSource(uint64_t seed, DType dt) : seed_(seed), dt_(dt) {}
@@ -37,30 +41,55 @@ class RandomSource : public WeightSource {
   Tensor get(const std::string& name, const Shape& shape) const override {
     uint64_t h = seed_ ^ 0x9e3779b97f4a7c15ull;
     for (unsigned char c : name) h = (h ^ c) * 0x100000001b3ull;
-    std::mt19937_64 rng(h);
     Tensor t = Tensor::empty(dt_, shape);
     const int64_t n = t.numel();
     const bool is_norm = name.find("norm") != std::string::npos;
     const bool is_alog = name.find("A_log") != std::string::npos;
     const bool is_dtb = name.find("dt_bias") != std::string::npos;
+    const float norm_base = name.find("linear_attn.norm") != std::string::npos ? 1.f : 0.f;
     // Fan-in scaled normal values keep activations O(1) through many layers.
     const double fan_in = shape.size() >= 2 ? static_cast<double>(shape.back()) : 1.0;
-    std::normal_distribution<float> nd(0.f, static_cast<float>(1.0 / std::sqrt(fan_in)));
-    std::uniform_real_distribution<float> ud(0.f, 1.f);
-    std::vector<float> buf(static_cast<size_t>(std::min<int64_t>(n, 1 << 16)));
-    for (int64_t off = 0; off < n; off += static_cast<int64_t>(buf.size())) {
-      const size_t m = static_cast<size_t>(std::min<int64_t>(n - off, static_cast<int64_t>(buf.size())));
-      for (size_t i = 0; i < m; ++i) {
-        if (is_alog)
-          buf[i] = std::log(1.f + 15.f * ud(rng));
-        else if (is_dtb)
-          buf[i] = 1.f;
-        else if (is_norm)
-          buf[i] = (name.find("linear_attn.norm") != std::string::npos ? 1.f : 0.f) + 0.02f * nd(rng);
-        else
-          buf[i] = nd(rng);
+    const float sd = static_cast<float>(1.0 / std::sqrt(fan_in));
+    constexpr int64_t kBlock = 1 << 16;
+    const int64_t blocks = (n + kBlock - 1) / kBlock;
+    auto fill = [&](int64_t b0, int64_t b1) {
+      std::vector<float> buf(static_cast<size_t>(kBlock));
+      for (int64_t b = b0; b < b1; ++b) {
+        uint64_t st = h + static_cast<uint64_t>(b) * 0xd1b54a32d192ed03ull;
+        auto next = [&st] {  // splitmix64
+          uint64_t z = (st += 0x9e3779b97f4a7c15ull);
+          z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+          z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+          return z ^ (z >> 31);
+        };
+        auto uniform = [&] { return (static_cast<float>(next() >> 40) + 0.5f) * (1.0f / 16777216.0f); };
+        const int64_t off = b * kBlock, m = std::min(kBlock, n - off);
+        for (int64_t i = 0; i < m; i += 2) {
+          const float u1 = uniform(), u2 = uniform();
+          const float r = std::sqrt(-2.f * std::log(u1)), a = 6.2831853f * u2;
+          const float z[2] = {r * std::cos(a), r * std::sin(a)};
+          for (int j = 0; j < 2 && i + j < m; ++j) {
+            float& v = buf[static_cast<size_t>(i + j)];
+            if (is_alog)
+              v = std::log(1.f + 15.f * uniform());
+            else if (is_dtb)
+              v = 1.f;
+            else if (is_norm)
+              v = norm_base + 0.02f * sd * z[j];
+            else
+              v = sd * z[j];
+          }
+        }
+        convert_from_f32(buf.data(), dt_, static_cast<char*>(t.raw()) + off * dtype_size(dt_), static_cast<size_t>(m));
       }
-      convert_from_f32(buf.data(), dt_, static_cast<char*>(t.raw()) + off * dtype_size(dt_), m);
+    };
+    const int64_t threads = std::min<int64_t>(blocks, std::max(1u, std::thread::hardware_concurrency()));
+    if (threads <= 1) {
+      fill(0, blocks);
+    } else {
+      std::vector<std::thread> pool;
+      for (int64_t w = 0; w < threads; ++w) pool.emplace_back(fill, blocks * w / threads, blocks * (w + 1) / threads);
+      for (auto& th : pool) th.join();
     }
     return t;
   }
@@ -545,7 +574,7 @@ Tensor Model::forward(std::span<const int32_t> ids, SequenceState& st, const For
   reserve(st, st.n_past + T);
   // Prefill in bounded chunks: exact (every layer is causal and carries its state) and keeps
   // activation memory independent of prompt length.
-  constexpr int64_t kChunk = 1024;
+  const int64_t kChunk = be_.prefill_chunk();
   Tensor all;
   if (opt.all_logits) all = be_.alloc(DType::F32, {T, cfg_.vocab_size});
   Tensor last;

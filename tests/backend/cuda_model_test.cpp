@@ -99,4 +99,27 @@ TEST_F(CudaModel, PicPrefillModesMatchCpu) {
   }
 }
 
+// The GPU's default products round activations to bf16 for bf16 weights. On the small random
+// bf16 reference model (made to be sensitive: logits std ~4) this moves log-probs far more than
+// f32 rounding does; the figure is recorded, and exact products must be much closer to transformers.
+TEST_F(CudaModel, FastBf16ProductsAgainstReference) {
+  auto lm = load_model(dir("qwen3_5_dense_bf16"), "cuda");
+  SafetensorsFile ref(dir("qwen3_5_dense_bf16") + "/reference.safetensors");
+  auto ids = ids_of(ref.get("prompt_a"));
+  Tensor want = ref.get("logprobs_a");
+  double worst[2] = {0, 0};
+  for (int exact = 0; exact < 2; ++exact) {
+    lm.backend->set_precise(exact == 1);
+    SequenceState st = lm.model->new_state();
+    Tensor lg = lm.backend->to_host(lm.model->forward(ids, st, {.all_logits = true}));
+    for (int64_t r = 0; r < lg.dim(0); ++r) worst[exact] = std::max(worst[exact], row_err(lg, r, want, r));
+  }
+  std::printf("qwen3_5_dense_bf16 max |dlogprob| vs transformers: bf16 products %.4f, exact products %.2e\n",
+              worst[0], worst[1]);
+  RecordProperty("bf16_products_max_err", std::to_string(worst[0]));
+  EXPECT_TRUE(std::isfinite(worst[0]));
+  EXPECT_LE(worst[1], kTol);
+  EXPECT_LT(worst[1] * 10, worst[0]) << "exact products should be far closer to the f32 reference";
+}
+
 }  // namespace

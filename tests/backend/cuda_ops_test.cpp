@@ -180,19 +180,27 @@ TEST_F(CudaOps, RopeAtArbitraryPositions) {
   }
 }
 
+// Default mode: spans of 16+ rows go to the tensor-core flash kernel (q, k, v, p rounded to bf16:
+// 2e-2); precise mode and decode-sized spans use the f32 kernel (1e-5). Cases cross key tiles, start
+// in the middle of the cache (q_offset) and stop short of it (kv_len).
 TEST_F(CudaOps, AttentionPrefillDecodeAndOffsets) {
   struct Case {
     int64_t T, S, kv_len, q_offset, Hq, Hkv, D, Dv;
   };
   for (Case c : {Case{1, 40, 40, 39, 4, 2, 64, 64}, Case{5, 64, 61, 56, 8, 2, 256, 256},
-                 Case{70, 70, 70, 0, 6, 3, 96, 40}, Case{33, 100, 90, 57, 2, 2, 128, 128}}) {
-    Tensor q = randn({c.T, c.Hq, c.D}, rng), k = randn({c.S, c.Hkv, c.D}, rng), v = randn({c.S, c.Hkv, c.Dv}, rng);
-    const float scale = 1.0f / std::sqrt(static_cast<float>(c.D));
-    Tensor oc = cpu->alloc(DType::F32, {c.T, c.Hq, c.Dv}), og = poisoned(DType::F32, {c.T, c.Hq, c.Dv});
-    cpu->attention(q, k, v, c.kv_len, c.q_offset, scale, oc);
-    gpu->attention(dev(q), dev(k), dev(v), c.kv_len, c.q_offset, scale, og);
-    EXPECT_LE(err(og, oc), 1e-5) << "T=" << c.T << " D=" << c.D;
-  }
+                 Case{70, 70, 70, 0, 6, 3, 96, 40}, Case{33, 100, 90, 57, 2, 2, 128, 128},
+                 Case{300, 500, 470, 170, 16, 2, 256, 256}, Case{129, 129, 129, 0, 4, 2, 32, 32},
+                 Case{200, 1000, 1000, 800, 4, 1, 128, 64}})
+    for (bool precise : {false, true}) {
+      gpu->set_precise(precise);
+      Tensor q = randn({c.T, c.Hq, c.D}, rng), k = randn({c.S, c.Hkv, c.D}, rng), v = randn({c.S, c.Hkv, c.Dv}, rng);
+      const float scale = 1.0f / std::sqrt(static_cast<float>(c.D));
+      Tensor oc = cpu->alloc(DType::F32, {c.T, c.Hq, c.Dv}), og = poisoned(DType::F32, {c.T, c.Hq, c.Dv});
+      cpu->attention(q, k, v, c.kv_len, c.q_offset, scale, oc);
+      gpu->attention(dev(q), dev(k), dev(v), c.kv_len, c.q_offset, scale, og);
+      const double tol = precise || c.T < 16 ? 1e-5 : 2e-2;
+      EXPECT_LE(err(og, oc), tol) << "T=" << c.T << " D=" << c.D << " precise=" << precise;
+    }
 }
 
 TEST_F(CudaOps, CausalConvAndGates) {

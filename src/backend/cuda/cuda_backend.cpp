@@ -125,6 +125,15 @@ struct CudaBackend::Impl {
   std::shared_ptr<DeviceAllocator> mem;
   // Reused scratch for activations converted to a weight's dtype (stream order makes reuse safe).
   Tensor half_x;
+  bool exact_half = false;
+  // Makes this backend's GPU current on the calling thread (a no-op after the first call there).
+  void bind() const {
+    thread_local int current = -1;
+    if (current != dev) {
+      CUDA_CHECK(cudaSetDevice(dev));
+      current = dev;
+    }
+  }
   // inv_freq tables per (rot_dim, theta), uploaded once.
   std::map<std::pair<int, double>, Tensor> inv_freq;
 };
@@ -174,7 +183,7 @@ int CudaBackend::num_threads() const {
 }
 std::string CudaBackend::description() const {
   const auto& p = impl_->prop;
-  char buf[256];
+  char buf[512];
   std::snprintf(buf, sizeof buf, "%s, sm_%d%d, %d SMs, %.1f GiB", p.name, p.major, p.minor, p.multiProcessorCount,
                 static_cast<double>(p.totalGlobalMem) / (1u << 30));
   return buf;
@@ -189,6 +198,7 @@ size_t CudaBackend::peak_bytes() const {
 // ---- memory ----------------------------------------------------------------------------------
 
 Tensor CudaBackend::alloc_uninit(DType dt, Shape shape) {
+  impl_->bind();
   for (auto d : shape)
     if (d < 0) throw std::invalid_argument("alloc: negative dimension in shape " + shape_str(shape));
   const size_t bytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dt);
@@ -205,6 +215,7 @@ Tensor CudaBackend::alloc(DType dt, Shape shape) {
 }
 
 Tensor CudaBackend::upload(const void* host, DType dt, int64_t n) {
+  impl_->bind();
   Tensor t = alloc_uninit(dt, {n});
   // From pageable memory the call returns once the bytes are staged, so `host` may go away after.
   if (n) CUDA_CHECK(cudaMemcpyAsync(t.raw(), host, t.nbytes(), cudaMemcpyHostToDevice, impl_->stream));
@@ -212,6 +223,7 @@ Tensor CudaBackend::upload(const void* host, DType dt, int64_t n) {
 }
 
 Tensor CudaBackend::to_device(const Tensor& host) {
+  impl_->bind();
   if (!host.defined()) fail("to_device", "host is undefined");
   if (host.device().kind == DeviceKind::CUDA) return host;
   Tensor t = alloc_uninit(host.dtype(), host.shape());
@@ -220,6 +232,7 @@ Tensor CudaBackend::to_device(const Tensor& host) {
 }
 
 Tensor CudaBackend::to_host(const Tensor& t) {
+  impl_->bind();
   if (!t.defined()) fail("to_host", "t is undefined");
   if (t.is_cpu()) return t;
   Tensor h = Tensor::empty(t.dtype(), t.shape());
@@ -229,6 +242,7 @@ Tensor CudaBackend::to_host(const Tensor& t) {
 }
 
 void CudaBackend::copy(const Tensor& src, Tensor& dst) {
+  impl_->bind();
   if (!src.defined()) fail("copy", "src is undefined");
   if (!dst.defined()) fail("copy", "dst is undefined");
   if (src.dtype() != dst.dtype() || src.numel() != dst.numel())
@@ -239,17 +253,24 @@ void CudaBackend::copy(const Tensor& src, Tensor& dst) {
 }
 
 void CudaBackend::fill(Tensor& t, float value) {
+  impl_->bind();
   need_f32("fill", "t", t, kDev);
   launch_fill(impl_->stream, t.data<float>(), t.numel(), value);
 }
 
+void CudaBackend::set_precise(bool exact) {
+  impl_->exact_half = exact;
+}
+
 void CudaBackend::synchronize() {
+  impl_->bind();
   CUDA_CHECK(cudaStreamSynchronize(impl_->stream));
 }
 
 // ---- dense -----------------------------------------------------------------------------------
 
 void CudaBackend::matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate) {
+  impl_->bind();
   const char* op = "matmul";
   need_f32(op, "x", x, kDev);
   need_float(op, "w", w, kDev);
@@ -276,17 +297,30 @@ void CudaBackend::matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accum
                              static_cast<int>(K), &beta, y.data<float>(), static_cast<int>(N)));
     return;
   }
-  const int64_t need = M * K;
+  const int64_t need = M * K * (m.exact_half ? 2 : 1);
   if (!m.half_x.defined() || m.half_x.numel() < need || m.half_x.dtype() != w.dtype())
     m.half_x = alloc_uninit(w.dtype(), {std::max<int64_t>(need, m.half_x.defined() ? m.half_x.numel() : 0)});
-  launch_convert_f32(m.stream, x.data<float>(), w.dtype(), m.half_x.raw(), need);
-  CUBLAS_CHECK(cublasGemmEx(m.blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(M),
-                            static_cast<int>(K), &alpha, w.raw(), cuda_type(w.dtype()), static_cast<int>(K),
-                            m.half_x.raw(), cuda_type(w.dtype()), static_cast<int>(K), &beta, y.raw(), CUDA_R_32F,
-                            static_cast<int>(N), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  char* hi = static_cast<char*>(m.half_x.raw());
+  char* lo = hi + static_cast<size_t>(M * K) * dtype_size(w.dtype());
+  if (m.exact_half)
+    launch_split_f32(m.stream, x.data<float>(), w.dtype(), hi, lo, M * K);
+  else
+    launch_convert_f32(m.stream, x.data<float>(), w.dtype(), hi, M * K);
+  auto gemm = [&](const void* xh, const float* b) {
+    CUBLAS_CHECK(cublasGemmEx(m.blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(M),
+                              static_cast<int>(K), &alpha, w.raw(), cuda_type(w.dtype()), static_cast<int>(K), xh,
+                              cuda_type(w.dtype()), static_cast<int>(K), b, y.raw(), CUDA_R_32F, static_cast<int>(N),
+                              CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  };
+  gemm(hi, &beta);
+  if (m.exact_half) {
+    const float one = 1.f;
+    gemm(lo, &one);
+  }
 }
 
 void CudaBackend::embedding(const Tensor& table, std::span<const int32_t> ids, Tensor& out) {
+  impl_->bind();
   const char* op = "embedding";
   need_float(op, "table", table, kDev);
   need_f32(op, "out", out, kDev);
@@ -304,6 +338,7 @@ void CudaBackend::embedding(const Tensor& table, std::span<const int32_t> ids, T
 // ---- elementwise and norms -------------------------------------------------------------------
 
 void CudaBackend::rms_norm(const Tensor& x, const Tensor& w, float eps, bool one_plus_w, Tensor& out) {
+  impl_->bind();
   const char* op = "rms_norm";
   need_f32(op, "x", x, kDev);
   need_float(op, "w", w, kDev);
@@ -317,6 +352,7 @@ void CudaBackend::rms_norm(const Tensor& x, const Tensor& w, float eps, bool one
 }
 
 void CudaBackend::rms_norm_gated(const Tensor& x, const Tensor& z, const Tensor& w, float eps, Tensor& out) {
+  impl_->bind();
   const char* op = "rms_norm_gated";
   need_f32(op, "x", x, kDev);
   need_f32(op, "z", z, kDev);
@@ -344,14 +380,17 @@ void check_binary(const char* op, const char* an, const Tensor& a, const char* b
 }  // namespace
 
 void CudaBackend::add(const Tensor& a, const Tensor& b, Tensor& out) {
+  impl_->bind();
   check_binary("add", "a", a, "b", b, out);
   launch_binary(impl_->stream, BinOp::Add, a.data<float>(), b.data<float>(), out.data<float>(), a.numel());
 }
 void CudaBackend::silu_mul(const Tensor& gate, const Tensor& up, Tensor& out) {
+  impl_->bind();
   check_binary("silu_mul", "gate", gate, "up", up, out);
   launch_binary(impl_->stream, BinOp::SiluMul, gate.data<float>(), up.data<float>(), out.data<float>(), gate.numel());
 }
 void CudaBackend::sigmoid_mul(const Tensor& x, const Tensor& gate, Tensor& out) {
+  impl_->bind();
   if (gate.defined() && x.defined() && gate.ndim() == 2 && gate.dim(1) == 1 && last_dim(x) != 1) {
     const char* op = "sigmoid_mul";
     need_f32(op, "x", x, kDev);
@@ -385,6 +424,7 @@ void cols_common(const char* op, const Tensor& wide, const Tensor& narrow, int64
 }  // namespace
 
 void CudaBackend::copy_cols(const Tensor& src, int64_t col, Tensor& dst) {
+  impl_->bind();
   cols_common("copy_cols", src, dst, col, "src", "dst");
   if (last_dim(dst) == 0) return;
   launch_copy_cols(impl_->stream, src.raw(), last_dim(src), col, dst.raw(), last_dim(dst), 0, rows_of(dst),
@@ -392,6 +432,7 @@ void CudaBackend::copy_cols(const Tensor& src, int64_t col, Tensor& dst) {
 }
 
 void CudaBackend::set_cols(const Tensor& src, int64_t col, Tensor& dst) {
+  impl_->bind();
   cols_common("set_cols", dst, src, col, "dst", "src");
   if (last_dim(src) == 0) return;
   launch_copy_cols(impl_->stream, src.raw(), last_dim(src), 0, dst.raw(), last_dim(dst), col, rows_of(src),
@@ -401,6 +442,7 @@ void CudaBackend::set_cols(const Tensor& src, int64_t col, Tensor& dst) {
 // ---- positions -------------------------------------------------------------------------------
 
 void CudaBackend::rope_neox(Tensor& x, std::span<const int64_t> positions, int rot_dim, double theta) {
+  impl_->bind();
   const char* op = "rope_neox";
   need_f32(op, "x", x, kDev);
   need_ndim(op, "x", x, 3);
@@ -434,6 +476,7 @@ void CudaBackend::rope_neox(Tensor& x, std::span<const int64_t> positions, int r
 
 void CudaBackend::attention(const Tensor& q, const Tensor& k, const Tensor& v, int64_t kv_len, int64_t q_offset,
                             float scale, Tensor& out) {
+  impl_->bind();
   const char* op = "attention";
   need_f32(op, "q", q, kDev);
   need_f32(op, "k", k, kDev);
@@ -452,13 +495,16 @@ void CudaBackend::attention(const Tensor& q, const Tensor& k, const Tensor& v, i
   if (q_offset < 0) fail(op, "q_offset " + std::to_string(q_offset) + " is negative");
   if (T > 0 && kv_len == 0) fail(op, "kv_len is 0: no keys to attend to");
   if (overlaps(out, q) || overlaps(out, k) || overlaps(out, v)) fail(op, "out overlaps an input");
-  launch_attention(impl_->stream, q.data<float>(), k.data<float>(), v.data<float>(), T, Hq, Hkv, D, Dv, kv_len,
-                   q_offset, scale, out.data<float>());
+  // Prefill-sized spans on the tensor cores; decode steps and precise mode in f32.
+  auto* f = impl_->exact_half || T < 16 ? launch_attention : launch_flash_attention;
+  f(impl_->stream, q.data<float>(), k.data<float>(), v.data<float>(), T, Hq, Hkv, D, Dv, kv_len, q_offset, scale,
+    out.data<float>());
 }
 
 // ---- linear-attention layer pieces -----------------------------------------------------------
 
 void CudaBackend::causal_conv1d_silu(const Tensor& x, const Tensor& w, Tensor& state, Tensor& out) {
+  impl_->bind();
   const char* op = "causal_conv1d_silu";
   need_f32(op, "x", x, kDev);
   need_float(op, "w", w, kDev);
@@ -480,6 +526,7 @@ void CudaBackend::causal_conv1d_silu(const Tensor& x, const Tensor& w, Tensor& s
 
 void CudaBackend::gdn_gates(const Tensor& a, const Tensor& b, const Tensor& A_log, const Tensor& dt_bias, Tensor& g,
                             Tensor& beta) {
+  impl_->bind();
   const char* op = "gdn_gates";
   need_f32(op, "a", a, kDev);
   need_f32(op, "b", b, kDev);
@@ -501,6 +548,7 @@ void CudaBackend::gdn_gates(const Tensor& a, const Tensor& b, const Tensor& A_lo
 void CudaBackend::gated_delta_rule(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                    const Tensor& beta, bool l2norm_qk, Tensor& state, Tensor& out,
                                    Tensor* transition) {
+  impl_->bind();
   const char* op = "gated_delta_rule";
   need_f32(op, "q", q, kDev);
   need_f32(op, "k", k, kDev);
@@ -533,6 +581,7 @@ void CudaBackend::gated_delta_rule(const Tensor& q, const Tensor& k, const Tenso
 // ---- segment summaries -----------------------------------------------------------------------
 
 void CudaBackend::compose_state(const Tensor& T, const Tensor& S, const Tensor& B, float alpha, Tensor& out) {
+  impl_->bind();
   const char* op = "compose_state";
   need_f32(op, "T", T, kDev);
   need_f32(op, "S", S, kDev);
@@ -558,6 +607,7 @@ void CudaBackend::compose_state(const Tensor& T, const Tensor& S, const Tensor& 
 }
 
 void CudaBackend::set_identity(Tensor& t) {
+  impl_->bind();
   const char* op = "set_identity";
   need_f32(op, "t", t, kDev);
   need_ndim(op, "t", t, 3);
@@ -571,6 +621,7 @@ void CudaBackend::set_identity(Tensor& t) {
 // output into `out`. Experts run in order on one stream, so the scatter-adds never race.
 void CudaBackend::moe_experts(const Tensor& x, const Tensor& router_logits, int top_k, bool norm_topk,
                               const ExpertWeights& experts, Tensor& out) {
+  impl_->bind();
   const int64_t I = check_moe_args(x, router_logits, top_k, experts, out, kDev);
   const int64_t T = x.dim(0), H = x.dim(1), E = router_logits.dim(1);
   auto& m = *impl_;

@@ -4,7 +4,10 @@
 //    the request retried once when the driver runs out).
 //  * Dense products go through cuBLAS: f32 weights in f32 (no TF32), bf16/f16 weights with the
 //    activations rounded to the weight's dtype and f32 accumulation, as bf16 checkpoints are served
-//    elsewhere (transformers, vLLM).
+//    elsewhere (transformers, vLLM); set_precise(true) makes them f32-exact in the
+//    activations (x = hi + lo in two half-precision parts, two products, ~2^-16 relative error).
+//  * Every call first makes the backend's GPU current on the calling thread (the server calls from
+//    its engine thread, tests from the main thread).
 //  * Activations, recurrent states and KV rows are f32 for now (the CPU backend's conventions).
 // This header has no CUDA types, so the rest of hypic builds with the host compiler alone.
 #pragma once
@@ -31,6 +34,9 @@ class CudaBackend : public Backend {
   void copy(const Tensor& src, Tensor& dst) override;
   void fill(Tensor& t, float value) override;
   void synchronize() override;
+  int64_t prefill_chunk() const override { return 8192; }  // fewer launches per token; memory is plenty
+  int64_t peak_memory_bytes() const override { return static_cast<int64_t>(peak_bytes()); }
+  void set_precise(bool exact) override;
 
   void matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate = false) override;
   void embedding(const Tensor& table, std::span<const int32_t> ids, Tensor& out) override;

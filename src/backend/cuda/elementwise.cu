@@ -65,6 +65,20 @@ __global__ void k_convert(const float* x, DType to, void* y, int64_t n) {
   }
 }
 
+__global__ void k_split(const float* x, DType to, void* hi, void* lo, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    if (to == DType::BF16) {
+      const __nv_bfloat16 h = __float2bfloat16_rn(x[i]);
+      static_cast<__nv_bfloat16*>(hi)[i] = h;
+      static_cast<__nv_bfloat16*>(lo)[i] = __float2bfloat16_rn(x[i] - __bfloat162float(h));
+    } else {
+      const __half h = __float2half_rn(x[i]);
+      static_cast<__half*>(hi)[i] = h;
+      static_cast<__half*>(lo)[i] = __float2half_rn(x[i] - __half2float(h));
+    }
+  }
+}
+
 __global__ void k_embedding(const void* table, DType dt, const int32_t* ids, int64_t n, int64_t H, float* out) {
   const int64_t r = blockIdx.x;
   const int64_t base = static_cast<int64_t>(ids[r]) * H;
@@ -213,6 +227,12 @@ void launch_convert_f32(cudaStream_t s, const float* x, DType to, void* y, int64
   if (n == 0) return;
   k_convert<<<blocks_for(n), kThreads, 0, s>>>(x, to, y, n);
   CUDA_LAUNCH_CHECK("k_convert");
+}
+
+void launch_split_f32(cudaStream_t s, const float* x, DType to, void* hi, void* lo, int64_t n) {
+  if (n == 0) return;
+  k_split<<<blocks_for(n), kThreads, 0, s>>>(x, to, hi, lo, n);
+  CUDA_LAUNCH_CHECK("k_split");
 }
 
 void launch_embedding(cudaStream_t s, const void* table, DType dt, const int32_t* ids, int64_t n, int64_t H,

@@ -12,6 +12,8 @@ namespace hypic::cuda {
 
 void launch_fill(cudaStream_t s, float* p, int64_t n, float v);
 void launch_convert_f32(cudaStream_t s, const float* x, DType to, void* y, int64_t n);  // to bf16/f16
+// x = hi + lo with hi = half(x), lo = half(x - hi): two half-precision parts that keep ~16 bits.
+void launch_split_f32(cudaStream_t s, const float* x, DType to, void* hi, void* lo, int64_t n);
 void launch_embedding(cudaStream_t s, const void* table, DType dt, const int32_t* ids, int64_t n, int64_t H,
                       float* out);
 void launch_rms_norm(cudaStream_t s, const float* x, const void* w, DType wdt, float eps, bool one_plus_w, float* out,
@@ -41,6 +43,11 @@ void launch_scatter_add_rows(cudaStream_t s, const float* y, const int32_t* idx,
 // j < min(kv_len, q_offset + t + 1).
 void launch_attention(cudaStream_t s, const float* q, const float* k, const float* v, int64_t T, int64_t Hq,
                       int64_t Hkv, int64_t D, int64_t Dv, int64_t kv_len, int64_t q_offset, float scale, float* out);
+
+// The same on the tensor cores (flash_attention.cu): q, k, v rounded to bf16, f32 accumulation.
+void launch_flash_attention(cudaStream_t s, const float* q, const float* k, const float* v, int64_t T, int64_t Hq,
+                            int64_t Hkv, int64_t D, int64_t Dv, int64_t kv_len, int64_t q_offset, float scale,
+                            float* out);
 
 // Gated delta rule over T tokens from state [Hv, dk, dv] (advanced in place); transition
 // [Hv, dk, dk] (may be null) receives T_C of the span, computed in the same pass.

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The GPU comparison of issue 10, run on the device machine in one call: hypic (--backend cuda) and
+# transformers on the real Qwen3.5 shapes of bench/configs with random bf16 weights, the same
+# lengths on the same GPU. Writes every figure as JSON lines to $OUT/gpu_compare.jsonl (or
+# ./gpu_compare.jsonl) and prints one table with ratios (tools/bench/compare_table.py).
+# Usage (device, from the repository root, after scripts/pack-device.sh here):
+#   bash scripts/device-run.sh bash bench/gpu_compare.sh [shapes...]
+# Environment: PREFILL (default 4096,32768), PREFILL_LONG (for 35B-A3B, default 65536), CONTEXT
+# (4096), STEPS (16), BATCHES (1,32), PEER=0 to skip transformers.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-.}/gpu_compare.jsonl"
+: > "$out"
+[ "${PEER:-1}" = 1 ] && python3 tools/bench/transformers_bench.py --config x --ceilings >> "$out"
+shapes=("$@")
+[ ${#shapes[@]} -eq 0 ] && shapes=(qwen3_5_0_8b qwen3_5_9b qwen3_5_35b_a3b)
+prefill="${PREFILL:-4096,32768}"
+ctx="${CONTEXT:-4096}" steps="${STEPS:-16}" batches="${BATCHES:-1,32}"
+for s in "${shapes[@]}"; do
+  cfg="bench/configs/$s.json"
+  lens="$prefill"
+  [ "$s" = qwen3_5_35b_a3b ] && lens="$prefill,${PREFILL_LONG:-65536}"
+  for n in ${lens//,/ }; do
+    hypic bench prefill --backend cuda --config "$cfg" --random-weights --tokens "$n" --repeats 2 --json |
+      python3 -c "import json,sys; [print(json.dumps(dict(json.loads(l), peer='hypic', shape='$s'))) for l in sys.stdin if l.startswith('{')]" >> "$out"
+  done
+  for b in ${batches//,/ }; do
+    hypic bench decode --backend cuda --config "$cfg" --random-weights --context "$ctx" --tokens "$steps" \
+      --batch "$b" --repeats 1 --json |
+      python3 -c "import json,sys; [print(json.dumps(dict(json.loads(l), peer='hypic', shape='$s'))) for l in sys.stdin if l.startswith('{')]" >> "$out"
+  done
+  if [ "${PEER:-1}" = 1 ]; then
+    PYTHONUNBUFFERED=1 python3 tools/bench/transformers_bench.py --config "$cfg" --prefill "$lens" \
+      --decode-batches "$batches" --context "$ctx" --decode-steps "$steps" |
+      python3 -c "import json,sys; [print(json.dumps(dict(json.loads(l), shape='$s'))) for l in sys.stdin if l.startswith('{')]" >> "$out"
+  fi
+done
+python3 tools/bench/compare_table.py "$out"

@@ -1,0 +1,214 @@
+// Flash attention (prefill) on the tensor cores: causal GQA over f32 q/k/v rounded to bf16 in
+// shared memory, bf16 mma.sync (m16n8k16) with f32 accumulation, online softmax in registers (the
+// FlashAttention-2 schedule). A block owns 64 query rows of one query head (16 per warp) and walks
+// 64-key tiles of its kv head up to the last key its rows can see; keys are masked per row by
+// position (q_offset + row, and kv_len), so spans that start anywhere in the cache work as they do
+// in the f32 kernel (attention.cu), which stays as the reference and the precise path.
+// Head dims are padded with zeros to 64, 128 or 256 in shared memory.
+#include <cuda_bf16.h>
+
+#include <cfloat>
+#include <cstdint>
+
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/kernels.h"
+
+namespace hypic::cuda {
+
+namespace {
+
+constexpr int kBQ = 64, kBK = 64, kWarps = 4;
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+__device__ __forceinline__ uint32_t ld32(const __nv_bfloat16* p) {
+  return *reinterpret_cast<const uint32_t*>(p);
+}
+
+template <int DP>
+__global__ void __launch_bounds__(kWarps * 32)
+    k_flash(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v, int64_t T,
+            int64_t Hq, int64_t Hkv, int D, int Dv, int64_t kv_len, int64_t q_offset, float scale_log2,
+            float* __restrict__ out) {
+  constexpr int QS = DP + 8, VS = kBK + 8;  // padded strides (bf16 elements): conflict-free fragment loads
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __nv_bfloat16* Qs = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [kBQ][QS]
+  __nv_bfloat16* Ks = Qs + kBQ * QS;                                 // [kBK][QS]
+  __nv_bfloat16* Vt = Ks + kBK * QS;                                 // [DP][VS] (transposed)
+  const int64_t q0 = static_cast<int64_t>(blockIdx.x) * kBQ;
+  const int64_t h = blockIdx.y, hk = h / (Hq / Hkv);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
+  const int nthreads = kWarps * 32;
+
+  for (int e = tid; e < kBQ * DP; e += nthreads) {
+    const int r = e / DP, d = e % DP;
+    const int64_t row = q0 + r;
+    Qs[r * QS + d] = __float2bfloat16_rn(row < T && d < D ? q[(row * Hq + h) * D + d] : 0.f);
+  }
+  // Rows of this warp: r0 + g and r0 + g + 8; their positions bound the keys they may see.
+  const int r0 = warp * 16;
+  const int64_t rowA = q0 + r0 + g, rowB = rowA + 8;
+  const int64_t limA = min(kv_len, q_offset + rowA + 1), limB = min(kv_len, q_offset + rowB + 1);
+  const int64_t warp_hi = min(kv_len, q_offset + min(T, q0 + r0 + 16));  // keys any row of the warp sees
+  const int64_t blk_hi = min(kv_len, q_offset + min(T, q0 + kBQ));
+
+  constexpr int NO = DP / 8;  // output n-tiles of 8 columns
+  float o[NO][4];
+#pragma unroll
+  for (int n = 0; n < NO; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float mA = -FLT_MAX, mB = -FLT_MAX, lA = 0.f, lB = 0.f;
+  const int ksteps = (D + 15) / 16, ntiles = (Dv + 7) / 8;
+
+  for (int64_t k0 = 0; k0 < blk_hi; k0 += kBK) {
+    __syncthreads();
+    for (int e = tid; e < kBK * DP; e += nthreads) {
+      const int j = e / DP, d = e % DP;
+      const int64_t key = k0 + j;
+      const bool in = key < kv_len;
+      Ks[j * QS + d] = __float2bfloat16_rn(in && d < D ? k[(key * Hkv + hk) * D + d] : 0.f);
+      Vt[d * VS + j] = __float2bfloat16_rn(in && d < Dv ? v[(key * Hkv + hk) * Dv + d] : 0.f);
+    }
+    __syncthreads();
+    if (k0 >= warp_hi) continue;  // every row of this warp is done (no barrier below)
+
+    float s[kBK / 8][4];
+#pragma unroll
+    for (int j = 0; j < kBK / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < DP / 16; ++kk) {
+      if (kk >= ksteps) break;
+      const __nv_bfloat16* qa = Qs + (r0 + g) * QS + kk * 16 + 2 * t4;
+      const uint32_t a0 = ld32(qa), a1 = ld32(qa + 8 * QS), a2 = ld32(qa + 8), a3 = ld32(qa + 8 * QS + 8);
+#pragma unroll
+      for (int j = 0; j < kBK / 8; ++j) {
+        const __nv_bfloat16* kb = Ks + (j * 8 + g) * QS + kk * 16 + 2 * t4;
+        mma_bf16(s[j], a0, a1, a2, a3, ld32(kb), ld32(kb + 8));
+      }
+    }
+    // Mask, scale (log2 domain) and the running max of rows A (g) and B (g + 8).
+    float mxA = -FLT_MAX, mxB = -FLT_MAX;
+#pragma unroll
+    for (int j = 0; j < kBK / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t key = k0 + j * 8 + 2 * t4 + (e & 1);
+        const bool ok = key < (e < 2 ? limA : limB);
+        s[j][e] = ok ? s[j][e] * scale_log2 : -FLT_MAX;
+        if (e < 2)
+          mxA = fmaxf(mxA, s[j][e]);
+        else
+          mxB = fmaxf(mxB, s[j][e]);
+      }
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+      mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, off));
+      mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, off));
+    }
+    const float nA = fmaxf(mA, mxA), nB = fmaxf(mB, mxB);
+    // A row that has seen no key yet keeps max -FLT_MAX; its probabilities stay 0.
+    const float cA = nA == -FLT_MAX ? 1.f : exp2f(mA - nA), cB = nB == -FLT_MAX ? 1.f : exp2f(mB - nB);
+    mA = nA;
+    mB = nB;
+    float sumA = 0.f, sumB = 0.f;
+#pragma unroll
+    for (int j = 0; j < kBK / 8; ++j) {
+      s[j][0] = s[j][0] == -FLT_MAX ? 0.f : exp2f(s[j][0] - nA);
+      s[j][1] = s[j][1] == -FLT_MAX ? 0.f : exp2f(s[j][1] - nA);
+      s[j][2] = s[j][2] == -FLT_MAX ? 0.f : exp2f(s[j][2] - nB);
+      s[j][3] = s[j][3] == -FLT_MAX ? 0.f : exp2f(s[j][3] - nB);
+      sumA += s[j][0] + s[j][1];
+      sumB += s[j][2] + s[j][3];
+    }
+    lA = lA * cA + sumA;
+    lB = lB * cB + sumB;
+#pragma unroll
+    for (int n = 0; n < NO; ++n) {
+      o[n][0] *= cA;
+      o[n][1] *= cA;
+      o[n][2] *= cB;
+      o[n][3] *= cB;
+    }
+    // O += P V: P's accumulator layout is the A-operand layout of the next product.
+#pragma unroll
+    for (int ks = 0; ks < kBK / 16; ++ks) {
+      const uint32_t a0 = pack_bf16(s[2 * ks][0], s[2 * ks][1]), a1 = pack_bf16(s[2 * ks][2], s[2 * ks][3]);
+      const uint32_t a2 = pack_bf16(s[2 * ks + 1][0], s[2 * ks + 1][1]),
+                     a3 = pack_bf16(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+#pragma unroll
+      for (int n = 0; n < NO; ++n) {
+        if (n >= ntiles) break;
+        const __nv_bfloat16* vb = Vt + (n * 8 + g) * VS + ks * 16 + 2 * t4;
+        mma_bf16(o[n], a0, a1, a2, a3, ld32(vb), ld32(vb + 8));
+      }
+    }
+  }
+#pragma unroll
+  for (int off = 1; off < 4; off <<= 1) {
+    lA += __shfl_xor_sync(0xffffffffu, lA, off);
+    lB += __shfl_xor_sync(0xffffffffu, lB, off);
+  }
+  const float iA = lA > 0.f ? 1.f / lA : 0.f, iB = lB > 0.f ? 1.f / lB : 0.f;
+#pragma unroll
+  for (int n = 0; n < NO; ++n) {
+    if (n >= ntiles) break;
+    const int c = n * 8 + 2 * t4;
+    if (rowA < T) {
+      float* pa = out + (rowA * Hq + h) * Dv;
+      if (c < Dv) pa[c] = o[n][0] * iA;
+      if (c + 1 < Dv) pa[c + 1] = o[n][1] * iA;
+    }
+    if (rowB < T) {
+      float* pb = out + (rowB * Hq + h) * Dv;
+      if (c < Dv) pb[c] = o[n][2] * iB;
+      if (c + 1 < Dv) pb[c + 1] = o[n][3] * iB;
+    }
+  }
+}
+
+template <int DP>
+void run(cudaStream_t s, const float* q, const float* k, const float* v, int64_t T, int64_t Hq, int64_t Hkv, int D,
+         int Dv, int64_t kv_len, int64_t q_offset, float scale, float* out) {
+  const size_t smem = (static_cast<size_t>(kBQ + kBK) * (DP + 8) + static_cast<size_t>(DP) * (kBK + 8)) * 2;
+  static bool configured = false;  // per device would be exact; one GPU per process is the norm
+  if (!configured) {
+    CUDA_CHECK(cudaFuncSetAttribute(k_flash<DP>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    configured = true;
+  }
+  dim3 grid(static_cast<unsigned>((T + kBQ - 1) / kBQ), static_cast<unsigned>(Hq));
+  k_flash<DP><<<grid, kWarps * 32, smem, s>>>(q, k, v, T, Hq, Hkv, D, Dv, kv_len, q_offset,
+                                              scale * 1.4426950408889634f, out);
+  CUDA_LAUNCH_CHECK("k_flash");
+}
+
+}  // namespace
+
+void launch_flash_attention(cudaStream_t s, const float* q, const float* k, const float* v, int64_t T, int64_t Hq,
+                            int64_t Hkv, int64_t D, int64_t Dv, int64_t kv_len, int64_t q_offset, float scale,
+                            float* out) {
+  if (T == 0) return;
+  const int64_t m = D > Dv ? D : Dv;
+  const int d = static_cast<int>(D), dv = static_cast<int>(Dv);
+  if (m <= 64)
+    run<64>(s, q, k, v, T, Hq, Hkv, d, dv, kv_len, q_offset, scale, out);
+  else if (m <= 128)
+    run<128>(s, q, k, v, T, Hq, Hkv, d, dv, kv_len, q_offset, scale, out);
+  else if (m <= 256)
+    run<256>(s, q, k, v, T, Hq, Hkv, d, dv, kv_len, q_offset, scale, out);
+  else
+    throw std::invalid_argument("attention: head dims up to 256 on cuda, got " + std::to_string(D) + "/" +
+                                std::to_string(Dv));
+}
+
+}  // namespace hypic::cuda
