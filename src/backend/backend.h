@@ -49,8 +49,8 @@ class Backend {
   // Precision of products. Default (false): a backend may round activations to bf16/f16 for its
   // tensor cores (the GPU does in products with half-precision weights and in prefill attention,
   // as bf16 checkpoints are served elsewhere). true: every product is f32-exact in the activations
-  // (the CPU always is; the GPU splits each f32 activation into two half-precision parts and runs two
-  // products, and uses its f32 attention kernel), for conformance and quality checks.
+  // (the CPU always is; the GPU splits each f32 activation into three half-precision parts and runs
+  // three products, and uses its f32 attention kernel), for conformance and quality checks.
   virtual void set_precise(bool exact) {}
 
   // ---- dense --------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
-// Causal GQA attention on the GPU, f32 (correctness-first version: the CPU backend's arithmetic,
-// one block per (query row, query head), warps splitting the visible keys with an online softmax
-// each, merged at the end). Head dims up to 256. A tensor-core flash-attention prefill kernel and a
-// key-split decode kernel replace it for speed; this one stays as their reference.
+// Causal GQA attention on the GPU in f32: decode steps, short spans and the precise mode (prefill
+// spans otherwise go to the tensor-core kernel in flash_attention.cu). One block per (query row,
+// query head, key split): the visible keys of a row are cut into splits of at least 128 keys so a
+// single decode row still fills the GPU (flash-decoding); warps share a split with an online
+// softmax each, and a second kernel merges the splits' (max, sum, accumulator) triples.
+#include <algorithm>
 #include <cfloat>
 
 #include "backend/cuda/cuda_check.h"
@@ -17,11 +19,13 @@ constexpr int kPer = kMaxD / 32;  // elements of a head vector per lane
 
 __global__ void __launch_bounds__(kWarps * 32)
     k_attention(const float* q, const float* k, const float* v, int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv,
-                int64_t kv_len, int64_t q_offset, float scale, float* out) {
-  const int64_t t = blockIdx.x, h = blockIdx.y;
+                int64_t kv_len, int64_t q_offset, float scale, int64_t chunk, float* out, float* part_ml,
+                float* part_acc) {
+  const int64_t t = blockIdx.x, h = blockIdx.y, sp = blockIdx.z;
   const int64_t g = h / (Hq / Hkv);
   const int lane = threadIdx.x % 32, w = threadIdx.x / 32;
-  const int64_t n = min(kv_len, q_offset + t + 1);
+  const int64_t visible = min(kv_len, q_offset + t + 1);
+  const int64_t j0 = sp * chunk, n = min(visible, j0 + chunk);
   float qr[kPer], acc[kPer];
   const float* qp = q + (t * Hq + h) * D;
 #pragma unroll
@@ -31,7 +35,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     acc[i] = 0.f;
   }
   float m = -FLT_MAX, l = 0.f;
-  for (int64_t j = w; j < n; j += kWarps) {
+  for (int64_t j = j0 + w; j < n; j += kWarps) {
     const float* kp = k + (j * Hkv + g) * D;
     float s = 0.f;
 #pragma unroll
@@ -71,25 +75,78 @@ __global__ void __launch_bounds__(kWarps * 32)
     f[i] = sl[i] > 0.f ? expf(sm[i] - M) : 0.f;
     L += sl[i] * f[i];
   }
-  float* op = out + (t * Hq + h) * Dv;
+  if (gridDim.z == 1) {
+    float* op = out + (t * Hq + h) * Dv;
+    for (int64_t d = threadIdx.x; d < Dv; d += blockDim.x) {
+      float o = 0.f;
+      for (int i = 0; i < kWarps; ++i) o += sacc[i][d] * f[i];
+      op[d] = o / L;
+    }
+    return;
+  }
+  // One split's share: its max, its sum and its unnormalised accumulator (relative to that max).
+  const int64_t slot = (t * Hq + h) * gridDim.z + sp;
+  if (threadIdx.x == 0) {
+    part_ml[2 * slot] = M;
+    part_ml[2 * slot + 1] = L;
+  }
   for (int64_t d = threadIdx.x; d < Dv; d += blockDim.x) {
     float o = 0.f;
     for (int i = 0; i < kWarps; ++i) o += sacc[i][d] * f[i];
+    part_acc[slot * Dv + d] = o;
+  }
+}
+
+__global__ void k_attention_merge(const float* part_ml, const float* part_acc, int64_t Hq, int64_t Dv, int splits,
+                                  float* out) {
+  const int64_t t = blockIdx.x, h = blockIdx.y;
+  const int64_t base = (t * Hq + h) * splits;
+  float M = -FLT_MAX;
+  for (int s = 0; s < splits; ++s)
+    if (part_ml[2 * (base + s) + 1] > 0.f) M = fmaxf(M, part_ml[2 * (base + s)]);
+  float L = 0.f;
+  for (int s = 0; s < splits; ++s) {
+    const float l = part_ml[2 * (base + s) + 1];
+    if (l > 0.f) L += l * expf(part_ml[2 * (base + s)] - M);
+  }
+  float* op = out + (t * Hq + h) * Dv;
+  for (int64_t d = threadIdx.x; d < Dv; d += blockDim.x) {
+    float o = 0.f;
+    for (int s = 0; s < splits; ++s) {
+      const float l = part_ml[2 * (base + s) + 1];
+      if (l > 0.f) o += part_acc[(base + s) * Dv + d] * expf(part_ml[2 * (base + s)] - M);
+    }
     op[d] = o / L;
   }
 }
 
 }  // namespace
 
+int attention_splits(int64_t T, int64_t Hq, int64_t kv_len) {
+  // Enough blocks to fill the GPU (~1000), each split at least 128 keys.
+  const int64_t by_keys = (kv_len + 127) / 128, by_blocks = (1024 + T * Hq - 1) / (T * Hq);
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({by_keys, by_blocks, 256})));
+}
+
 void launch_attention(cudaStream_t s, const float* q, const float* k, const float* v, int64_t T, int64_t Hq,
-                      int64_t Hkv, int64_t D, int64_t Dv, int64_t kv_len, int64_t q_offset, float scale, float* out) {
+                      int64_t Hkv, int64_t D, int64_t Dv, int64_t kv_len, int64_t q_offset, float scale, float* out,
+                      float* part) {
   if (T == 0) return;
   if (D > kMaxD || Dv > kMaxD)
     throw std::invalid_argument("attention: head dims up to " + std::to_string(kMaxD) + " on cuda, got " +
                                 std::to_string(D) + "/" + std::to_string(Dv));
-  k_attention<<<dim3(static_cast<unsigned>(T), static_cast<unsigned>(Hq)), kWarps * 32, 0, s>>>(
-      q, k, v, Hq, Hkv, D, Dv, kv_len, q_offset, scale, out);
+  const int splits = part ? attention_splits(T, Hq, kv_len) : 1;
+  const int64_t chunk = (kv_len + splits - 1) / splits;
+  float* part_ml = part;
+  float* part_acc = part ? part + 2 * T * Hq * splits : nullptr;
+  k_attention<<<dim3(static_cast<unsigned>(T), static_cast<unsigned>(Hq), static_cast<unsigned>(splits)), kWarps * 32,
+                 0, s>>>(q, k, v, Hq, Hkv, D, Dv, kv_len, q_offset, scale, chunk, out, part_ml, part_acc);
   CUDA_LAUNCH_CHECK("k_attention");
+  if (splits > 1) {
+    k_attention_merge<<<dim3(static_cast<unsigned>(T), static_cast<unsigned>(Hq)), 128, 0, s>>>(part_ml, part_acc, Hq,
+                                                                                               Dv, splits, out);
+    CUDA_LAUNCH_CHECK("k_attention_merge");
+  }
 }
 
 }  // namespace hypic::cuda

@@ -4,6 +4,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -117,8 +119,42 @@ cudaDataType_t cuda_type(DType d) {
 
 }  // namespace
 
+// HYPIC_CUDA_PROFILE=1: GPU time per op, from events around every call, printed to stderr when the
+// backend is destroyed (ops run in one stream, so the times add up to the stream's busy time).
+struct OpProfile {
+  struct Rec {
+    const char* op;
+    cudaEvent_t a, b;
+  };
+  std::vector<Rec> recs;
+  ~OpProfile() {
+    if (recs.empty()) return;
+    cudaDeviceSynchronize();
+    std::map<std::string, std::pair<int64_t, double>> by;
+    double total = 0;
+    for (auto& r : recs) {
+      float ms = 0;
+      if (cudaEventElapsedTime(&ms, r.a, r.b) == cudaSuccess) {
+        by[r.op].first++;
+        by[r.op].second += ms;
+        total += ms;
+      }
+      cudaEventDestroy(r.a);
+      cudaEventDestroy(r.b);
+    }
+    std::vector<std::pair<double, std::string>> rows;
+    for (auto& [op, v] : by) rows.push_back({v.second, op});
+    std::sort(rows.rbegin(), rows.rend());
+    std::fprintf(stderr, "hypic cuda profile: %.1f ms of GPU time in %zu calls\n", total, recs.size());
+    for (auto& [ms, op] : rows)
+      std::fprintf(stderr, "  %-20s %8lld calls %10.2f ms %5.1f%%\n", op.c_str(), static_cast<long long>(by[op].first),
+                   ms, 100 * ms / std::max(total, 1e-9));
+  }
+};
+
 struct CudaBackend::Impl {
   int dev = 0;
+  std::unique_ptr<OpProfile> prof;
   cudaDeviceProp prop{};
   cudaStream_t stream = nullptr;
   cublasHandle_t blas = nullptr;
@@ -136,7 +172,38 @@ struct CudaBackend::Impl {
   }
   // inv_freq tables per (rot_dim, theta), uploaded once.
   std::map<std::pair<int, double>, Tensor> inv_freq;
+  int depth = 0;  // nesting of OpScopes (an op calling ops is profiled as one)
 };
+
+namespace {
+// First line of every op: binds the device and, when profiling, brackets the op with events.
+class OpScope {
+ public:
+  OpScope(CudaBackend::Impl& m, const char* op) : m_(m) {
+    m.bind();
+    if (m.prof && m.depth++ == 0 && m.prof->recs.size() < (size_t(1) << 22)) {
+      rec_.op = op;
+      cudaEventCreate(&rec_.a);
+      cudaEventCreate(&rec_.b);
+      cudaEventRecord(rec_.a, m.stream);
+      on_ = true;
+    }
+  }
+  ~OpScope() {
+    if (m_.prof) --m_.depth;
+    if (!on_) return;
+    cudaEventRecord(rec_.b, m_.stream);
+    m_.prof->recs.push_back(rec_);
+  }
+
+ private:
+  CudaBackend::Impl& m_;
+  OpProfile::Rec rec_{};
+  bool on_ = false;
+};
+}  // namespace
+
+
 
 bool device_available() {
   int n = 0;
@@ -164,6 +231,8 @@ CudaBackend::CudaBackend(int device) : impl_(std::make_unique<Impl>()) {
   // Plain f32 products stay f32: conformance with f32 references needs it (no TF32).
   CUBLAS_CHECK(cublasSetMathMode(m.blas, CUBLAS_PEDANTIC_MATH));
   m.mem = std::make_shared<DeviceAllocator>(device);
+  if (const char* e = std::getenv("HYPIC_CUDA_PROFILE"); e && *e && std::string(e) != "0")
+    m.prof = std::make_unique<OpProfile>();
 }
 
 CudaBackend::~CudaBackend() {
@@ -242,7 +311,7 @@ Tensor CudaBackend::to_host(const Tensor& t) {
 }
 
 void CudaBackend::copy(const Tensor& src, Tensor& dst) {
-  impl_->bind();
+  OpScope scope_(*impl_, "copy");
   if (!src.defined()) fail("copy", "src is undefined");
   if (!dst.defined()) fail("copy", "dst is undefined");
   if (src.dtype() != dst.dtype() || src.numel() != dst.numel())
@@ -253,7 +322,7 @@ void CudaBackend::copy(const Tensor& src, Tensor& dst) {
 }
 
 void CudaBackend::fill(Tensor& t, float value) {
-  impl_->bind();
+  OpScope scope_(*impl_, "fill");
   need_f32("fill", "t", t, kDev);
   launch_fill(impl_->stream, t.data<float>(), t.numel(), value);
 }
@@ -270,7 +339,7 @@ void CudaBackend::synchronize() {
 // ---- dense -----------------------------------------------------------------------------------
 
 void CudaBackend::matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate) {
-  impl_->bind();
+  OpScope scope_(*impl_, "matmul");
   const char* op = "matmul";
   need_f32(op, "x", x, kDev);
   need_float(op, "w", w, kDev);
@@ -297,13 +366,14 @@ void CudaBackend::matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accum
                              static_cast<int>(K), &beta, y.data<float>(), static_cast<int>(N)));
     return;
   }
-  const int64_t need = M * K * (m.exact_half ? 2 : 1);
+  const int64_t need = M * K * (m.exact_half ? 3 : 1);
   if (!m.half_x.defined() || m.half_x.numel() < need || m.half_x.dtype() != w.dtype())
     m.half_x = alloc_uninit(w.dtype(), {std::max<int64_t>(need, m.half_x.defined() ? m.half_x.numel() : 0)});
   char* hi = static_cast<char*>(m.half_x.raw());
-  char* lo = hi + static_cast<size_t>(M * K) * dtype_size(w.dtype());
+  char* mid = hi + static_cast<size_t>(M * K) * dtype_size(w.dtype());
+  char* lo = mid + static_cast<size_t>(M * K) * dtype_size(w.dtype());
   if (m.exact_half)
-    launch_split_f32(m.stream, x.data<float>(), w.dtype(), hi, lo, M * K);
+    launch_split_f32(m.stream, x.data<float>(), w.dtype(), hi, mid, lo, M * K);
   else
     launch_convert_f32(m.stream, x.data<float>(), w.dtype(), hi, M * K);
   auto gemm = [&](const void* xh, const float* b) {
@@ -315,12 +385,13 @@ void CudaBackend::matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accum
   gemm(hi, &beta);
   if (m.exact_half) {
     const float one = 1.f;
+    gemm(mid, &one);
     gemm(lo, &one);
   }
 }
 
 void CudaBackend::embedding(const Tensor& table, std::span<const int32_t> ids, Tensor& out) {
-  impl_->bind();
+  OpScope scope_(*impl_, "embedding");
   const char* op = "embedding";
   need_float(op, "table", table, kDev);
   need_f32(op, "out", out, kDev);
@@ -338,7 +409,7 @@ void CudaBackend::embedding(const Tensor& table, std::span<const int32_t> ids, T
 // ---- elementwise and norms -------------------------------------------------------------------
 
 void CudaBackend::rms_norm(const Tensor& x, const Tensor& w, float eps, bool one_plus_w, Tensor& out) {
-  impl_->bind();
+  OpScope scope_(*impl_, "rms_norm");
   const char* op = "rms_norm";
   need_f32(op, "x", x, kDev);
   need_float(op, "w", w, kDev);
@@ -352,7 +423,7 @@ void CudaBackend::rms_norm(const Tensor& x, const Tensor& w, float eps, bool one
 }
 
 void CudaBackend::rms_norm_gated(const Tensor& x, const Tensor& z, const Tensor& w, float eps, Tensor& out) {
-  impl_->bind();
+  OpScope scope_(*impl_, "rms_norm_gated");
   const char* op = "rms_norm_gated";
   need_f32(op, "x", x, kDev);
   need_f32(op, "z", z, kDev);
@@ -380,17 +451,17 @@ void check_binary(const char* op, const char* an, const Tensor& a, const char* b
 }  // namespace
 
 void CudaBackend::add(const Tensor& a, const Tensor& b, Tensor& out) {
-  impl_->bind();
+  OpScope scope_(*impl_, "add");
   check_binary("add", "a", a, "b", b, out);
   launch_binary(impl_->stream, BinOp::Add, a.data<float>(), b.data<float>(), out.data<float>(), a.numel());
 }
 void CudaBackend::silu_mul(const Tensor& gate, const Tensor& up, Tensor& out) {
-  impl_->bind();
+  OpScope scope_(*impl_, "silu_mul");
   check_binary("silu_mul", "gate", gate, "up", up, out);
   launch_binary(impl_->stream, BinOp::SiluMul, gate.data<float>(), up.data<float>(), out.data<float>(), gate.numel());
 }
 void CudaBackend::sigmoid_mul(const Tensor& x, const Tensor& gate, Tensor& out) {
-  impl_->bind();
+  OpScope scope_(*impl_, "sigmoid_mul");
   if (gate.defined() && x.defined() && gate.ndim() == 2 && gate.dim(1) == 1 && last_dim(x) != 1) {
     const char* op = "sigmoid_mul";
     need_f32(op, "x", x, kDev);
@@ -424,7 +495,7 @@ void cols_common(const char* op, const Tensor& wide, const Tensor& narrow, int64
 }  // namespace
 
 void CudaBackend::copy_cols(const Tensor& src, int64_t col, Tensor& dst) {
-  impl_->bind();
+  OpScope scope_(*impl_, "copy_cols");
   cols_common("copy_cols", src, dst, col, "src", "dst");
   if (last_dim(dst) == 0) return;
   launch_copy_cols(impl_->stream, src.raw(), last_dim(src), col, dst.raw(), last_dim(dst), 0, rows_of(dst),
@@ -432,7 +503,7 @@ void CudaBackend::copy_cols(const Tensor& src, int64_t col, Tensor& dst) {
 }
 
 void CudaBackend::set_cols(const Tensor& src, int64_t col, Tensor& dst) {
-  impl_->bind();
+  OpScope scope_(*impl_, "set_cols");
   cols_common("set_cols", dst, src, col, "dst", "src");
   if (last_dim(src) == 0) return;
   launch_copy_cols(impl_->stream, src.raw(), last_dim(src), 0, dst.raw(), last_dim(dst), col, rows_of(src),
@@ -442,7 +513,7 @@ void CudaBackend::set_cols(const Tensor& src, int64_t col, Tensor& dst) {
 // ---- positions -------------------------------------------------------------------------------
 
 void CudaBackend::rope_neox(Tensor& x, std::span<const int64_t> positions, int rot_dim, double theta) {
-  impl_->bind();
+  OpScope scope_(*impl_, "rope_neox");
   const char* op = "rope_neox";
   need_f32(op, "x", x, kDev);
   need_ndim(op, "x", x, 3);
@@ -476,7 +547,7 @@ void CudaBackend::rope_neox(Tensor& x, std::span<const int64_t> positions, int r
 
 void CudaBackend::attention(const Tensor& q, const Tensor& k, const Tensor& v, int64_t kv_len, int64_t q_offset,
                             float scale, Tensor& out) {
-  impl_->bind();
+  OpScope scope_(*impl_, "attention");
   const char* op = "attention";
   need_f32(op, "q", q, kDev);
   need_f32(op, "k", k, kDev);
@@ -495,16 +566,22 @@ void CudaBackend::attention(const Tensor& q, const Tensor& k, const Tensor& v, i
   if (q_offset < 0) fail(op, "q_offset " + std::to_string(q_offset) + " is negative");
   if (T > 0 && kv_len == 0) fail(op, "kv_len is 0: no keys to attend to");
   if (overlaps(out, q) || overlaps(out, k) || overlaps(out, v)) fail(op, "out overlaps an input");
-  // Prefill-sized spans on the tensor cores; decode steps and precise mode in f32.
-  auto* f = impl_->exact_half || T < 16 ? launch_attention : launch_flash_attention;
-  f(impl_->stream, q.data<float>(), k.data<float>(), v.data<float>(), T, Hq, Hkv, D, Dv, kv_len, q_offset, scale,
-    out.data<float>());
+  if (T == 0) return;
+  // Prefill-sized spans on the tensor cores; decode steps and precise mode in f32 (key-split).
+  if (!impl_->exact_half && T >= 16) {
+    launch_flash_attention(impl_->stream, q.data<float>(), k.data<float>(), v.data<float>(), T, Hq, Hkv, D, Dv,
+                           kv_len, q_offset, scale, out.data<float>());
+    return;
+  }
+  Tensor part = alloc_uninit(DType::F32, {attention_part_floats(T, Hq, Dv, kv_len)});
+  launch_attention(impl_->stream, q.data<float>(), k.data<float>(), v.data<float>(), T, Hq, Hkv, D, Dv, kv_len,
+                   q_offset, scale, out.data<float>(), part.data<float>());
 }
 
 // ---- linear-attention layer pieces -----------------------------------------------------------
 
 void CudaBackend::causal_conv1d_silu(const Tensor& x, const Tensor& w, Tensor& state, Tensor& out) {
-  impl_->bind();
+  OpScope scope_(*impl_, "causal_conv1d_silu");
   const char* op = "causal_conv1d_silu";
   need_f32(op, "x", x, kDev);
   need_float(op, "w", w, kDev);
@@ -526,7 +603,7 @@ void CudaBackend::causal_conv1d_silu(const Tensor& x, const Tensor& w, Tensor& s
 
 void CudaBackend::gdn_gates(const Tensor& a, const Tensor& b, const Tensor& A_log, const Tensor& dt_bias, Tensor& g,
                             Tensor& beta) {
-  impl_->bind();
+  OpScope scope_(*impl_, "gdn_gates");
   const char* op = "gdn_gates";
   need_f32(op, "a", a, kDev);
   need_f32(op, "b", b, kDev);
@@ -548,7 +625,7 @@ void CudaBackend::gdn_gates(const Tensor& a, const Tensor& b, const Tensor& A_lo
 void CudaBackend::gated_delta_rule(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                    const Tensor& beta, bool l2norm_qk, Tensor& state, Tensor& out,
                                    Tensor* transition) {
-  impl_->bind();
+  OpScope scope_(*impl_, "gated_delta_rule");
   const char* op = "gated_delta_rule";
   need_f32(op, "q", q, kDev);
   need_f32(op, "k", k, kDev);
@@ -581,7 +658,7 @@ void CudaBackend::gated_delta_rule(const Tensor& q, const Tensor& k, const Tenso
 // ---- segment summaries -----------------------------------------------------------------------
 
 void CudaBackend::compose_state(const Tensor& T, const Tensor& S, const Tensor& B, float alpha, Tensor& out) {
-  impl_->bind();
+  OpScope scope_(*impl_, "compose_state");
   const char* op = "compose_state";
   need_f32(op, "T", T, kDev);
   need_f32(op, "S", S, kDev);
@@ -607,7 +684,7 @@ void CudaBackend::compose_state(const Tensor& T, const Tensor& S, const Tensor& 
 }
 
 void CudaBackend::set_identity(Tensor& t) {
-  impl_->bind();
+  OpScope scope_(*impl_, "set_identity");
   const char* op = "set_identity";
   need_f32(op, "t", t, kDev);
   need_ndim(op, "t", t, 3);
@@ -616,42 +693,102 @@ void CudaBackend::set_identity(Tensor& t) {
 }
 
 // ---- mixture of experts ----------------------------------------------------------------------
-// Routing is computed on the host from the router logits (one device-to-host copy per MoE layer),
-// then each used expert runs as three cuBLAS products over its gathered rows and adds its weighted
-// output into `out`. Experts run in order on one stream, so the scatter-adds never race.
+// Routing is computed on the host from the router logits (one device-to-host copy per MoE layer).
+// The used experts' rows are gathered into one padded buffer [experts used, rows of the busiest,
+// H], and each projection is ONE batched cuBLAS product over all of them (pointer arrays: any
+// weight layout); a combine kernel then sums every token's top-k outputs with their weights. A layer
+// is about seven launches whatever the expert count; the price is the padding of less busy experts.
 void CudaBackend::moe_experts(const Tensor& x, const Tensor& router_logits, int top_k, bool norm_topk,
                               const ExpertWeights& experts, Tensor& out) {
-  impl_->bind();
+  OpScope scope_(*impl_, "moe_experts");
   const int64_t I = check_moe_args(x, router_logits, top_k, experts, out, kDev);
   const int64_t T = x.dim(0), H = x.dim(1), E = router_logits.dim(1);
   auto& m = *impl_;
-  CUDA_CHECK(cudaMemsetAsync(out.raw(), 0, out.nbytes(), m.stream));
   if (T == 0) return;
   Tensor lg = to_host(router_logits);
   const MoeRouting rt = route_topk(lg.data<float>(), T, E, top_k, norm_topk);
-  std::vector<int32_t> tok(rt.order.size());
-  std::vector<float> wts(rt.order.size());
+  std::vector<int64_t> used;
   int64_t maxn = 0;
-  for (size_t i = 0; i < rt.order.size(); ++i) {
-    tok[i] = static_cast<int32_t>(rt.order[i] / top_k);
-    wts[i] = rt.weight[static_cast<size_t>(rt.order[i])];
+  for (int64_t e = 0; e < E; ++e)
+    if (rt.start[e + 1] > rt.start[e]) {
+      used.push_back(e);
+      maxn = std::max(maxn, rt.start[e + 1] - rt.start[e]);
+    }
+  const int64_t B = static_cast<int64_t>(used.size());
+  std::vector<int32_t> rows(static_cast<size_t>(B * maxn), -1), pos(static_cast<size_t>(T * top_k));
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t e = used[static_cast<size_t>(b)];
+    for (int64_t r = 0; r < rt.start[e + 1] - rt.start[e]; ++r) {
+      const int64_t slot = rt.order[rt.start[e] + r];
+      rows[b * maxn + r] = static_cast<int32_t>(slot / top_k);
+      pos[slot] = static_cast<int32_t>(b * maxn + r);
+    }
   }
-  for (int64_t e = 0; e < E; ++e) maxn = std::max(maxn, rt.start[e + 1] - rt.start[e]);
-  Tensor dtok = upload(tok.data(), DType::I32, static_cast<int64_t>(tok.size()));
-  Tensor dw = upload(wts.data(), DType::F32, static_cast<int64_t>(wts.size()));
-  Tensor xs = alloc_uninit(DType::F32, {maxn, H}), gs = alloc_uninit(DType::F32, {maxn, I}),
-         us = alloc_uninit(DType::F32, {maxn, I}), ds = alloc_uninit(DType::F32, {maxn, H});
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t n = rt.start[e + 1] - rt.start[e];
-    if (n == 0) continue;
-    const int32_t* idx = dtok.data<int32_t>() + rt.start[e];
-    launch_gather_rows(m.stream, x.data<float>(), idx, xs.data<float>(), n, H);
-    Tensor xt = xs.slice_rows(0, n), gt = gs.slice_rows(0, n), ut = us.slice_rows(0, n), dt = ds.slice_rows(0, n);
-    matmul(xt, experts.gate[e], gt);
-    matmul(xt, experts.up[e], ut);
-    silu_mul(gt, ut, gt);
-    matmul(gt, experts.down[e], dt);
-    launch_scatter_add_rows(m.stream, dt.data<float>(), idx, dw.data<float>() + rt.start[e], out.data<float>(), n, H);
+  Tensor drows = upload(rows.data(), DType::I32, B * maxn), dpos = upload(pos.data(), DType::I32, T * top_k);
+  Tensor dw = upload(rt.weight.data(), DType::F32, T * top_k);
+  Tensor xs = alloc_uninit(DType::F32, {B * maxn, H}), gs = alloc_uninit(DType::F32, {B * maxn, I}),
+         us = alloc_uninit(DType::F32, {B * maxn, I}), ds = alloc_uninit(DType::F32, {B * maxn, H});
+  launch_gather_rows(m.stream, x.data<float>(), drows.data<int32_t>(), xs.data<float>(), B * maxn, H);
+  auto pick = [&](const std::vector<Tensor>& w) {
+    std::vector<const Tensor*> p;
+    for (int64_t e : used) p.push_back(&w[static_cast<size_t>(e)]);
+    return p;
+  };
+  batched_matmul(xs, pick(experts.gate), maxn, gs);
+  batched_matmul(xs, pick(experts.up), maxn, us);
+  launch_binary(m.stream, BinOp::SiluMul, gs.data<float>(), us.data<float>(), gs.data<float>(), gs.numel());
+  batched_matmul(gs, pick(experts.down), maxn, ds);
+  launch_moe_combine(m.stream, ds.data<float>(), dpos.data<int32_t>(), dw.data<float>(), T, top_k, H,
+                     out.data<float>());
+}
+
+// y[b*M .. (b+1)*M) = x[b*M .. (b+1)*M) w[b]^T for every b, one cuBLAS batched call (three in precise
+// mode, over the split parts of x). All w[b] share one dtype and shape [N, K].
+void CudaBackend::batched_matmul(const Tensor& x, const std::vector<const Tensor*>& w, int64_t M, Tensor& y) {
+  auto& m = *impl_;
+  const int64_t B = static_cast<int64_t>(w.size());
+  if (B == 0 || M == 0) return;
+  const int64_t K = x.dim(1), N = y.dim(1);
+  const DType wd = w[0]->dtype();
+  const float alpha = 1.f, zero = 0.f, one = 1.f;
+  const int parts = wd == DType::F32 ? 1 : m.exact_half ? 3 : 1;
+  const size_t es = dtype_size(wd);
+  Tensor xh;
+  if (wd != DType::F32) {
+    xh = alloc_uninit(wd, {parts * B * M * K});
+    char* p0 = static_cast<char*>(xh.raw());
+    if (parts == 3)
+      launch_split_f32(m.stream, x.data<float>(), wd, p0, p0 + B * M * K * es, p0 + 2 * B * M * K * es, B * M * K);
+    else
+      launch_convert_f32(m.stream, x.data<float>(), wd, p0, B * M * K);
+  }
+  // Pointer arrays [A..., X..., Y...] for each part, uploaded in one copy.
+  std::vector<const void*> ptr(static_cast<size_t>(3 * B * parts));
+  for (int p = 0; p < parts; ++p)
+    for (int64_t b = 0; b < B; ++b) {
+      const size_t o = static_cast<size_t>(3 * B * p);
+      ptr[o + b] = w[static_cast<size_t>(b)]->raw();
+      ptr[o + B + b] = wd == DType::F32 ? static_cast<const void*>(x.data<float>() + b * M * K)
+                                        : static_cast<const char*>(xh.raw()) + (p * B * M * K + b * M * K) * es;
+      ptr[o + 2 * B + b] = y.data<float>() + b * M * N;
+    }
+  Tensor dptr = upload(ptr.data(), DType::I64, static_cast<int64_t>(ptr.size()));
+  for (int p = 0; p < parts; ++p) {
+    void** base = reinterpret_cast<void**>(dptr.data<int64_t>()) + 3 * B * p;
+    const float* beta = p == 0 ? &zero : &one;
+    if (wd == DType::F32) {
+      CUBLAS_CHECK(cublasSgemmBatched(m.blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(M),
+                                      static_cast<int>(K), &alpha, reinterpret_cast<const float* const*>(base),
+                                      static_cast<int>(K), reinterpret_cast<const float* const*>(base + B),
+                                      static_cast<int>(K), beta, reinterpret_cast<float* const*>(base + 2 * B),
+                                      static_cast<int>(N), static_cast<int>(B)));
+    } else {
+      CUBLAS_CHECK(cublasGemmBatchedEx(m.blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(M),
+                                       static_cast<int>(K), &alpha, base, cuda_type(wd), static_cast<int>(K), base + B,
+                                       cuda_type(wd), static_cast<int>(K), beta, base + 2 * B, CUDA_R_32F,
+                                       static_cast<int>(N), static_cast<int>(B), CUBLAS_COMPUTE_32F,
+                                       CUBLAS_GEMM_DEFAULT));
+    }
   }
 }
 

@@ -5,13 +5,14 @@
 //  * Dense products go through cuBLAS: f32 weights in f32 (no TF32), bf16/f16 weights with the
 //    activations rounded to the weight's dtype and f32 accumulation, as bf16 checkpoints are served
 //    elsewhere (transformers, vLLM); set_precise(true) makes them f32-exact in the
-//    activations (x = hi + lo in two half-precision parts, two products, ~2^-16 relative error).
+//    activations (x split into three half-precision parts, three products: f32 precision).
 //  * Every call first makes the backend's GPU current on the calling thread (the server calls from
 //    its engine thread, tests from the main thread).
 //  * Activations, recurrent states and KV rows are f32 for now (the CPU backend's conventions).
 // This header has no CUDA types, so the rest of hypic builds with the host compiler alone.
 #pragma once
 #include <memory>
+#include <vector>
 
 #include "backend/backend.h"
 
@@ -70,11 +71,14 @@ class CudaBackend : public Backend {
   size_t reserved_bytes() const;
   size_t peak_bytes() const;
 
+ public:
+  struct Impl;  // public so the implementation file's helpers can name it
+
  private:
-  struct Impl;
   std::unique_ptr<Impl> impl_;
   Tensor alloc_uninit(DType dt, Shape shape);
   Tensor upload(const void* host, DType dt, int64_t n);  // small host array -> device tensor
+  void batched_matmul(const Tensor& x, const std::vector<const Tensor*>& w, int64_t M, Tensor& y);
 };
 
 // True when this process can see at least one CUDA device (false on machines without a GPU or

@@ -65,17 +65,36 @@ __global__ void k_convert(const float* x, DType to, void* y, int64_t n) {
   }
 }
 
-__global__ void k_split(const float* x, DType to, void* hi, void* lo, int64_t n) {
+// x = p0 + p1 + p2, each part the half-precision rounding of what the previous parts left: 3 x 8
+// mantissa bits for bf16, as many as f32 has.
+template <typename H>
+__device__ __forceinline__ void split3(float x, H* p0, H* p1, H* p2, int64_t i);
+template <>
+__device__ __forceinline__ void split3(float x, __nv_bfloat16* p0, __nv_bfloat16* p1, __nv_bfloat16* p2, int64_t i) {
+  const __nv_bfloat16 a = __float2bfloat16_rn(x);
+  const float r = x - __bfloat162float(a);
+  const __nv_bfloat16 b = __float2bfloat16_rn(r);
+  p0[i] = a;
+  p1[i] = b;
+  p2[i] = __float2bfloat16_rn(r - __bfloat162float(b));
+}
+template <>
+__device__ __forceinline__ void split3(float x, __half* p0, __half* p1, __half* p2, int64_t i) {
+  const __half a = __float2half_rn(x);
+  const float r = x - __half2float(a);
+  const __half b = __float2half_rn(r);
+  p0[i] = a;
+  p1[i] = b;
+  p2[i] = __float2half_rn(r - __half2float(b));
+}
+
+__global__ void k_split(const float* x, DType to, void* p0, void* p1, void* p2, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    if (to == DType::BF16) {
-      const __nv_bfloat16 h = __float2bfloat16_rn(x[i]);
-      static_cast<__nv_bfloat16*>(hi)[i] = h;
-      static_cast<__nv_bfloat16*>(lo)[i] = __float2bfloat16_rn(x[i] - __bfloat162float(h));
-    } else {
-      const __half h = __float2half_rn(x[i]);
-      static_cast<__half*>(hi)[i] = h;
-      static_cast<__half*>(lo)[i] = __float2half_rn(x[i] - __half2float(h));
-    }
+    if (to == DType::BF16)
+      split3(x[i], static_cast<__nv_bfloat16*>(p0), static_cast<__nv_bfloat16*>(p1), static_cast<__nv_bfloat16*>(p2),
+             i);
+    else
+      split3(x[i], static_cast<__half*>(p0), static_cast<__half*>(p1), static_cast<__half*>(p2), i);
   }
 }
 
@@ -200,15 +219,17 @@ __global__ void k_set_identity(float* t, int64_t H, int64_t n) {
 
 __global__ void k_gather_rows(const float* x, const int32_t* idx, float* out, int64_t H) {
   const int64_t r = blockIdx.x;
-  const float* src = x + static_cast<int64_t>(idx[r]) * H;
-  for (int64_t c = threadIdx.x; c < H; c += blockDim.x) out[r * H + c] = src[c];
+  const int32_t i = idx[r];
+  for (int64_t c = threadIdx.x; c < H; c += blockDim.x) out[r * H + c] = i < 0 ? 0.f : x[static_cast<int64_t>(i) * H + c];
 }
 
-__global__ void k_scatter_add_rows(const float* y, const int32_t* idx, const float* w, float* out, int64_t H) {
-  const int64_t r = blockIdx.x;
-  float* dst = out + static_cast<int64_t>(idx[r]) * H;
-  const float a = w[r];
-  for (int64_t c = threadIdx.x; c < H; c += blockDim.x) dst[c] += a * y[r * H + c];
+__global__ void k_moe_combine(const float* y, const int32_t* pos, const float* w, int top_k, int64_t H, float* out) {
+  const int64_t t = blockIdx.x;
+  for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
+    float acc = 0.f;
+    for (int j = 0; j < top_k; ++j) acc += w[t * top_k + j] * y[static_cast<int64_t>(pos[t * top_k + j]) * H + c];
+    out[t * H + c] = acc;
+  }
 }
 
 int row_threads(int64_t D) {
@@ -229,9 +250,9 @@ void launch_convert_f32(cudaStream_t s, const float* x, DType to, void* y, int64
   CUDA_LAUNCH_CHECK("k_convert");
 }
 
-void launch_split_f32(cudaStream_t s, const float* x, DType to, void* hi, void* lo, int64_t n) {
+void launch_split_f32(cudaStream_t s, const float* x, DType to, void* p0, void* p1, void* p2, int64_t n) {
   if (n == 0) return;
-  k_split<<<blocks_for(n), kThreads, 0, s>>>(x, to, hi, lo, n);
+  k_split<<<blocks_for(n), kThreads, 0, s>>>(x, to, p0, p1, p2, n);
   CUDA_LAUNCH_CHECK("k_split");
 }
 
@@ -329,11 +350,11 @@ void launch_gather_rows(cudaStream_t s, const float* x, const int32_t* idx, floa
   CUDA_LAUNCH_CHECK("k_gather_rows");
 }
 
-void launch_scatter_add_rows(cudaStream_t s, const float* y, const int32_t* idx, const float* w, float* out,
-                             int64_t n, int64_t H) {
-  if (n == 0) return;
-  k_scatter_add_rows<<<static_cast<unsigned>(n), row_threads(H), 0, s>>>(y, idx, w, out, H);
-  CUDA_LAUNCH_CHECK("k_scatter_add_rows");
+void launch_moe_combine(cudaStream_t s, const float* y, const int32_t* pos, const float* w, int64_t T, int top_k,
+                        int64_t H, float* out) {
+  if (T == 0) return;
+  k_moe_combine<<<static_cast<unsigned>(T), row_threads(H), 0, s>>>(y, pos, w, top_k, H, out);
+  CUDA_LAUNCH_CHECK("k_moe_combine");
 }
 
 }  // namespace hypic::cuda

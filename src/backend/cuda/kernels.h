@@ -12,8 +12,9 @@ namespace hypic::cuda {
 
 void launch_fill(cudaStream_t s, float* p, int64_t n, float v);
 void launch_convert_f32(cudaStream_t s, const float* x, DType to, void* y, int64_t n);  // to bf16/f16
-// x = hi + lo with hi = half(x), lo = half(x - hi): two half-precision parts that keep ~16 bits.
-void launch_split_f32(cudaStream_t s, const float* x, DType to, void* hi, void* lo, int64_t n);
+// x = p0 + p1 + p2 in three half-precision parts (p0 = half(x), p1 = half(x - p0), ...): together
+// they keep f32's 24 mantissa bits, so three half-precision products give an f32-exact one.
+void launch_split_f32(cudaStream_t s, const float* x, DType to, void* p0, void* p1, void* p2, int64_t n);
 void launch_embedding(cudaStream_t s, const void* table, DType dt, const int32_t* ids, int64_t n, int64_t H,
                       float* out);
 void launch_rms_norm(cudaStream_t s, const float* x, const void* w, DType wdt, float eps, bool one_plus_w, float* out,
@@ -33,16 +34,22 @@ void launch_gdn_gates(cudaStream_t s, const float* a, const float* b, const void
 void launch_causal_conv1d_silu(cudaStream_t s, const float* x, const void* w, DType wdt, float* state, float* out,
                                int64_t T, int64_t C, int64_t K);
 void launch_set_identity(cudaStream_t s, float* t, int64_t H, int64_t n);
-// rows: out[i, :] = x[idx[i], :]
+// rows: out[i, :] = x[idx[i], :], or zeros where idx[i] < 0 (padding)
 void launch_gather_rows(cudaStream_t s, const float* x, const int32_t* idx, float* out, int64_t n, int64_t H);
-// out[idx[i], :] += w[i] * y[i, :]   (indices distinct within one call)
-void launch_scatter_add_rows(cudaStream_t s, const float* y, const int32_t* idx, const float* w, float* out,
-                             int64_t n, int64_t H);
+// MoE un-permute: out[t, :] = sum_j w[t*k + j] * y[pos[t*k + j], :] (one block per token: no races)
+void launch_moe_combine(cudaStream_t s, const float* y, const int32_t* pos, const float* w, int64_t T, int top_k,
+                        int64_t H, float* out);
 
 // Causal GQA attention, f32: q [T, Hq, D], k [S, Hkv, D], v [S, Hkv, Dv]; query t sees keys
-// j < min(kv_len, q_offset + t + 1).
+// j < min(kv_len, q_offset + t + 1). `part` (f32, attention_part_floats(...) elements, or null for
+// no key split) is scratch for the per-split partial results.
+int attention_splits(int64_t T, int64_t Hq, int64_t kv_len);
+inline int64_t attention_part_floats(int64_t T, int64_t Hq, int64_t Dv, int64_t kv_len) {
+  return T * Hq * attention_splits(T, Hq, kv_len) * (Dv + 2);
+}
 void launch_attention(cudaStream_t s, const float* q, const float* k, const float* v, int64_t T, int64_t Hq,
-                      int64_t Hkv, int64_t D, int64_t Dv, int64_t kv_len, int64_t q_offset, float scale, float* out);
+                      int64_t Hkv, int64_t D, int64_t Dv, int64_t kv_len, int64_t q_offset, float scale, float* out,
+                      float* part);
 
 // The same on the tensor cores (flash_attention.cu): q, k, v rounded to bf16, f32 accumulation.
 void launch_flash_attention(cudaStream_t s, const float* q, const float* k, const float* v, int64_t T, int64_t Hq,
