@@ -6,7 +6,8 @@
 # Usage (device, from the repository root, after scripts/pack-device.sh here):
 #   bash scripts/device-run.sh bash bench/gpu_compare.sh [shapes...]
 # Environment: PREFILL (default 4096,32768), PREFILL_LONG (for 35B-A3B, default 65536), CONTEXT
-# (4096), STEPS (16), BATCHES (1,32), PEER=0 to skip transformers.
+# (4096), STEPS (16), BATCHES (1,32), REPEATS (2: timed runs after a warm-up), PEER=0 to skip
+# transformers. hypic loads each shape twice (prefill lengths, then decode batches).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-.}/gpu_compare.jsonl"
@@ -15,23 +16,19 @@ out="${OUT:-.}/gpu_compare.jsonl"
 shapes=("$@")
 [ ${#shapes[@]} -eq 0 ] && shapes=(qwen3_5_0_8b qwen3_5_9b qwen3_5_35b_a3b)
 prefill="${PREFILL:-4096,32768}"
-ctx="${CONTEXT:-4096}" steps="${STEPS:-16}" batches="${BATCHES:-1,32}"
+ctx="${CONTEXT:-4096}" steps="${STEPS:-16}" batches="${BATCHES:-1,32}" reps="${REPEATS:-2}"
 for s in "${shapes[@]}"; do
   cfg="bench/configs/$s.json"
   lens="$prefill"
   [ "$s" = qwen3_5_35b_a3b ] && lens="$prefill,${PREFILL_LONG:-65536}"
-  for n in ${lens//,/ }; do
-    hypic bench prefill --backend cuda --config "$cfg" --random-weights --tokens "$n" --repeats 2 --json |
-      python3 -c "import json,sys; [print(json.dumps(dict(json.loads(l), peer='hypic', shape='$s'))) for l in sys.stdin if l.startswith('{')]" >> "$out"
-  done
-  for b in ${batches//,/ }; do
-    hypic bench decode --backend cuda --config "$cfg" --random-weights --context "$ctx" --tokens "$steps" \
-      --batch "$b" --repeats 1 --json |
-      python3 -c "import json,sys; [print(json.dumps(dict(json.loads(l), peer='hypic', shape='$s'))) for l in sys.stdin if l.startswith('{')]" >> "$out"
-  done
+  tag="import json,sys; [print(json.dumps(dict(json.loads(l), peer='hypic', shape='$s'))) for l in sys.stdin if l.startswith('{')]"
+  hypic bench prefill --backend cuda --config "$cfg" --random-weights --lengths "$lens" --repeats "$reps" --json |
+    python3 -c "$tag" >> "$out"
+  hypic bench decode --backend cuda --config "$cfg" --random-weights --context "$ctx" --tokens "$steps" \
+    --batches "$batches" --repeats 1 --json | python3 -c "$tag" >> "$out"
   if [ "${PEER:-1}" = 1 ]; then
     PYTHONUNBUFFERED=1 python3 tools/bench/transformers_bench.py --config "$cfg" --prefill "$lens" \
-      --decode-batches "$batches" --context "$ctx" --decode-steps "$steps" |
+      --decode-batches "$batches" --context "$ctx" --decode-steps "$steps" --repeats "$reps" |
       python3 -c "import json,sys; [print(json.dumps(dict(json.loads(l), shape='$s'))) for l in sys.stdin if l.startswith('{')]" >> "$out"
   fi
 done

@@ -92,6 +92,7 @@ struct BenchOpts {
   std::string model = default_model_dir(), config, dtype = "bf16", backend = "cpu";
   bool random = false, json = false;
   int tokens = 512, repeats = 3, context = 128, threads = 0, batch = 1;
+  std::string lengths, batches;  // several prefill lengths / decode batch sizes over one model load
   uint64_t seed = 1;
 };
 
@@ -215,42 +216,47 @@ void register_bench(CLI::App& app) {
   auto* p = b->add_subcommand("prefill", "Prefill throughput and efficiency against measured GEMM");
   add_common(p, *po);
   p->add_option("--tokens", po->tokens, "Prompt length")->capture_default_str();
+  p->add_option("--lengths", po->lengths, "Several prompt lengths, e.g. 4096,32768 (one JSON object each)");
   p->callback([po] {
     guarded([&] {
       const auto& o = *po;
       if (o.tokens <= 0 || o.repeats <= 0) throw std::invalid_argument("--tokens and --repeats must be positive");
+      const std::vector<int> lens =
+          o.lengths.empty() ? std::vector<int>{o.tokens} : parse_int_list(o.lengths, "--lengths", 1);
       LoadedModel lm = open(o);
       auto& m = *lm.model;
       const auto& cfg = m.config();
-      auto ids = random_ids(o.tokens, cfg.vocab_size, o.seed);
-      std::vector<double> times;
-      for (int r = 0; r < o.repeats + 1; ++r) {  // first run warms caches and page-ins
-        SequenceState st = m.new_state(o.tokens);
-        auto t0 = Clock::now();
-        Tensor lg = m.forward(ids, st);
-        m.backend().synchronize();
-        if (r > 0) times.push_back(secs(t0, Clock::now()));
+      for (const int n_tok : lens) {
+        auto ids = random_ids(n_tok, cfg.vocab_size, o.seed);
+        std::vector<double> times;
+        for (int r = 0; r < o.repeats + 1; ++r) {  // first run warms caches and page-ins
+          SequenceState st = m.new_state(n_tok);
+          auto t0 = Clock::now();
+          Tensor lg = m.forward(ids, st);
+          m.backend().synchronize();
+          if (r > 0) times.push_back(secs(t0, Clock::now()));
+        }
+        const double t = median(times);
+        const double flops = n_tok * (weight_flops_per_token(cfg) + mixer_flops_per_token(cfg, n_tok / 2.0));
+        const double gemm = measure_gemm_gflops(m.backend(), DType::BF16);
+        nlohmann::json j{{"bench", "prefill"},
+                         {"model", lm.description},
+                         {"backend", m.backend().name()},
+                         {"threads", m.backend().num_threads()},
+                         {"parameters", m.parameter_count()},
+                         {"tokens", n_tok},
+                         {"peak_device_bytes", m.backend().peak_memory_bytes()},
+                         {"seconds", t},
+                         {"tokens_per_s", n_tok / t},
+                         {"gflop", flops / 1e9},
+                         {"gflops_per_s", flops / t / 1e9},
+                         {"gemm_gflops_per_s", gemm},
+                         {"efficiency", flops / t / 1e9 / gemm}};
+        std::cout << j.dump(o.json ? -1 : 2) << "\n";
+        if (!o.json)
+          std::printf("prefill %d tokens: %.3f s, %.1f tok/s, %.1f GFLOP/s = %.0f%% of measured GEMM %.1f GFLOP/s\n",
+                      n_tok, t, n_tok / t, flops / t / 1e9, 100 * flops / t / 1e9 / gemm, gemm);
       }
-      const double t = median(times);
-      const double flops = o.tokens * (weight_flops_per_token(cfg) + mixer_flops_per_token(cfg, o.tokens / 2.0));
-      const double gemm = measure_gemm_gflops(m.backend(), DType::BF16);
-      nlohmann::json j{{"bench", "prefill"},
-                       {"model", lm.description},
-                       {"backend", m.backend().name()},
-                       {"threads", m.backend().num_threads()},
-                       {"parameters", m.parameter_count()},
-                       {"tokens", o.tokens},
-                       {"peak_device_bytes", m.backend().peak_memory_bytes()},
-                       {"seconds", t},
-                       {"tokens_per_s", o.tokens / t},
-                       {"gflop", flops / 1e9},
-                       {"gflops_per_s", flops / t / 1e9},
-                       {"gemm_gflops_per_s", gemm},
-                       {"efficiency", flops / t / 1e9 / gemm}};
-      std::cout << j.dump(o.json ? -1 : 2) << "\n";
-      if (!o.json)
-        std::printf("prefill %d tokens: %.3f s, %.1f tok/s, %.1f GFLOP/s = %.0f%% of measured GEMM %.1f GFLOP/s\n",
-                    o.tokens, t, o.tokens / t, flops / t / 1e9, 100 * flops / t / 1e9 / gemm, gemm);
     });
   });
 
@@ -262,6 +268,7 @@ void register_bench(CLI::App& app) {
   d->add_option("--context", dopt->context, "Prompt length before decoding")->capture_default_str();
   d->add_option("--batch", dopt->batch, "Sequences decoded together (each after its own --context tokens)")
       ->capture_default_str();
+  d->add_option("--batches", dopt->batches, "Several batch sizes, e.g. 1,32 (one JSON object each)");
   d->callback([dopt] {
     guarded([&] {
       const auto& o = *dopt;
@@ -270,52 +277,57 @@ void register_bench(CLI::App& app) {
       LoadedModel lm = open(o);
       auto& m = *lm.model;
       const auto& cfg = m.config();
-      const int B = o.batch;
-      auto ids = random_ids(o.context + int64_t(o.tokens) * B, cfg.vocab_size, o.seed);
+      const std::vector<int> bs =
+          o.batches.empty() ? std::vector<int>{o.batch} : parse_int_list(o.batches, "--batches", 1);
+      int max_b = 0;
+      for (int b : bs) max_b = std::max(max_b, b);
+      auto ids = random_ids(o.context + int64_t(o.tokens) * max_b, cfg.vocab_size, o.seed);
       // The context is prefilled once; every sequence of the batch starts from a copy of its state.
       SequenceState ctx = m.new_state(o.context + o.tokens);
       m.forward(std::span<const int32_t>(ids.data(), static_cast<size_t>(o.context)), ctx);
-      std::vector<double> times;
-      for (int r = 0; r < o.repeats + 1; ++r) {
-        std::vector<SequenceState> st;
-        for (int b = 0; b < B; ++b) st.push_back(m.clone_state(ctx));
-        m.backend().synchronize();
-        auto t0 = Clock::now();
-        for (int i = 0; i < o.tokens; ++i) {
-          if (B == 1) {
-            Tensor lg = m.forward(std::span<const int32_t>(ids.data() + o.context + i, 1), st[0]);
-            m.backend().to_host(lg);  // a real decode step reads its logits
-          } else {
-            std::vector<BatchItem> items;
-            for (int b = 0; b < B; ++b)
-              items.push_back({&st[static_cast<size_t>(b)],
-                               std::span<const int32_t>(ids.data() + o.context + int64_t(i) * B + b, 1)});
-            m.backend().to_host(m.forward_batch(items));
+      for (const int B : bs) {
+        std::vector<double> times;
+        for (int r = 0; r < o.repeats + 1; ++r) {
+          std::vector<SequenceState> st;
+          for (int b = 0; b < B; ++b) st.push_back(m.clone_state(ctx));
+          m.backend().synchronize();
+          auto t0 = Clock::now();
+          for (int i = 0; i < o.tokens; ++i) {
+            if (B == 1) {
+              Tensor lg = m.forward(std::span<const int32_t>(ids.data() + o.context + i, 1), st[0]);
+              m.backend().to_host(lg);  // a real decode step reads its logits
+            } else {
+              std::vector<BatchItem> items;
+              for (int b = 0; b < B; ++b)
+                items.push_back({&st[static_cast<size_t>(b)],
+                                 std::span<const int32_t>(ids.data() + o.context + int64_t(i) * B + b, 1)});
+              m.backend().to_host(m.forward_batch(items));
+            }
           }
+          if (r > 0) times.push_back(secs(t0, Clock::now()));
         }
-        if (r > 0) times.push_back(secs(t0, Clock::now()));
+        const double t = median(times);
+        // Bytes one step must stream: every weight once (MoE: upper bound, all experts).
+        const double gbps = m.weight_bytes() * o.tokens / t / 1e9;
+        nlohmann::json j{{"bench", "decode"},
+                         {"model", lm.description},
+                         {"backend", m.backend().name()},
+                         {"threads", m.backend().num_threads()},
+                         {"parameters", m.parameter_count()},
+                         {"context", o.context},
+                         {"batch", B},
+                         {"tokens", o.tokens},
+                         {"peak_device_bytes", m.backend().peak_memory_bytes()},
+                         {"seconds", t},
+                         {"tokens_per_s", double(o.tokens) * B / t},
+                         {"ms_per_token", 1000 * t / o.tokens},
+                         {"weight_bytes", m.weight_bytes()},
+                         {"weight_gb_per_s", gbps}};
+        std::cout << j.dump(o.json ? -1 : 2) << "\n";
+        if (!o.json)
+          std::printf("decode %d tokens after %d: %.2f ms/token, %.1f tok/s, weights streamed at %.2f GB/s\n", o.tokens,
+                      o.context, 1000 * t / o.tokens, o.tokens / t, gbps);
       }
-      const double t = median(times);
-      // Bytes one step must stream: every weight once (MoE: upper bound, all experts).
-      const double gbps = m.weight_bytes() * o.tokens / t / 1e9;
-      nlohmann::json j{{"bench", "decode"},
-                       {"model", lm.description},
-                       {"backend", m.backend().name()},
-                       {"threads", m.backend().num_threads()},
-                       {"parameters", m.parameter_count()},
-                       {"context", o.context},
-                       {"batch", o.batch},
-                       {"tokens", o.tokens},
-                       {"peak_device_bytes", m.backend().peak_memory_bytes()},
-                       {"seconds", t},
-                       {"tokens_per_s", double(o.tokens) * o.batch / t},
-                       {"ms_per_token", 1000 * t / o.tokens},
-                       {"weight_bytes", m.weight_bytes()},
-                       {"weight_gb_per_s", gbps}};
-      std::cout << j.dump(o.json ? -1 : 2) << "\n";
-      if (!o.json)
-        std::printf("decode %d tokens after %d: %.2f ms/token, %.1f tok/s, weights streamed at %.2f GB/s\n", o.tokens,
-                    o.context, 1000 * t / o.tokens, o.tokens / t, gbps);
     });
   });
 

@@ -35,25 +35,50 @@ __global__ void __launch_bounds__(kWarps * 32)
     acc[i] = 0.f;
   }
   float m = -FLT_MAX, l = 0.f;
-  for (int64_t j = j0 + w; j < n; j += kWarps) {
-    const float* kp = k + (j * Hkv + g) * D;
-    float s = 0.f;
+  // Four keys per step with independent loads and reductions: one key at a time leaves the warp
+  // waiting on memory latency (decode reads each key once).
+  constexpr int kU = 4;
+  for (int64_t jb = j0 + w * kU; jb < n; jb += kWarps * kU) {
+    float s[kU];
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      const int d = lane + 32 * i;
-      if (d < D) s += qr[i] * kp[d];
+    for (int u = 0; u < kU; ++u) {
+      s[u] = 0.f;
+      const int64_t j = jb + u;
+      if (j < n) {
+        const float* kp = k + (j * Hkv + g) * D;
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) {
+          const int d = lane + 32 * i;
+          if (d < D) s[u] += qr[i] * kp[d];
+        }
+      }
     }
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    s *= scale;
-    const float mn = fmaxf(m, s);
-    const float corr = expf(m - mn), p = expf(s - mn);
-    l = l * corr + p;
-    const float* vp = v + (j * Hkv + g) * Dv;
+    for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+      for (int u = 0; u < kU; ++u) s[u] += __shfl_xor_sync(0xffffffffu, s[u], o);
+    float mn = m;
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      s[u] = jb + u < n ? s[u] * scale : -FLT_MAX;
+      mn = fmaxf(mn, s[u]);
+    }
+    const float corr = expf(m - mn);
+    float p[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      p[u] = jb + u < n ? expf(s[u] - mn) : 0.f;
+      l = l * (u == 0 ? corr : 1.f) + p[u];
+    }
 #pragma unroll
     for (int i = 0; i < kPer; ++i) {
       const int d = lane + 32 * i;
-      acc[i] = acc[i] * corr + (d < Dv ? p * vp[d] : 0.f);
+      if (d >= Dv) continue;
+      float a = acc[i] * corr;
+#pragma unroll
+      for (int u = 0; u < kU; ++u)
+        if (jb + u < n) a += p[u] * v[((jb + u) * Hkv + g) * Dv + d];
+      acc[i] = a;
     }
     m = mn;
   }

@@ -693,11 +693,12 @@ void CudaBackend::set_identity(Tensor& t) {
 }
 
 // ---- mixture of experts ----------------------------------------------------------------------
-// Routing is computed on the host from the router logits (one device-to-host copy per MoE layer).
-// The used experts' rows are gathered into one padded buffer [experts used, rows of the busiest,
-// H], and each projection is ONE batched cuBLAS product over all of them (pointer arrays: any
-// weight layout); a combine kernel then sums every token's top-k outputs with their weights. A layer
-// is about seven launches whatever the expert count; the price is the padding of less busy experts.
+// Routing runs on the device (softmax, top-k, ranks in token order); only the E expert counts come
+// back to the host, which sizes the padded batch. The used experts' rows are gathered into one
+// buffer [experts used, rows of the busiest, H], and each projection is ONE batched cuBLAS product
+// over all of them (pointer arrays: any weight layout); a combine kernel then sums every token's
+// top-k outputs with their weights. A layer is about ten launches whatever the expert count; the
+// price is the padding of less busy experts.
 void CudaBackend::moe_experts(const Tensor& x, const Tensor& router_logits, int top_k, bool norm_topk,
                               const ExpertWeights& experts, Tensor& out) {
   OpScope scope_(*impl_, "moe_experts");
@@ -705,27 +706,26 @@ void CudaBackend::moe_experts(const Tensor& x, const Tensor& router_logits, int 
   const int64_t T = x.dim(0), H = x.dim(1), E = router_logits.dim(1);
   auto& m = *impl_;
   if (T == 0) return;
-  Tensor lg = to_host(router_logits);
-  const MoeRouting rt = route_topk(lg.data<float>(), T, E, top_k, norm_topk);
+  Tensor sel = alloc_uninit(DType::I32, {T * top_k}), dw = alloc_uninit(DType::F32, {T * top_k}),
+         rank = alloc_uninit(DType::I32, {T * top_k}), counts = alloc_uninit(DType::I32, {E});
+  launch_moe_route(m.stream, router_logits.data<float>(), T, E, top_k, norm_topk, sel.data<int32_t>(),
+                   dw.data<float>(), rank.data<int32_t>(), counts.data<int32_t>());
+  Tensor hc = to_host(counts);
   std::vector<int64_t> used;
+  std::vector<int32_t> batch_of(static_cast<size_t>(E), 0);
   int64_t maxn = 0;
   for (int64_t e = 0; e < E; ++e)
-    if (rt.start[e + 1] > rt.start[e]) {
+    if (const int32_t c = hc.data<int32_t>()[e]; c > 0) {
+      batch_of[static_cast<size_t>(e)] = static_cast<int32_t>(used.size());
       used.push_back(e);
-      maxn = std::max(maxn, rt.start[e + 1] - rt.start[e]);
+      maxn = std::max<int64_t>(maxn, c);
     }
   const int64_t B = static_cast<int64_t>(used.size());
-  std::vector<int32_t> rows(static_cast<size_t>(B * maxn), -1), pos(static_cast<size_t>(T * top_k));
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t e = used[static_cast<size_t>(b)];
-    for (int64_t r = 0; r < rt.start[e + 1] - rt.start[e]; ++r) {
-      const int64_t slot = rt.order[rt.start[e] + r];
-      rows[b * maxn + r] = static_cast<int32_t>(slot / top_k);
-      pos[slot] = static_cast<int32_t>(b * maxn + r);
-    }
-  }
-  Tensor drows = upload(rows.data(), DType::I32, B * maxn), dpos = upload(pos.data(), DType::I32, T * top_k);
-  Tensor dw = upload(rt.weight.data(), DType::F32, T * top_k);
+  Tensor dbatch = upload(batch_of.data(), DType::I32, E);
+  Tensor drows = alloc_uninit(DType::I32, {B * maxn}), dpos = alloc_uninit(DType::I32, {T * top_k});
+  CUDA_CHECK(cudaMemsetAsync(drows.raw(), 0xff, drows.nbytes(), m.stream));  // -1: padding rows
+  launch_moe_index(m.stream, sel.data<int32_t>(), rank.data<int32_t>(), dbatch.data<int32_t>(), T, top_k, maxn,
+                   drows.data<int32_t>(), dpos.data<int32_t>());
   Tensor xs = alloc_uninit(DType::F32, {B * maxn, H}), gs = alloc_uninit(DType::F32, {B * maxn, I}),
          us = alloc_uninit(DType::F32, {B * maxn, I}), ds = alloc_uninit(DType::F32, {B * maxn, H});
   launch_gather_rows(m.stream, x.data<float>(), drows.data<int32_t>(), xs.data<float>(), B * maxn, H);

@@ -40,7 +40,7 @@ __device__ __forceinline__ uint32_t ld32(const __nv_bfloat16* p) {
 template <int DP>
 __global__ void __launch_bounds__(kWarps * 32)
     k_flash(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v, int64_t T,
-            int64_t Hq, int64_t Hkv, int D, int Dv, int64_t kv_len, int64_t q_offset, float scale_log2,
+            int64_t Hq, int64_t Hkv, int D, int Dv, int64_t kv_len, int64_t q_offset, float scale_log2, bool vec4,
             float* __restrict__ out) {
   constexpr int QS = DP + 8, VS = kBK + 8;  // padded strides (bf16 elements): conflict-free fragment loads
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -73,12 +73,31 @@ __global__ void __launch_bounds__(kWarps * 32)
 
   for (int64_t k0 = 0; k0 < blk_hi; k0 += kBK) {
     __syncthreads();
-    for (int e = tid; e < kBK * DP; e += nthreads) {
-      const int j = e / DP, d = e % DP;
-      const int64_t key = k0 + j;
-      const bool in = key < kv_len;
-      Ks[j * QS + d] = __float2bfloat16_rn(in && d < D ? k[(key * Hkv + hk) * D + d] : 0.f);
-      Vt[d * VS + j] = __float2bfloat16_rn(in && d < Dv ? v[(key * Hkv + hk) * Dv + d] : 0.f);
+    if (vec4) {
+      // Four consecutive dims per thread: 16-byte loads (head dims are multiples of 4 in practice).
+      for (int e = tid; e < kBK * DP / 4; e += nthreads) {
+        const int j = e / (DP / 4), d = 4 * (e % (DP / 4));
+        const int64_t key = k0 + j;
+        const bool in = key < kv_len;
+        float4 kk4 = make_float4(0.f, 0.f, 0.f, 0.f), vv4 = kk4;
+        if (in && d < D) kk4 = *reinterpret_cast<const float4*>(k + (key * Hkv + hk) * D + d);
+        if (in && d < Dv) vv4 = *reinterpret_cast<const float4*>(v + (key * Hkv + hk) * Dv + d);
+        __nv_bfloat162* kd = reinterpret_cast<__nv_bfloat162*>(Ks + j * QS + d);
+        kd[0] = __floats2bfloat162_rn(kk4.x, kk4.y);
+        kd[1] = __floats2bfloat162_rn(kk4.z, kk4.w);
+        Vt[(d + 0) * VS + j] = __float2bfloat16_rn(vv4.x);
+        Vt[(d + 1) * VS + j] = __float2bfloat16_rn(vv4.y);
+        Vt[(d + 2) * VS + j] = __float2bfloat16_rn(vv4.z);
+        Vt[(d + 3) * VS + j] = __float2bfloat16_rn(vv4.w);
+      }
+    } else {
+      for (int e = tid; e < kBK * DP; e += nthreads) {
+        const int j = e / DP, d = e % DP;
+        const int64_t key = k0 + j;
+        const bool in = key < kv_len;
+        Ks[j * QS + d] = __float2bfloat16_rn(in && d < D ? k[(key * Hkv + hk) * D + d] : 0.f);
+        Vt[d * VS + j] = __float2bfloat16_rn(in && d < Dv ? v[(key * Hkv + hk) * Dv + d] : 0.f);
+      }
     }
     __syncthreads();
     if (k0 >= warp_hi) continue;  // every row of this warp is done (no barrier below)
@@ -187,8 +206,10 @@ void run(cudaStream_t s, const float* q, const float* k, const float* v, int64_t
     configured = true;
   }
   dim3 grid(static_cast<unsigned>((T + kBQ - 1) / kBQ), static_cast<unsigned>(Hq));
+  const bool vec4 = D % 4 == 0 && Dv % 4 == 0 && reinterpret_cast<uintptr_t>(k) % 16 == 0 &&
+                    reinterpret_cast<uintptr_t>(v) % 16 == 0;
   k_flash<DP><<<grid, kWarps * 32, smem, s>>>(q, k, v, T, Hq, Hkv, D, Dv, kv_len, q_offset,
-                                              scale * 1.4426950408889634f, out);
+                                              scale * 1.4426950408889634f, vec4, out);
   CUDA_LAUNCH_CHECK("k_flash");
 }
 

@@ -19,7 +19,7 @@ namespace {
 
 constexpr int kCols = 32;  // columns per block
 constexpr int kRows = 32;  // rows per thread at most (dk <= 32 P)
-constexpr int kTile = 16;  // tokens staged in shared memory at a time
+constexpr int kTile = 32;  // tokens staged in shared memory at a time
 
 template <int P>
 __global__ void __launch_bounds__(kCols * P)
@@ -31,6 +31,7 @@ __global__ void __launch_bounds__(kCols * P)
   float* ks = qs + kTile * dk;   // [kTile][dk]
   float* gs = ks + kTile * dk;   // [kTile]
   float* bs = gs + kTile;        // [kTile]
+  float* vs = bs + kTile;        // [kTile][kCols]: this block's columns of v (0 for T columns)
   const int h = blockIdx.y;
   const int64_t hk = h / (Hv / Hk);
   const int p = threadIdx.x % P;
@@ -63,6 +64,11 @@ __global__ void __launch_bounds__(kCols * P)
       gs[tt] = g[(t0 + tt) * Hv + h];
       bs[tt] = beta[(t0 + tt) * Hv + h];
     }
+    // v staged too: a global load per token would sit on the recurrence's critical path.
+    for (int e = threadIdx.x; e < nt * kCols; e += nthreads) {
+      const int tt = e / kCols, cc = blockIdx.x * kCols + e % kCols;
+      vs[e] = cc < dv ? v[((t0 + tt) * Hv + h) * dv + cc] : 0.f;
+    }
     __syncthreads();
     // q and k scales (L2 norms as the CPU backend: x / sqrt(sum x^2 + 1e-6)), one warp per token.
     for (int tt = warp; tt < nt; tt += nwarps) {
@@ -89,7 +95,7 @@ __global__ void __launch_bounds__(kCols * P)
       const float* qt = qs + tt * dk;
       const float decay = expf(gs[tt]), b = bs[tt];
       const int64_t orow = ((t0 + tt) * Hv + h) * dv;
-      const float vc = (valid && !is_T) ? v[orow + c] : 0.f;
+      const float vc = vs[tt * kCols + threadIdx.x / P];
       float kS = 0.f;
 #pragma unroll
       for (int i = 0; i < kRows; ++i) {
@@ -126,7 +132,7 @@ template <int P>
 void run(cudaStream_t st, const float* q, const float* k, const float* v, const float* g, const float* beta,
          bool l2norm, int64_t T, int64_t Hk, int64_t Hv, int dk, int dv, float* state, float* out, float* tr) {
   const int ncols = dv + (tr ? dk : 0);
-  const size_t smem = static_cast<size_t>(kTile * (2 * dk + 2)) * sizeof(float);
+  const size_t smem = static_cast<size_t>(kTile * (2 * dk + 2 + kCols)) * sizeof(float);
   if (smem > 48 * 1024) CUDA_CHECK(cudaFuncSetAttribute(k_gdn<P>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                         static_cast<int>(smem)));
   dim3 grid(static_cast<unsigned>((ncols + kCols - 1) / kCols), static_cast<unsigned>(Hv));

@@ -36,6 +36,13 @@ void launch_causal_conv1d_silu(cudaStream_t s, const float* x, const void* w, DT
 void launch_set_identity(cudaStream_t s, float* t, int64_t H, int64_t n);
 // rows: out[i, :] = x[idx[i], :], or zeros where idx[i] < 0 (padding)
 void launch_gather_rows(cudaStream_t s, const float* x, const int32_t* idx, float* out, int64_t n, int64_t H);
+// MoE routing (moe.cu): sel/wsel [T*k] chosen experts and weights, rank [T*k] each slot's place
+// among its expert's slots in token order, counts [E].
+void launch_moe_route(cudaStream_t s, const float* logits, int64_t T, int64_t E, int top_k, bool norm, int32_t* sel,
+                      float* wsel, int32_t* rank, int32_t* counts);
+// rows[batch_of[e] * maxn + rank] = token of each slot (rows pre-filled with -1), pos[slot] = that row.
+void launch_moe_index(cudaStream_t s, const int32_t* sel, const int32_t* rank, const int32_t* batch_of, int64_t T,
+                      int top_k, int64_t maxn, int32_t* rows, int32_t* pos);
 // MoE un-permute: out[t, :] = sum_j w[t*k + j] * y[pos[t*k + j], :] (one block per token: no races)
 void launch_moe_combine(cudaStream_t s, const float* y, const int32_t* pos, const float* w, int64_t T, int top_k,
                         int64_t H, float* out);
