@@ -1,6 +1,7 @@
 // Flash attention (prefill) on the tensor cores: causal GQA over f32 q/k/v rounded to bf16 in
 // shared memory, bf16 mma.sync (m16n8k16) with f32 accumulation, online softmax in registers (the
-// FlashAttention-2 schedule). A block owns 64 query rows of one query head (16 per warp) and walks
+// FlashAttention-2 schedule); V's fragments come from row-major tiles through ldmatrix.trans. A
+// block owns 128 query rows of one query head (16 per warp) and walks
 // 64-key tiles of its kv head up to the last key its rows can see; keys are masked per row by
 // position (q_offset + row, and kv_len), so spans that start anywhere in the cache work as they do
 // in the f32 kernel (attention.cu), which stays as the reference and the precise path.
@@ -17,7 +18,7 @@ namespace hypic::cuda {
 
 namespace {
 
-constexpr int kBQ = 64, kBK = 64, kWarps = 4;
+constexpr int kBQ = 128, kBK = 64, kWarps = 8;
 
 __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                          uint32_t b0, uint32_t b1) {
@@ -37,16 +38,23 @@ __device__ __forceinline__ uint32_t ld32(const __nv_bfloat16* p) {
   return *reinterpret_cast<const uint32_t*>(p);
 }
 
+// B fragments (k = 16 keys, n = 8 dims) of row-major V [key][dim]: two transposed 8x8 loads. Lanes
+// 0-7 give the rows of keys 0-7, lanes 8-15 those of keys 8-15 (lanes 16-31: any valid address).
+__device__ __forceinline__ void ldmatrix_x2_trans(uint32_t& b0, uint32_t& b1, const __nv_bfloat16* row) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n" : "=r"(b0), "=r"(b1) : "r"(addr));
+}
+
 template <int DP>
 __global__ void __launch_bounds__(kWarps * 32)
     k_flash(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v, int64_t T,
             int64_t Hq, int64_t Hkv, int D, int Dv, int64_t kv_len, int64_t q_offset, float scale_log2, bool vec4,
             float* __restrict__ out) {
-  constexpr int QS = DP + 8, VS = kBK + 8;  // padded strides (bf16 elements): conflict-free fragment loads
+  constexpr int QS = DP + 8;  // padded row stride (bf16 elements): conflict-free fragment loads
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* Qs = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [kBQ][QS]
   __nv_bfloat16* Ks = Qs + kBQ * QS;                                 // [kBK][QS]
-  __nv_bfloat16* Vt = Ks + kBK * QS;                                 // [DP][VS] (transposed)
+  __nv_bfloat16* Vs = Ks + kBK * QS;                                 // [kBK][QS]
   const int64_t q0 = static_cast<int64_t>(blockIdx.x) * kBQ;
   const int64_t h = blockIdx.y, hk = h / (Hq / Hkv);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
@@ -85,10 +93,9 @@ __global__ void __launch_bounds__(kWarps * 32)
         __nv_bfloat162* kd = reinterpret_cast<__nv_bfloat162*>(Ks + j * QS + d);
         kd[0] = __floats2bfloat162_rn(kk4.x, kk4.y);
         kd[1] = __floats2bfloat162_rn(kk4.z, kk4.w);
-        Vt[(d + 0) * VS + j] = __float2bfloat16_rn(vv4.x);
-        Vt[(d + 1) * VS + j] = __float2bfloat16_rn(vv4.y);
-        Vt[(d + 2) * VS + j] = __float2bfloat16_rn(vv4.z);
-        Vt[(d + 3) * VS + j] = __float2bfloat16_rn(vv4.w);
+        __nv_bfloat162* vd = reinterpret_cast<__nv_bfloat162*>(Vs + j * QS + d);
+        vd[0] = __floats2bfloat162_rn(vv4.x, vv4.y);
+        vd[1] = __floats2bfloat162_rn(vv4.z, vv4.w);
       }
     } else {
       for (int e = tid; e < kBK * DP; e += nthreads) {
@@ -96,7 +103,7 @@ __global__ void __launch_bounds__(kWarps * 32)
         const int64_t key = k0 + j;
         const bool in = key < kv_len;
         Ks[j * QS + d] = __float2bfloat16_rn(in && d < D ? k[(key * Hkv + hk) * D + d] : 0.f);
-        Vt[d * VS + j] = __float2bfloat16_rn(in && d < Dv ? v[(key * Hkv + hk) * Dv + d] : 0.f);
+        Vs[j * QS + d] = __float2bfloat16_rn(in && d < Dv ? v[(key * Hkv + hk) * Dv + d] : 0.f);
       }
     }
     __syncthreads();
@@ -168,8 +175,9 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
       for (int n = 0; n < NO; ++n) {
         if (n >= ntiles) break;
-        const __nv_bfloat16* vb = Vt + (n * 8 + g) * VS + ks * 16 + 2 * t4;
-        mma_bf16(o[n], a0, a1, a2, a3, ld32(vb), ld32(vb + 8));
+        uint32_t b0, b1;
+        ldmatrix_x2_trans(b0, b1, Vs + (ks * 16 + (lane % 16)) * QS + n * 8);
+        mma_bf16(o[n], a0, a1, a2, a3, b0, b1);
       }
     }
   }
@@ -199,7 +207,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 template <int DP>
 void run(cudaStream_t s, const float* q, const float* k, const float* v, int64_t T, int64_t Hq, int64_t Hkv, int D,
          int Dv, int64_t kv_len, int64_t q_offset, float scale, float* out) {
-  const size_t smem = (static_cast<size_t>(kBQ + kBK) * (DP + 8) + static_cast<size_t>(DP) * (kBK + 8)) * 2;
+  const size_t smem = static_cast<size_t>(kBQ + 2 * kBK) * (DP + 8) * 2;
   static bool configured = false;  // per device would be exact; one GPU per process is the norm
   if (!configured) {
     CUDA_CHECK(cudaFuncSetAttribute(k_flash<DP>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
