@@ -116,8 +116,8 @@ TEST_F(CudaModel, FastBf16ProductsAgainstReference) {
     Tensor lg = lm.backend->to_host(lm.model->forward(ids, st, {.all_logits = true}));
     for (int64_t r = 0; r < lg.dim(0); ++r) worst[exact] = std::max(worst[exact], row_err(lg, r, want, r));
   }
-  std::printf("qwen3_5_dense_bf16 max |dlogprob| vs transformers: bf16 products %.4f, exact products %.2e\n",
-              worst[0], worst[1]);
+  std::printf("qwen3_5_dense_bf16 max |dlogprob| vs transformers: bf16 products %.4f, exact products %.2e\n", worst[0],
+              worst[1]);
   RecordProperty("bf16_products_max_err", std::to_string(worst[0]));
   EXPECT_TRUE(std::isfinite(worst[0]));
   EXPECT_LE(worst[1], kTol);

@@ -187,10 +187,10 @@ TEST_F(CudaOps, AttentionPrefillDecodeAndOffsets) {
   struct Case {
     int64_t T, S, kv_len, q_offset, Hq, Hkv, D, Dv;
   };
-  for (Case c : {Case{1, 40, 40, 39, 4, 2, 64, 64}, Case{5, 64, 61, 56, 8, 2, 256, 256},
-                 Case{70, 70, 70, 0, 6, 3, 96, 40}, Case{33, 100, 90, 57, 2, 2, 128, 128},
-                 Case{300, 500, 470, 170, 16, 2, 256, 256}, Case{129, 129, 129, 0, 4, 2, 32, 32},
-                 Case{200, 1000, 1000, 800, 4, 1, 128, 64}})
+  for (Case c :
+       {Case{1, 40, 40, 39, 4, 2, 64, 64}, Case{5, 64, 61, 56, 8, 2, 256, 256}, Case{70, 70, 70, 0, 6, 3, 96, 40},
+        Case{33, 100, 90, 57, 2, 2, 128, 128}, Case{300, 500, 470, 170, 16, 2, 256, 256},
+        Case{129, 129, 129, 0, 4, 2, 32, 32}, Case{200, 1000, 1000, 800, 4, 1, 128, 64}})
     for (bool precise : {false, true}) {
       gpu->set_precise(precise);
       Tensor q = randn({c.T, c.Hq, c.D}, rng), k = randn({c.S, c.Hkv, c.D}, rng), v = randn({c.S, c.Hkv, c.Dv}, rng);
@@ -293,7 +293,8 @@ TEST_F(CudaOps, BadInputIsRejectedWithAClearError) {
   EXPECT_NE(error_of([&] { gpu->matmul(x, w, y); }).find("not on the cuda device"), std::string::npos);
   Tensor bad = gpu->alloc(DType::F32, {4, 6});
   EXPECT_NE(error_of([&] { gpu->matmul(dev(x), w, bad); }).find("expected shape [4, 5]"), std::string::npos);
-  Tensor q = gpu->alloc(DType::F32, {2, 3, 8}), k = gpu->alloc(DType::F32, {4, 2, 8}), o = gpu->alloc(DType::F32, {2, 3, 8});
+  Tensor q = gpu->alloc(DType::F32, {2, 3, 8}), k = gpu->alloc(DType::F32, {4, 2, 8}),
+         o = gpu->alloc(DType::F32, {2, 3, 8});
   EXPECT_NE(error_of([&] { gpu->attention(q, k, k, 4, 0, 1.f, o); }).find("not a multiple"), std::string::npos);
   std::vector<int32_t> ids = {3, 99};
   Tensor tab = gpu->alloc(DType::F32, {10, 8}), e = gpu->alloc(DType::F32, {2, 8});

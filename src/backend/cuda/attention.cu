@@ -165,11 +165,11 @@ void launch_attention(cudaStream_t s, const float* q, const float* k, const floa
   float* part_ml = part;
   float* part_acc = part ? part + 2 * T * Hq * splits : nullptr;
   k_attention<<<dim3(static_cast<unsigned>(T), static_cast<unsigned>(Hq), static_cast<unsigned>(splits)), kWarps * 32,
-                 0, s>>>(q, k, v, Hq, Hkv, D, Dv, kv_len, q_offset, scale, chunk, out, part_ml, part_acc);
+                0, s>>>(q, k, v, Hq, Hkv, D, Dv, kv_len, q_offset, scale, chunk, out, part_ml, part_acc);
   CUDA_LAUNCH_CHECK("k_attention");
   if (splits > 1) {
     k_attention_merge<<<dim3(static_cast<unsigned>(T), static_cast<unsigned>(Hq)), 128, 0, s>>>(part_ml, part_acc, Hq,
-                                                                                               Dv, splits, out);
+                                                                                                Dv, splits, out);
     CUDA_LAUNCH_CHECK("k_attention_merge");
   }
 }

@@ -4,9 +4,9 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <cmath>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -66,8 +66,8 @@ class DeviceAllocator {
       e = cudaMalloc(&p, r);
     }
     if (e != cudaSuccess)
-      throw std::runtime_error("cudaMalloc of " + std::to_string(r) + " bytes failed: " + cudaGetErrorString(e) +
-                               " (" + std::to_string(in_use_ >> 20) + " MiB in use by hypic)");
+      throw std::runtime_error("cudaMalloc of " + std::to_string(r) + " bytes failed: " + cudaGetErrorString(e) + " (" +
+                               std::to_string(in_use_ >> 20) + " MiB in use by hypic)");
     std::lock_guard<std::mutex> lk(mu_);
     in_use_ += r;
     peak_ = std::max(peak_, in_use_);
@@ -203,8 +203,6 @@ class OpScope {
 };
 }  // namespace
 
-
-
 bool device_available() {
   int n = 0;
   const cudaError_t e = cudaGetDeviceCount(&n);
@@ -273,7 +271,8 @@ Tensor CudaBackend::alloc_uninit(DType dt, Shape shape) {
   const size_t bytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dt);
   auto mem = impl_->mem;
   void* p = mem->get(std::max<size_t>(bytes, 1));
-  auto st = std::make_shared<Storage>(p, bytes, device(), [mem, bytes](void* q) { mem->put(q, std::max<size_t>(bytes, 1)); });
+  auto st =
+      std::make_shared<Storage>(p, bytes, device(), [mem, bytes](void* q) { mem->put(q, std::max<size_t>(bytes, 1)); });
   return Tensor(std::move(st), 0, dt, std::move(shape));
 }
 
@@ -569,8 +568,8 @@ void CudaBackend::attention(const Tensor& q, const Tensor& k, const Tensor& v, i
   if (T == 0) return;
   // Prefill-sized spans on the tensor cores; decode steps and precise mode in f32 (key-split).
   if (!impl_->exact_half && T >= 16) {
-    launch_flash_attention(impl_->stream, q.data<float>(), k.data<float>(), v.data<float>(), T, Hq, Hkv, D, Dv,
-                           kv_len, q_offset, scale, out.data<float>());
+    launch_flash_attention(impl_->stream, q.data<float>(), k.data<float>(), v.data<float>(), T, Hq, Hkv, D, Dv, kv_len,
+                           q_offset, scale, out.data<float>());
     return;
   }
   Tensor part = alloc_uninit(DType::F32, {attention_part_floats(T, Hq, Dv, kv_len)});
@@ -623,8 +622,7 @@ void CudaBackend::gdn_gates(const Tensor& a, const Tensor& b, const Tensor& A_lo
 }
 
 void CudaBackend::gated_delta_rule(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
-                                   const Tensor& beta, bool l2norm_qk, Tensor& state, Tensor& out,
-                                   Tensor* transition) {
+                                   const Tensor& beta, bool l2norm_qk, Tensor& state, Tensor& out, Tensor* transition) {
   OpScope scope_(*impl_, "gated_delta_rule");
   const char* op = "gated_delta_rule";
   need_f32(op, "q", q, kDev);
@@ -708,8 +706,8 @@ void CudaBackend::moe_experts(const Tensor& x, const Tensor& router_logits, int 
   if (T == 0) return;
   Tensor sel = alloc_uninit(DType::I32, {T * top_k}), dw = alloc_uninit(DType::F32, {T * top_k}),
          rank = alloc_uninit(DType::I32, {T * top_k}), counts = alloc_uninit(DType::I32, {E});
-  launch_moe_route(m.stream, router_logits.data<float>(), T, E, top_k, norm_topk, sel.data<int32_t>(),
-                   dw.data<float>(), rank.data<int32_t>(), counts.data<int32_t>());
+  launch_moe_route(m.stream, router_logits.data<float>(), T, E, top_k, norm_topk, sel.data<int32_t>(), dw.data<float>(),
+                   rank.data<int32_t>(), counts.data<int32_t>());
   Tensor hc = to_host(counts);
   std::vector<int64_t> used;
   std::vector<int32_t> batch_of(static_cast<size_t>(E), 0);
@@ -783,11 +781,10 @@ void CudaBackend::batched_matmul(const Tensor& x, const std::vector<const Tensor
                                       static_cast<int>(K), beta, reinterpret_cast<float* const*>(base + 2 * B),
                                       static_cast<int>(N), static_cast<int>(B)));
     } else {
-      CUBLAS_CHECK(cublasGemmBatchedEx(m.blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(M),
-                                       static_cast<int>(K), &alpha, base, cuda_type(wd), static_cast<int>(K), base + B,
-                                       cuda_type(wd), static_cast<int>(K), beta, base + 2 * B, CUDA_R_32F,
-                                       static_cast<int>(N), static_cast<int>(B), CUBLAS_COMPUTE_32F,
-                                       CUBLAS_GEMM_DEFAULT));
+      CUBLAS_CHECK(cublasGemmBatchedEx(
+          m.blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(M), static_cast<int>(K), &alpha, base,
+          cuda_type(wd), static_cast<int>(K), base + B, cuda_type(wd), static_cast<int>(K), beta, base + 2 * B,
+          CUDA_R_32F, static_cast<int>(N), static_cast<int>(B), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     }
   }
 }

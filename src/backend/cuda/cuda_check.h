@@ -25,21 +25,21 @@ namespace hypic::cuda {
 
 }  // namespace hypic::cuda
 
-#define CUDA_CHECK(call)                                                              \
-  do {                                                                                \
-    cudaError_t hypic_e_ = (call);                                                    \
+#define CUDA_CHECK(call)                                                                         \
+  do {                                                                                           \
+    cudaError_t hypic_e_ = (call);                                                               \
     if (hypic_e_ != cudaSuccess) ::hypic::cuda::throw_cuda(#call, hypic_e_, __FILE__, __LINE__); \
   } while (0)
 
-#define CUBLAS_CHECK(call)                                                               \
-  do {                                                                                   \
-    cublasStatus_t hypic_s_ = (call);                                                    \
+#define CUBLAS_CHECK(call)                                                                                   \
+  do {                                                                                                       \
+    cublasStatus_t hypic_s_ = (call);                                                                        \
     if (hypic_s_ != CUBLAS_STATUS_SUCCESS) ::hypic::cuda::throw_cublas(#call, hypic_s_, __FILE__, __LINE__); \
   } while (0)
 
 // After a kernel launch: a bad configuration is reported here, naming the kernel.
-#define CUDA_LAUNCH_CHECK(name)                                                                  \
-  do {                                                                                           \
-    cudaError_t hypic_e_ = cudaGetLastError();                                                   \
+#define CUDA_LAUNCH_CHECK(name)                                                                              \
+  do {                                                                                                       \
+    cudaError_t hypic_e_ = cudaGetLastError();                                                               \
     if (hypic_e_ != cudaSuccess) ::hypic::cuda::throw_cuda("launch of " name, hypic_e_, __FILE__, __LINE__); \
   } while (0)

@@ -184,8 +184,8 @@ __global__ void k_gdn_gates(const float* a, const float* b, const void* A_log, D
 }
 
 // out[t, c] = silu(sum_j w[c, j] * xx(t + j)), xx = state rows (K-1, oldest first) then x rows.
-__global__ void k_conv1d(const float* x, const void* w, DType wdt, const float* state, float* out, int64_t T,
-                         int64_t C, int64_t K) {
+__global__ void k_conv1d(const float* x, const void* w, DType wdt, const float* state, float* out, int64_t T, int64_t C,
+                         int64_t K) {
   const int64_t n = T * C, P = K - 1;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = i / C, c = i % C;
@@ -220,7 +220,8 @@ __global__ void k_set_identity(float* t, int64_t H, int64_t n) {
 __global__ void k_gather_rows(const float* x, const int32_t* idx, float* out, int64_t H) {
   const int64_t r = blockIdx.x;
   const int32_t i = idx[r];
-  for (int64_t c = threadIdx.x; c < H; c += blockDim.x) out[r * H + c] = i < 0 ? 0.f : x[static_cast<int64_t>(i) * H + c];
+  for (int64_t c = threadIdx.x; c < H; c += blockDim.x)
+    out[r * H + c] = i < 0 ? 0.f : x[static_cast<int64_t>(i) * H + c];
 }
 
 __global__ void k_moe_combine(const float* y, const int32_t* pos, const float* w, int top_k, int64_t H, float* out) {
@@ -299,16 +300,16 @@ void launch_copy_cols(cudaStream_t s, const void* src, int64_t src_cols, int64_t
                                          dst_cols, dcol, R, W);
       break;
     case 2:
-      k_copy_cols<<<b, kThreads, 0, s>>>(static_cast<const uint16_t*>(src), src_cols, scol,
-                                         static_cast<uint16_t*>(dst), dst_cols, dcol, R, W);
+      k_copy_cols<<<b, kThreads, 0, s>>>(static_cast<const uint16_t*>(src), src_cols, scol, static_cast<uint16_t*>(dst),
+                                         dst_cols, dcol, R, W);
       break;
     case 4:
-      k_copy_cols<<<b, kThreads, 0, s>>>(static_cast<const uint32_t*>(src), src_cols, scol,
-                                         static_cast<uint32_t*>(dst), dst_cols, dcol, R, W);
+      k_copy_cols<<<b, kThreads, 0, s>>>(static_cast<const uint32_t*>(src), src_cols, scol, static_cast<uint32_t*>(dst),
+                                         dst_cols, dcol, R, W);
       break;
     default:
-      k_copy_cols<<<b, kThreads, 0, s>>>(static_cast<const uint64_t*>(src), src_cols, scol,
-                                         static_cast<uint64_t*>(dst), dst_cols, dcol, R, W);
+      k_copy_cols<<<b, kThreads, 0, s>>>(static_cast<const uint64_t*>(src), src_cols, scol, static_cast<uint64_t*>(dst),
+                                         dst_cols, dcol, R, W);
   }
   CUDA_LAUNCH_CHECK("k_copy_cols");
 }
@@ -320,8 +321,8 @@ void launch_rope_neox(cudaStream_t s, float* x, int64_t T, int64_t H, int64_t D,
   CUDA_LAUNCH_CHECK("k_rope_neox");
 }
 
-void launch_gdn_gates(cudaStream_t s, const float* a, const float* b, const void* A_log, DType adt,
-                      const void* dt_bias, DType bdt, float* g, float* beta, int64_t T, int64_t H) {
+void launch_gdn_gates(cudaStream_t s, const float* a, const float* b, const void* A_log, DType adt, const void* dt_bias,
+                      DType bdt, float* g, float* beta, int64_t T, int64_t H) {
   if (T * H == 0) return;
   k_gdn_gates<<<blocks_for(T * H), kThreads, 0, s>>>(a, b, A_log, adt, dt_bias, bdt, g, beta, T, H);
   CUDA_LAUNCH_CHECK("k_gdn_gates");

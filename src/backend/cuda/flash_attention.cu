@@ -20,8 +20,8 @@ namespace {
 
 constexpr int kBQ = 128, kBK = 64, kWarps = 8;
 
-__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
+__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                         uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
@@ -53,8 +53,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   constexpr int QS = DP + 8;  // padded row stride (bf16 elements): conflict-free fragment loads
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* Qs = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [kBQ][QS]
-  __nv_bfloat16* Ks = Qs + kBQ * QS;                                 // [kBK][QS]
-  __nv_bfloat16* Vs = Ks + kBK * QS;                                 // [kBK][QS]
+  __nv_bfloat16* Ks = Qs + kBQ * QS;                               // [kBK][QS]
+  __nv_bfloat16* Vs = Ks + kBK * QS;                               // [kBK][QS]
   const int64_t q0 = static_cast<int64_t>(blockIdx.x) * kBQ;
   const int64_t h = blockIdx.y, hk = h / (Hq / Hkv);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
@@ -214,10 +214,10 @@ void run(cudaStream_t s, const float* q, const float* k, const float* v, int64_t
     configured = true;
   }
   dim3 grid(static_cast<unsigned>((T + kBQ - 1) / kBQ), static_cast<unsigned>(Hq));
-  const bool vec4 = D % 4 == 0 && Dv % 4 == 0 && reinterpret_cast<uintptr_t>(k) % 16 == 0 &&
-                    reinterpret_cast<uintptr_t>(v) % 16 == 0;
-  k_flash<DP><<<grid, kWarps * 32, smem, s>>>(q, k, v, T, Hq, Hkv, D, Dv, kv_len, q_offset,
-                                              scale * 1.4426950408889634f, vec4, out);
+  const bool vec4 =
+      D % 4 == 0 && Dv % 4 == 0 && reinterpret_cast<uintptr_t>(k) % 16 == 0 && reinterpret_cast<uintptr_t>(v) % 16 == 0;
+  k_flash<DP><<<grid, kWarps * 32, smem, s>>>(q, k, v, T, Hq, Hkv, D, Dv, kv_len, q_offset, scale * 1.4426950408889634f,
+                                              vec4, out);
   CUDA_LAUNCH_CHECK("k_flash");
 }
 

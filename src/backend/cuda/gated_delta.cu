@@ -22,16 +22,16 @@ constexpr int kRows = 32;  // rows per thread at most (dk <= 32 P)
 constexpr int kTile = 32;  // tokens staged in shared memory at a time
 
 template <int P>
-__global__ void __launch_bounds__(kCols * P)
+__global__ void __launch_bounds__(kCols* P)
     k_gdn(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
           const float* __restrict__ g, const float* __restrict__ beta, bool l2norm, int64_t T, int64_t Hk, int64_t Hv,
           int dk, int dv, float* state, float* out, float* transition) {
   extern __shared__ float smem[];
-  float* qs = smem;              // [kTile][dk]
-  float* ks = qs + kTile * dk;   // [kTile][dk]
-  float* gs = ks + kTile * dk;   // [kTile]
-  float* bs = gs + kTile;        // [kTile]
-  float* vs = bs + kTile;        // [kTile][kCols]: this block's columns of v (0 for T columns)
+  float* qs = smem;             // [kTile][dk]
+  float* ks = qs + kTile * dk;  // [kTile][dk]
+  float* gs = ks + kTile * dk;  // [kTile]
+  float* bs = gs + kTile;       // [kTile]
+  float* vs = bs + kTile;       // [kTile][kCols]: this block's columns of v (0 for T columns)
   const int h = blockIdx.y;
   const int64_t hk = h / (Hv / Hk);
   const int p = threadIdx.x % P;
@@ -133,8 +133,8 @@ void run(cudaStream_t st, const float* q, const float* k, const float* v, const 
          bool l2norm, int64_t T, int64_t Hk, int64_t Hv, int dk, int dv, float* state, float* out, float* tr) {
   const int ncols = dv + (tr ? dk : 0);
   const size_t smem = static_cast<size_t>(kTile * (2 * dk + 2 + kCols)) * sizeof(float);
-  if (smem > 48 * 1024) CUDA_CHECK(cudaFuncSetAttribute(k_gdn<P>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                        static_cast<int>(smem)));
+  if (smem > 48 * 1024)
+    CUDA_CHECK(cudaFuncSetAttribute(k_gdn<P>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   dim3 grid(static_cast<unsigned>((ncols + kCols - 1) / kCols), static_cast<unsigned>(Hv));
   k_gdn<P><<<grid, kCols * P, smem, st>>>(q, k, v, g, beta, l2norm, T, Hk, Hv, dk, dv, state, out, tr);
   CUDA_LAUNCH_CHECK("k_gdn");

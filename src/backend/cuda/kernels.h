@@ -29,8 +29,8 @@ void launch_copy_cols(cudaStream_t s, const void* src, int64_t src_cols, int64_t
                       int64_t dcol, int64_t R, int64_t W, size_t es);
 void launch_rope_neox(cudaStream_t s, float* x, int64_t T, int64_t H, int64_t D, const int64_t* pos,
                       const float* inv_freq, int half);
-void launch_gdn_gates(cudaStream_t s, const float* a, const float* b, const void* A_log, DType adt,
-                      const void* dt_bias, DType bdt, float* g, float* beta, int64_t T, int64_t H);
+void launch_gdn_gates(cudaStream_t s, const float* a, const float* b, const void* A_log, DType adt, const void* dt_bias,
+                      DType bdt, float* g, float* beta, int64_t T, int64_t H);
 void launch_causal_conv1d_silu(cudaStream_t s, const float* x, const void* w, DType wdt, float* state, float* out,
                                int64_t T, int64_t C, int64_t K);
 void launch_set_identity(cudaStream_t s, float* t, int64_t H, int64_t n);

@@ -103,7 +103,8 @@ __global__ void k_moe_index(const int32_t* sel, const int32_t* rank, const int32
 
 void launch_moe_route(cudaStream_t s, const float* logits, int64_t T, int64_t E, int top_k, bool norm, int32_t* sel,
                       float* wsel, int32_t* rank, int32_t* counts) {
-  if (E > 32 * kMaxPer) throw std::invalid_argument("moe_experts: at most 1024 experts on cuda, got " + std::to_string(E));
+  if (E > 32 * kMaxPer)
+    throw std::invalid_argument("moe_experts: at most 1024 experts on cuda, got " + std::to_string(E));
   if (T == 0) return;
   k_route<<<static_cast<unsigned>((T + 7) / 8), 256, 0, s>>>(logits, T, static_cast<int>(E), top_k, norm, sel, wsel);
   CUDA_LAUNCH_CHECK("k_route");
