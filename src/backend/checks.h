@@ -3,6 +3,7 @@
 // tensors involved, so a bad call fails the same way on the CPU and on the GPU.
 #pragma once
 #include <cstdint>
+#include <span>
 #include <stdexcept>
 #include <string>
 
@@ -58,5 +59,26 @@ inline bool overlaps(const Tensor& a, const Tensor& b) {
   auto pa = static_cast<const char*>(a.raw()), pb = static_cast<const char*>(b.raw());
   return pa < pb + b.nbytes() && pb < pa + a.nbytes() && a.nbytes() && b.nbytes();
 }
+
+// Per-op checks (op_checks.cpp), one per op of backend.h, used by every backend.
+void check_matmul(const Tensor& x, const Tensor& w, const Tensor& y, DeviceKind dev);
+void check_embedding(const Tensor& table, std::span<const int32_t> ids, const Tensor& out, DeviceKind dev);
+void check_rms_norm(const Tensor& x, const Tensor* z, const Tensor& w, const Tensor& out, DeviceKind dev);  // z: gated
+void check_binary(const char* op, const char* an, const Tensor& a, const char* bn, const Tensor& b, const Tensor& out,
+                  DeviceKind dev);
+// true: gate is [rows, 1], one gate per row.
+bool check_sigmoid_mul(const Tensor& x, const Tensor& gate, const Tensor& out, DeviceKind dev);
+void check_cols(const char* op, const Tensor& wide, const Tensor& narrow, int64_t col, const char* wn, const char* nn,
+                DeviceKind dev);
+void check_rope(const Tensor& x, size_t positions, int rot_dim, double theta, DeviceKind dev);
+void check_attention(const Tensor& q, const Tensor& k, const Tensor& v, int64_t kv_len, int64_t q_offset,
+                     const Tensor& out, DeviceKind dev);
+void check_conv1d(const Tensor& x, const Tensor& w, const Tensor& state, const Tensor& out, DeviceKind dev);
+void check_gdn_gates(const Tensor& a, const Tensor& b, const Tensor& A_log, const Tensor& dt_bias, const Tensor& g,
+                     const Tensor& beta, DeviceKind dev);
+void check_gated_delta_rule(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                            const Tensor& state, const Tensor& out, const Tensor* transition, DeviceKind dev);
+void check_compose_state(const Tensor& T, const Tensor& S, const Tensor& B, const Tensor& out, DeviceKind dev);
+void check_set_identity(const Tensor& t, DeviceKind dev);
 
 }  // namespace hypic::checks

@@ -346,18 +346,8 @@ void CpuBackend::fill(Tensor& t, float value) {
 // OpenBLAS is set to one thread (constructor): the pool is the only source of parallelism.
 // ================================================================================================
 void CpuBackend::matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate) {
-  const char* op = "matmul";
-  need_f32(op, "x", x);
-  need_float(op, "w", w);
-  need_f32(op, "y", y);
-  need_ndim(op, "x", x, 2);
-  need_ndim(op, "w", w, 2);
-  need_ndim(op, "y", y, 2);
+  check_matmul(x, w, y, DeviceKind::CPU);
   const int64_t M = x.dim(0), K = x.dim(1), N = w.dim(0);
-  if (w.dim(1) != K) fail(op, "x " + x.str() + " and w " + w.str() + ": inner dims differ");
-  if (y.dim(0) != M || y.dim(1) != N)
-    fail(op, "y " + y.str() + ": expected shape " + shape_str({M, N}) + " for x " + x.str() + " and w " + w.str());
-  if (overlaps(y, x) || overlaps(y, w)) fail(op, "y " + y.str() + " overlaps an input");
   if (M == 0 || N == 0) return;
   float* yp = y.data<float>();
   if (K == 0) {
@@ -437,15 +427,8 @@ void CpuBackend::matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accumu
 }
 
 void CpuBackend::embedding(const Tensor& table, std::span<const int32_t> ids, Tensor& out) {
-  const char* op = "embedding";
-  need_float(op, "table", table);
-  need_f32(op, "out", out);
-  need_ndim(op, "table", table, 2);
-  const int64_t V = table.dim(0), H = table.dim(1), n = static_cast<int64_t>(ids.size());
-  need_shape(op, "out", out, {n, H});
-  for (int64_t i = 0; i < n; ++i)
-    if (ids[i] < 0 || ids[i] >= V)
-      fail(op, "id " + std::to_string(ids[i]) + " at " + std::to_string(i) + " out of range for table " + table.str());
+  check_embedding(table, ids, out, DeviceKind::CPU);
+  const int64_t H = table.dim(1), n = static_cast<int64_t>(ids.size());
   const char* tp = static_cast<const char*>(table.raw());
   const size_t row = static_cast<size_t>(H) * dtype_size(table.dtype());
   float* op_ = out.data<float>();
@@ -472,15 +455,8 @@ const float* weight_f32(const Tensor& w, std::vector<float>& buf) {
 }  // namespace
 
 void CpuBackend::rms_norm(const Tensor& x, const Tensor& w, float eps, bool one_plus_w, Tensor& out) {
-  const char* op = "rms_norm";
-  need_f32(op, "x", x);
-  need_float(op, "w", w);
-  need_f32(op, "out", out);
+  check_rms_norm(x, nullptr, w, out, DeviceKind::CPU);
   const int64_t D = last_dim(x), R = rows_of(x);
-  if (x.ndim() == 0) fail(op, "x " + x.str() + ": needs at least one dim");
-  need_ndim(op, "w", w, 1);
-  if (w.dim(0) != D) fail(op, "w " + w.str() + " does not match the last dim of x " + x.str());
-  need_shape(op, "out", out, x.shape());
   const float* wf = weight_f32(w, t_buf0);
   std::vector<float> wl;  // one_plus_w: 1 + w computed once, in f32 (as torch: (1.0 + w.float()))
   if (one_plus_w) {
@@ -504,17 +480,8 @@ void CpuBackend::rms_norm(const Tensor& x, const Tensor& w, float eps, bool one_
 }
 
 void CpuBackend::rms_norm_gated(const Tensor& x, const Tensor& z, const Tensor& w, float eps, Tensor& out) {
-  const char* op = "rms_norm_gated";
-  need_f32(op, "x", x);
-  need_f32(op, "z", z);
-  need_float(op, "w", w);
-  need_f32(op, "out", out);
-  if (x.ndim() == 0) fail(op, "x " + x.str() + ": needs at least one dim");
+  check_rms_norm(x, &z, w, out, DeviceKind::CPU);
   const int64_t D = last_dim(x), R = rows_of(x);
-  need_shape(op, "z", z, x.shape());
-  need_ndim(op, "w", w, 1);
-  if (w.dim(0) != D) fail(op, "w " + w.str() + " does not match the last dim of x " + x.str());
-  need_shape(op, "out", out, x.shape());
   const float* wf = weight_f32(w, t_buf0);
   const float *xp = x.data<float>(), *zp = z.data<float>();
   float* o = out.data<float>();
@@ -535,12 +502,7 @@ namespace {
 template <typename F>
 void binary(ThreadPool& pool, const char* op, const char* an, const Tensor& a, const char* bn, const Tensor& b,
             Tensor& out, F f) {
-  need_f32(op, an, a);
-  need_f32(op, bn, b);
-  need_f32(op, "out", out);
-  if (a.shape() != b.shape())
-    fail(op, std::string(an) + " " + a.str() + " and " + bn + " " + b.str() + ": shapes differ");
-  need_shape(op, "out", out, a.shape());
+  check_binary(op, an, a, bn, b, out, DeviceKind::CPU);
   const float *ap = a.data<float>(), *bp = b.data<float>();
   float* o = out.data<float>();
   pool.parallel_for(
@@ -559,13 +521,8 @@ void CpuBackend::silu_mul(const Tensor& gate, const Tensor& up, Tensor& out) {
   binary(pool_, "silu_mul", "gate", gate, "up", up, out, [](float g, float u) { return silu(g) * u; });
 }
 void CpuBackend::sigmoid_mul(const Tensor& x, const Tensor& gate, Tensor& out) {
-  if (gate.defined() && x.defined() && gate.ndim() == 2 && gate.dim(1) == 1 && last_dim(x) != 1) {
+  if (check_sigmoid_mul(x, gate, out, DeviceKind::CPU)) {
     // One gate per row (MoE shared-expert gate), broadcast over the row.
-    need_f32("sigmoid_mul", "x", x);
-    need_f32("sigmoid_mul", "gate", gate);
-    need_f32("sigmoid_mul", "out", out);
-    if (rows_of(x) != gate.dim(0) || out.numel() != x.numel())
-      fail("sigmoid_mul", "x " + x.str() + ", gate " + gate.str() + " and out " + out.str() + ": shapes differ");
     const int64_t R = rows_of(x), C = last_dim(x);
     const float* xs = x.data<float>();
     const float* gs = gate.data<float>();
@@ -581,26 +538,8 @@ void CpuBackend::sigmoid_mul(const Tensor& x, const Tensor& gate, Tensor& out) {
   binary(pool_, "sigmoid_mul", "x", x, "gate", gate, out, [](float v, float g) { return v * sigmoid(g); });
 }
 
-namespace {
-// Rows of both tensors are their leading dims flattened; columns are the last dim.
-void cols_common(const char* op, const Tensor& wide, const Tensor& narrow, int64_t col, const char* wn,
-                 const char* nn) {
-  need_def(op, wn, wide);
-  need_def(op, nn, narrow);
-  if (wide.dtype() != narrow.dtype())
-    fail(op, std::string(wn) + " " + wide.str() + " and " + nn + " " + narrow.str() + ": dtypes differ");
-  if (wide.ndim() < 1 || narrow.ndim() < 1) fail(op, "tensors need at least one dim");
-  if (rows_of(wide) != rows_of(narrow) && last_dim(narrow) != 0 && last_dim(wide) != 0)
-    fail(op, std::string(wn) + " " + wide.str() + " and " + nn + " " + narrow.str() + ": row counts differ");
-  if (col < 0 || col + last_dim(narrow) > last_dim(wide))
-    fail(op, "columns [" + std::to_string(col) + ", " + std::to_string(col + last_dim(narrow)) + ") out of range of " +
-                 wn + " " + wide.str());
-  if (overlaps(wide, narrow)) fail(op, "src and dst overlap");
-}
-}  // namespace
-
 void CpuBackend::copy_cols(const Tensor& src, int64_t col, Tensor& dst) {
-  cols_common("copy_cols", src, dst, col, "src", "dst");
+  check_cols("copy_cols", src, dst, col, "src", "dst", DeviceKind::CPU);
   const int64_t R = rows_of(dst), C = last_dim(src), W = last_dim(dst);
   const size_t es = dtype_size(src.dtype());
   const char* s = static_cast<const char*>(src.raw());
@@ -614,7 +553,7 @@ void CpuBackend::copy_cols(const Tensor& src, int64_t col, Tensor& dst) {
 }
 
 void CpuBackend::set_cols(const Tensor& src, int64_t col, Tensor& dst) {
-  cols_common("set_cols", dst, src, col, "dst", "src");
+  check_cols("set_cols", dst, src, col, "dst", "src", DeviceKind::CPU);
   const int64_t R = rows_of(src), C = last_dim(dst), W = last_dim(src);
   const size_t es = dtype_size(src.dtype());
   const char* s = static_cast<const char*>(src.raw());
@@ -632,16 +571,8 @@ void CpuBackend::set_cols(const Tensor& src, int64_t col, Tensor& dst) {
 // arithmetic: inv_freq = 1 / theta ** (arange(0, rot, 2) / rot) in f32, angle = f32(pos) * inv_freq.
 // ================================================================================================
 void CpuBackend::rope_neox(Tensor& x, std::span<const int64_t> positions, int rot_dim, double theta) {
-  const char* op = "rope_neox";
-  need_f32(op, "x", x);
-  need_ndim(op, "x", x, 3);
+  check_rope(x, positions.size(), rot_dim, theta, DeviceKind::CPU);
   const int64_t T = x.dim(0), H = x.dim(1), D = x.dim(2);
-  if (static_cast<int64_t>(positions.size()) != T)
-    fail(op,
-         "x " + x.str() + " has " + std::to_string(T) + " rows but " + std::to_string(positions.size()) + " positions");
-  if (rot_dim <= 0 || rot_dim % 2 != 0 || rot_dim > D)
-    fail(op, "rot_dim " + std::to_string(rot_dim) + " must be even, positive and <= head dim of x " + x.str());
-  if (!(theta > 0)) fail(op, "theta must be positive");
   const int half = rot_dim / 2;
   std::vector<float> inv_freq(static_cast<size_t>(half));
   const float th = static_cast<float>(theta);
@@ -679,24 +610,8 @@ void CpuBackend::rope_neox(Tensor& x, std::span<const int64_t> positions, int ro
 // ================================================================================================
 void CpuBackend::attention(const Tensor& q, const Tensor& k, const Tensor& v, int64_t kv_len, int64_t q_offset,
                            float scale, Tensor& out) {
-  const char* op = "attention";
-  need_f32(op, "q", q);
-  need_f32(op, "k", k);
-  need_f32(op, "v", v);
-  need_f32(op, "out", out);
-  need_ndim(op, "q", q, 3);
-  need_ndim(op, "k", k, 3);
-  need_ndim(op, "v", v, 3);
-  const int64_t T = q.dim(0), Hq = q.dim(1), D = q.dim(2), S = k.dim(0), Hkv = k.dim(1), Dv = v.dim(2);
-  if (k.dim(2) != D) fail(op, "q " + q.str() + " and k " + k.str() + ": head dims differ");
-  if (v.dim(0) != S || v.dim(1) != Hkv) fail(op, "k " + k.str() + " and v " + v.str() + ": rows or heads differ");
-  if (Hkv <= 0 || Hq % Hkv != 0)
-    fail(op, "q " + q.str() + " and k " + k.str() + ": query heads not a multiple of kv heads");
-  need_shape(op, "out", out, {T, Hq, Dv});
-  if (kv_len < 0 || kv_len > S) fail(op, "kv_len " + std::to_string(kv_len) + " out of range for k " + k.str());
-  if (q_offset < 0) fail(op, "q_offset " + std::to_string(q_offset) + " is negative");
-  if (T > 0 && kv_len == 0) fail(op, "kv_len is 0: no keys to attend to");
-  if (overlaps(out, q) || overlaps(out, k) || overlaps(out, v)) fail(op, "out overlaps an input");
+  check_attention(q, k, v, kv_len, q_offset, out, DeviceKind::CPU);
+  const int64_t T = q.dim(0), Hq = q.dim(1), D = q.dim(2), Hkv = k.dim(1), Dv = v.dim(2);
   if (T == 0) return;
   if (T < 4)
     attention_decode(q.data<float>(), k.data<float>(), v.data<float>(), T, Hq, Hkv, D, Dv, kv_len, q_offset, scale,
@@ -813,22 +728,8 @@ void CpuBackend::attention_tiled(const float* q, const float* k, const float* v,
 // Linear-attention pieces.
 // ================================================================================================
 void CpuBackend::causal_conv1d_silu(const Tensor& x, const Tensor& w, Tensor& state, Tensor& out) {
-  const char* op = "causal_conv1d_silu";
-  need_f32(op, "x", x);
-  need_float(op, "w", w);
-  need_f32(op, "state", state);
-  need_f32(op, "out", out);
-  need_ndim(op, "x", x, 2);
-  const int64_t T = x.dim(0), C = x.dim(1);
-  // w: [C, K] (or torch's [C, 1, K]).
-  if (!(w.ndim() == 2 || (w.ndim() == 3 && w.dim(1) == 1))) fail(op, "w " + w.str() + ": expected [C, K] or [C, 1, K]");
-  const int64_t K = w.dim(-1);
-  if (w.dim(0) != C) fail(op, "w " + w.str() + " and x " + x.str() + ": channel counts differ");
-  if (K < 1) fail(op, "w " + w.str() + ": kernel size must be >= 1");
-  need_shape(op, "state", state, {K - 1, C});
-  need_shape(op, "out", out, {T, C});
-  if (overlaps(out, x) || overlaps(out, state) || overlaps(out, w) || overlaps(state, x))
-    fail(op, "out, x and state must not overlap");
+  check_conv1d(x, w, state, out, DeviceKind::CPU);
+  const int64_t T = x.dim(0), C = x.dim(1), K = w.dim(-1);
   if (T == 0 || C == 0) return;
   const float* xp = x.data<float>();
   float* sp = state.data<float>();
@@ -878,20 +779,8 @@ void CpuBackend::causal_conv1d_silu(const Tensor& x, const Tensor& w, Tensor& st
 
 void CpuBackend::gdn_gates(const Tensor& a, const Tensor& b, const Tensor& A_log, const Tensor& dt_bias, Tensor& g,
                            Tensor& beta) {
-  const char* op = "gdn_gates";
-  need_f32(op, "a", a);
-  need_f32(op, "b", b);
-  need_float(op, "A_log", A_log);
-  need_float(op, "dt_bias", dt_bias);
-  need_f32(op, "g", g);
-  need_f32(op, "beta", beta);
-  need_ndim(op, "a", a, 2);
+  check_gdn_gates(a, b, A_log, dt_bias, g, beta, DeviceKind::CPU);
   const int64_t T = a.dim(0), H = a.dim(1);
-  need_shape(op, "b", b, a.shape());
-  need_shape(op, "A_log", A_log, {H});
-  need_shape(op, "dt_bias", dt_bias, {H});
-  need_shape(op, "g", g, a.shape());
-  need_shape(op, "beta", beta, a.shape());
   std::vector<float> al(static_cast<size_t>(H)), db(static_cast<size_t>(H));
   to_f32_row(A_log.raw(), A_log.dtype(), al.data(), H);
   to_f32_row(dt_bias.raw(), dt_bias.dtype(), db.data(), H);
@@ -911,31 +800,9 @@ void CpuBackend::gdn_gates(const Tensor& a, const Tensor& b, const Tensor& A_log
 
 void CpuBackend::gated_delta_rule(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                   const Tensor& beta, bool l2norm_qk, Tensor& state, Tensor& out, Tensor* transition) {
-  const char* op = "gated_delta_rule";
-  need_f32(op, "q", q);
-  need_f32(op, "k", k);
-  need_f32(op, "v", v);
-  need_f32(op, "g", g);
-  need_f32(op, "beta", beta);
-  need_f32(op, "state", state);
-  need_f32(op, "out", out);
-  need_ndim(op, "q", q, 3);
-  need_ndim(op, "v", v, 3);
+  check_gated_delta_rule(q, k, v, g, beta, state, out, transition, DeviceKind::CPU);
   const int64_t T = q.dim(0), Hk = q.dim(1), dk = q.dim(2), Hv = v.dim(1), dv = v.dim(2);
-  need_shape(op, "k", k, q.shape());
-  if (v.dim(0) != T) fail(op, "v " + v.str() + " and q " + q.str() + ": token counts differ");
-  if (Hk <= 0 || Hv % Hk != 0)
-    fail(op, "v " + v.str() + " and k " + k.str() + ": value heads not a multiple of key heads");
-  need_shape(op, "g", g, {T, Hv});
-  need_shape(op, "beta", beta, {T, Hv});
-  need_shape(op, "state", state, {Hv, dk, dv});
-  need_shape(op, "out", out, {T, Hv, dv});
-  float* tr = nullptr;
-  if (transition && transition->defined()) {
-    need_f32(op, "transition", *transition);
-    need_shape(op, "transition", *transition, {Hv, dk, dk});
-    tr = transition->data<float>();
-  }
+  float* tr = transition && transition->defined() ? transition->data<float>() : nullptr;
   linear::GdnShape s{T, Hk, Hv, dk, dv};
   // Heads run on this backend's pool rather than on threads created per call.
   const linear::Runner runner = [this](int64_t workers, const std::function<void(int64_t)>& body) {
@@ -952,20 +819,8 @@ void CpuBackend::gated_delta_rule(const Tensor& q, const Tensor& k, const Tensor
 // Segment summaries: out[h] = alpha * T[h] S[h] + B[h] (one sgemm per head), identity fill.
 // ================================================================================================
 void CpuBackend::compose_state(const Tensor& T, const Tensor& S, const Tensor& B, float alpha, Tensor& out) {
-  const char* op = "compose_state";
-  need_f32(op, "T", T);
-  need_f32(op, "S", S);
-  need_f32(op, "B", B);
-  need_f32(op, "out", out);
-  need_ndim(op, "T", T, 3);
-  need_ndim(op, "S", S, 3);
+  check_compose_state(T, S, B, out, DeviceKind::CPU);
   const int64_t H = T.dim(0), dk = T.dim(1), dv = S.dim(2);
-  if (T.dim(2) != dk) fail(op, "T " + T.str() + ": matrices must be square");
-  if (S.dim(0) != H || S.dim(1) != dk) fail(op, "T " + T.str() + " and S " + S.str() + ": shapes do not chain");
-  need_shape(op, "B", B, S.shape());
-  need_shape(op, "out", out, S.shape());
-  if (overlaps(out, S) || overlaps(out, T)) fail(op, "out must not overlap T or S");
-  if (B.raw() != out.raw() && overlaps(out, B)) fail(op, "out partially overlaps B");
   const float *tp = T.data<float>(), *sp = S.data<float>(), *bp = B.data<float>();
   float* o = out.data<float>();
   pool_.parallel_for(H, [&](int64_t h0, int64_t h1) {
@@ -981,11 +836,8 @@ void CpuBackend::compose_state(const Tensor& T, const Tensor& S, const Tensor& B
 }
 
 void CpuBackend::set_identity(Tensor& t) {
-  const char* op = "set_identity";
-  need_f32(op, "t", t);
-  need_ndim(op, "t", t, 3);
+  check_set_identity(t, DeviceKind::CPU);
   const int64_t H = t.dim(0), n = t.dim(1);
-  if (t.dim(2) != n) fail(op, "t " + t.str() + ": matrices must be square");
   float* p = t.data<float>();
   std::fill(p, p + t.numel(), 0.f);
   for (int64_t h = 0; h < H; ++h)

@@ -339,18 +339,8 @@ void CudaBackend::synchronize() {
 
 void CudaBackend::matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate) {
   OpScope scope_(*impl_, "matmul");
-  const char* op = "matmul";
-  need_f32(op, "x", x, kDev);
-  need_float(op, "w", w, kDev);
-  need_f32(op, "y", y, kDev);
-  need_ndim(op, "x", x, 2);
-  need_ndim(op, "w", w, 2);
-  need_ndim(op, "y", y, 2);
+  check_matmul(x, w, y, kDev);
   const int64_t M = x.dim(0), K = x.dim(1), N = w.dim(0);
-  if (w.dim(1) != K) fail(op, "x " + x.str() + " and w " + w.str() + ": inner dims differ");
-  if (y.dim(0) != M || y.dim(1) != N)
-    fail(op, "y " + y.str() + ": expected shape " + shape_str({M, N}) + " for x " + x.str() + " and w " + w.str());
-  if (overlaps(y, x) || overlaps(y, w)) fail(op, "y " + y.str() + " overlaps an input");
   if (M == 0 || N == 0) return;
   auto& m = *impl_;
   if (K == 0) {
@@ -391,15 +381,8 @@ void CudaBackend::matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accum
 
 void CudaBackend::embedding(const Tensor& table, std::span<const int32_t> ids, Tensor& out) {
   OpScope scope_(*impl_, "embedding");
-  const char* op = "embedding";
-  need_float(op, "table", table, kDev);
-  need_f32(op, "out", out, kDev);
-  need_ndim(op, "table", table, 2);
-  const int64_t V = table.dim(0), H = table.dim(1), n = static_cast<int64_t>(ids.size());
-  need_shape(op, "out", out, {n, H});
-  for (int64_t i = 0; i < n; ++i)
-    if (ids[i] < 0 || ids[i] >= V)
-      fail(op, "id " + std::to_string(ids[i]) + " at " + std::to_string(i) + " out of range for table " + table.str());
+  check_embedding(table, ids, out, kDev);
+  const int64_t H = table.dim(1), n = static_cast<int64_t>(ids.size());
   if (n == 0) return;
   Tensor d = upload(ids.data(), DType::I32, n);
   launch_embedding(impl_->stream, table.raw(), table.dtype(), d.data<int32_t>(), n, H, out.data<float>());
@@ -409,93 +392,41 @@ void CudaBackend::embedding(const Tensor& table, std::span<const int32_t> ids, T
 
 void CudaBackend::rms_norm(const Tensor& x, const Tensor& w, float eps, bool one_plus_w, Tensor& out) {
   OpScope scope_(*impl_, "rms_norm");
-  const char* op = "rms_norm";
-  need_f32(op, "x", x, kDev);
-  need_float(op, "w", w, kDev);
-  need_f32(op, "out", out, kDev);
-  if (x.ndim() == 0) fail(op, "x " + x.str() + ": needs at least one dim");
+  check_rms_norm(x, nullptr, w, out, kDev);
   const int64_t D = last_dim(x), R = rows_of(x);
-  need_ndim(op, "w", w, 1);
-  if (w.dim(0) != D) fail(op, "w " + w.str() + " does not match the last dim of x " + x.str());
-  need_shape(op, "out", out, x.shape());
   launch_rms_norm(impl_->stream, x.data<float>(), w.raw(), w.dtype(), eps, one_plus_w, out.data<float>(), R, D);
 }
 
 void CudaBackend::rms_norm_gated(const Tensor& x, const Tensor& z, const Tensor& w, float eps, Tensor& out) {
   OpScope scope_(*impl_, "rms_norm_gated");
-  const char* op = "rms_norm_gated";
-  need_f32(op, "x", x, kDev);
-  need_f32(op, "z", z, kDev);
-  need_float(op, "w", w, kDev);
-  need_f32(op, "out", out, kDev);
-  if (x.ndim() == 0) fail(op, "x " + x.str() + ": needs at least one dim");
+  check_rms_norm(x, &z, w, out, kDev);
   const int64_t D = last_dim(x), R = rows_of(x);
-  need_shape(op, "z", z, x.shape());
-  need_ndim(op, "w", w, 1);
-  if (w.dim(0) != D) fail(op, "w " + w.str() + " does not match the last dim of x " + x.str());
-  need_shape(op, "out", out, x.shape());
   launch_rms_norm_gated(impl_->stream, x.data<float>(), z.data<float>(), w.raw(), w.dtype(), eps, out.data<float>(), R,
                         D);
 }
 
-namespace {
-void check_binary(const char* op, const char* an, const Tensor& a, const char* bn, const Tensor& b, const Tensor& out) {
-  need_f32(op, an, a, kDev);
-  need_f32(op, bn, b, kDev);
-  need_f32(op, "out", out, kDev);
-  if (a.shape() != b.shape())
-    fail(op, std::string(an) + " " + a.str() + " and " + bn + " " + b.str() + ": shapes differ");
-  need_shape(op, "out", out, a.shape());
-}
-}  // namespace
-
 void CudaBackend::add(const Tensor& a, const Tensor& b, Tensor& out) {
   OpScope scope_(*impl_, "add");
-  check_binary("add", "a", a, "b", b, out);
+  check_binary("add", "a", a, "b", b, out, kDev);
   launch_binary(impl_->stream, BinOp::Add, a.data<float>(), b.data<float>(), out.data<float>(), a.numel());
 }
 void CudaBackend::silu_mul(const Tensor& gate, const Tensor& up, Tensor& out) {
   OpScope scope_(*impl_, "silu_mul");
-  check_binary("silu_mul", "gate", gate, "up", up, out);
+  check_binary("silu_mul", "gate", gate, "up", up, out, kDev);
   launch_binary(impl_->stream, BinOp::SiluMul, gate.data<float>(), up.data<float>(), out.data<float>(), gate.numel());
 }
 void CudaBackend::sigmoid_mul(const Tensor& x, const Tensor& gate, Tensor& out) {
   OpScope scope_(*impl_, "sigmoid_mul");
-  if (gate.defined() && x.defined() && gate.ndim() == 2 && gate.dim(1) == 1 && last_dim(x) != 1) {
-    const char* op = "sigmoid_mul";
-    need_f32(op, "x", x, kDev);
-    need_f32(op, "gate", gate, kDev);
-    need_f32(op, "out", out, kDev);
-    if (rows_of(x) != gate.dim(0) || out.numel() != x.numel())
-      fail(op, "x " + x.str() + ", gate " + gate.str() + " and out " + out.str() + ": shapes differ");
+  if (check_sigmoid_mul(x, gate, out, kDev))
     launch_sigmoid_mul_rows(impl_->stream, x.data<float>(), gate.data<float>(), out.data<float>(), rows_of(x),
                             last_dim(x));
-    return;
-  }
-  check_binary("sigmoid_mul", "x", x, "gate", gate, out);
-  launch_binary(impl_->stream, BinOp::SigmoidMul, x.data<float>(), gate.data<float>(), out.data<float>(), x.numel());
+  else
+    launch_binary(impl_->stream, BinOp::SigmoidMul, x.data<float>(), gate.data<float>(), out.data<float>(), x.numel());
 }
-
-namespace {
-void cols_common(const char* op, const Tensor& wide, const Tensor& narrow, int64_t col, const char* wn,
-                 const char* nn) {
-  need_def(op, wn, wide, kDev);
-  need_def(op, nn, narrow, kDev);
-  if (wide.dtype() != narrow.dtype())
-    fail(op, std::string(wn) + " " + wide.str() + " and " + nn + " " + narrow.str() + ": dtypes differ");
-  if (wide.ndim() < 1 || narrow.ndim() < 1) fail(op, "tensors need at least one dim");
-  if (rows_of(wide) != rows_of(narrow) && last_dim(narrow) != 0 && last_dim(wide) != 0)
-    fail(op, std::string(wn) + " " + wide.str() + " and " + nn + " " + narrow.str() + ": row counts differ");
-  if (col < 0 || col + last_dim(narrow) > last_dim(wide))
-    fail(op, "columns [" + std::to_string(col) + ", " + std::to_string(col + last_dim(narrow)) + ") out of range of " +
-                 wn + " " + wide.str());
-  if (overlaps(wide, narrow)) fail(op, "src and dst overlap");
-}
-}  // namespace
 
 void CudaBackend::copy_cols(const Tensor& src, int64_t col, Tensor& dst) {
   OpScope scope_(*impl_, "copy_cols");
-  cols_common("copy_cols", src, dst, col, "src", "dst");
+  check_cols("copy_cols", src, dst, col, "src", "dst", kDev);
   if (last_dim(dst) == 0) return;
   launch_copy_cols(impl_->stream, src.raw(), last_dim(src), col, dst.raw(), last_dim(dst), 0, rows_of(dst),
                    last_dim(dst), dtype_size(src.dtype()));
@@ -503,7 +434,7 @@ void CudaBackend::copy_cols(const Tensor& src, int64_t col, Tensor& dst) {
 
 void CudaBackend::set_cols(const Tensor& src, int64_t col, Tensor& dst) {
   OpScope scope_(*impl_, "set_cols");
-  cols_common("set_cols", dst, src, col, "dst", "src");
+  check_cols("set_cols", dst, src, col, "dst", "src", kDev);
   if (last_dim(src) == 0) return;
   launch_copy_cols(impl_->stream, src.raw(), last_dim(src), 0, dst.raw(), last_dim(dst), col, rows_of(src),
                    last_dim(src), dtype_size(src.dtype()));
@@ -513,16 +444,8 @@ void CudaBackend::set_cols(const Tensor& src, int64_t col, Tensor& dst) {
 
 void CudaBackend::rope_neox(Tensor& x, std::span<const int64_t> positions, int rot_dim, double theta) {
   OpScope scope_(*impl_, "rope_neox");
-  const char* op = "rope_neox";
-  need_f32(op, "x", x, kDev);
-  need_ndim(op, "x", x, 3);
+  check_rope(x, positions.size(), rot_dim, theta, kDev);
   const int64_t T = x.dim(0), H = x.dim(1), D = x.dim(2);
-  if (static_cast<int64_t>(positions.size()) != T)
-    fail(op,
-         "x " + x.str() + " has " + std::to_string(T) + " rows but " + std::to_string(positions.size()) + " positions");
-  if (rot_dim <= 0 || rot_dim % 2 != 0 || rot_dim > D)
-    fail(op, "rot_dim " + std::to_string(rot_dim) + " must be even, positive and <= head dim of x " + x.str());
-  if (!(theta > 0)) fail(op, "theta must be positive");
   if (T == 0) return;
   const int half = rot_dim / 2;
   auto& m = *impl_;
@@ -547,24 +470,8 @@ void CudaBackend::rope_neox(Tensor& x, std::span<const int64_t> positions, int r
 void CudaBackend::attention(const Tensor& q, const Tensor& k, const Tensor& v, int64_t kv_len, int64_t q_offset,
                             float scale, Tensor& out) {
   OpScope scope_(*impl_, "attention");
-  const char* op = "attention";
-  need_f32(op, "q", q, kDev);
-  need_f32(op, "k", k, kDev);
-  need_f32(op, "v", v, kDev);
-  need_f32(op, "out", out, kDev);
-  need_ndim(op, "q", q, 3);
-  need_ndim(op, "k", k, 3);
-  need_ndim(op, "v", v, 3);
-  const int64_t T = q.dim(0), Hq = q.dim(1), D = q.dim(2), S = k.dim(0), Hkv = k.dim(1), Dv = v.dim(2);
-  if (k.dim(2) != D) fail(op, "q " + q.str() + " and k " + k.str() + ": head dims differ");
-  if (v.dim(0) != S || v.dim(1) != Hkv) fail(op, "k " + k.str() + " and v " + v.str() + ": rows or heads differ");
-  if (Hkv <= 0 || Hq % Hkv != 0)
-    fail(op, "q " + q.str() + " and k " + k.str() + ": query heads not a multiple of kv heads");
-  need_shape(op, "out", out, {T, Hq, Dv});
-  if (kv_len < 0 || kv_len > S) fail(op, "kv_len " + std::to_string(kv_len) + " out of range for k " + k.str());
-  if (q_offset < 0) fail(op, "q_offset " + std::to_string(q_offset) + " is negative");
-  if (T > 0 && kv_len == 0) fail(op, "kv_len is 0: no keys to attend to");
-  if (overlaps(out, q) || overlaps(out, k) || overlaps(out, v)) fail(op, "out overlaps an input");
+  check_attention(q, k, v, kv_len, q_offset, out, kDev);
+  const int64_t T = q.dim(0), Hq = q.dim(1), D = q.dim(2), Hkv = k.dim(1), Dv = v.dim(2);
   if (T == 0) return;
   // Prefill-sized spans on the tensor cores; decode steps and precise mode in f32 (key-split).
   if (!impl_->exact_half && T >= 16) {
@@ -581,21 +488,8 @@ void CudaBackend::attention(const Tensor& q, const Tensor& k, const Tensor& v, i
 
 void CudaBackend::causal_conv1d_silu(const Tensor& x, const Tensor& w, Tensor& state, Tensor& out) {
   OpScope scope_(*impl_, "causal_conv1d_silu");
-  const char* op = "causal_conv1d_silu";
-  need_f32(op, "x", x, kDev);
-  need_float(op, "w", w, kDev);
-  need_f32(op, "state", state, kDev);
-  need_f32(op, "out", out, kDev);
-  need_ndim(op, "x", x, 2);
-  const int64_t T = x.dim(0), C = x.dim(1);
-  if (!(w.ndim() == 2 || (w.ndim() == 3 && w.dim(1) == 1))) fail(op, "w " + w.str() + ": expected [C, K] or [C, 1, K]");
-  const int64_t K = w.dim(-1);
-  if (w.dim(0) != C) fail(op, "w " + w.str() + " and x " + x.str() + ": channel counts differ");
-  if (K < 1) fail(op, "w " + w.str() + ": kernel size must be >= 1");
-  need_shape(op, "state", state, {K - 1, C});
-  need_shape(op, "out", out, {T, C});
-  if (overlaps(out, x) || overlaps(out, state) || overlaps(out, w) || overlaps(state, x))
-    fail(op, "out, x and state must not overlap");
+  check_conv1d(x, w, state, out, kDev);
+  const int64_t T = x.dim(0), C = x.dim(1), K = w.dim(-1);
   launch_causal_conv1d_silu(impl_->stream, x.data<float>(), w.raw(), w.dtype(), state.data<float>(), out.data<float>(),
                             T, C, K);
 }
@@ -603,20 +497,8 @@ void CudaBackend::causal_conv1d_silu(const Tensor& x, const Tensor& w, Tensor& s
 void CudaBackend::gdn_gates(const Tensor& a, const Tensor& b, const Tensor& A_log, const Tensor& dt_bias, Tensor& g,
                             Tensor& beta) {
   OpScope scope_(*impl_, "gdn_gates");
-  const char* op = "gdn_gates";
-  need_f32(op, "a", a, kDev);
-  need_f32(op, "b", b, kDev);
-  need_float(op, "A_log", A_log, kDev);
-  need_float(op, "dt_bias", dt_bias, kDev);
-  need_f32(op, "g", g, kDev);
-  need_f32(op, "beta", beta, kDev);
-  need_ndim(op, "a", a, 2);
+  check_gdn_gates(a, b, A_log, dt_bias, g, beta, kDev);
   const int64_t T = a.dim(0), H = a.dim(1);
-  need_shape(op, "b", b, a.shape());
-  need_shape(op, "A_log", A_log, {H});
-  need_shape(op, "dt_bias", dt_bias, {H});
-  need_shape(op, "g", g, a.shape());
-  need_shape(op, "beta", beta, a.shape());
   launch_gdn_gates(impl_->stream, a.data<float>(), b.data<float>(), A_log.raw(), A_log.dtype(), dt_bias.raw(),
                    dt_bias.dtype(), g.data<float>(), beta.data<float>(), T, H);
 }
@@ -624,31 +506,9 @@ void CudaBackend::gdn_gates(const Tensor& a, const Tensor& b, const Tensor& A_lo
 void CudaBackend::gated_delta_rule(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                    const Tensor& beta, bool l2norm_qk, Tensor& state, Tensor& out, Tensor* transition) {
   OpScope scope_(*impl_, "gated_delta_rule");
-  const char* op = "gated_delta_rule";
-  need_f32(op, "q", q, kDev);
-  need_f32(op, "k", k, kDev);
-  need_f32(op, "v", v, kDev);
-  need_f32(op, "g", g, kDev);
-  need_f32(op, "beta", beta, kDev);
-  need_f32(op, "state", state, kDev);
-  need_f32(op, "out", out, kDev);
-  need_ndim(op, "q", q, 3);
-  need_ndim(op, "v", v, 3);
+  check_gated_delta_rule(q, k, v, g, beta, state, out, transition, kDev);
   const int64_t T = q.dim(0), Hk = q.dim(1), dk = q.dim(2), Hv = v.dim(1), dv = v.dim(2);
-  need_shape(op, "k", k, q.shape());
-  if (v.dim(0) != T) fail(op, "v " + v.str() + " and q " + q.str() + ": token counts differ");
-  if (Hk <= 0 || Hv % Hk != 0)
-    fail(op, "v " + v.str() + " and k " + k.str() + ": value heads not a multiple of key heads");
-  need_shape(op, "g", g, {T, Hv});
-  need_shape(op, "beta", beta, {T, Hv});
-  need_shape(op, "state", state, {Hv, dk, dv});
-  need_shape(op, "out", out, {T, Hv, dv});
-  float* tr = nullptr;
-  if (transition && transition->defined()) {
-    need_f32(op, "transition", *transition, kDev);
-    need_shape(op, "transition", *transition, {Hv, dk, dk});
-    tr = transition->data<float>();
-  }
+  float* tr = transition && transition->defined() ? transition->data<float>() : nullptr;
   launch_gated_delta_rule(impl_->stream, q.data<float>(), k.data<float>(), v.data<float>(), g.data<float>(),
                           beta.data<float>(), l2norm_qk, T, Hk, Hv, dk, dv, state.data<float>(), out.data<float>(), tr);
 }
@@ -657,20 +517,8 @@ void CudaBackend::gated_delta_rule(const Tensor& q, const Tensor& k, const Tenso
 
 void CudaBackend::compose_state(const Tensor& T, const Tensor& S, const Tensor& B, float alpha, Tensor& out) {
   OpScope scope_(*impl_, "compose_state");
-  const char* op = "compose_state";
-  need_f32(op, "T", T, kDev);
-  need_f32(op, "S", S, kDev);
-  need_f32(op, "B", B, kDev);
-  need_f32(op, "out", out, kDev);
-  need_ndim(op, "T", T, 3);
-  need_ndim(op, "S", S, 3);
+  check_compose_state(T, S, B, out, kDev);
   const int64_t H = T.dim(0), dk = T.dim(1), dv = S.dim(2);
-  if (T.dim(2) != dk) fail(op, "T " + T.str() + ": matrices must be square");
-  if (S.dim(0) != H || S.dim(1) != dk) fail(op, "T " + T.str() + " and S " + S.str() + ": shapes do not chain");
-  need_shape(op, "B", B, S.shape());
-  need_shape(op, "out", out, S.shape());
-  if (overlaps(out, S) || overlaps(out, T)) fail(op, "out must not overlap T or S");
-  if (B.raw() != out.raw() && overlaps(out, B)) fail(op, "out partially overlaps B");
   if (H == 0 || dk == 0 || dv == 0) return;
   copy(B, out);
   // Row-major out_h[dk,dv] += alpha T_h S_h is column-major out_h^T = alpha S_h^T T_h^T + out_h^T.
@@ -683,10 +531,7 @@ void CudaBackend::compose_state(const Tensor& T, const Tensor& S, const Tensor& 
 
 void CudaBackend::set_identity(Tensor& t) {
   OpScope scope_(*impl_, "set_identity");
-  const char* op = "set_identity";
-  need_f32(op, "t", t, kDev);
-  need_ndim(op, "t", t, 3);
-  if (t.dim(2) != t.dim(1)) fail(op, "t " + t.str() + ": matrices must be square");
+  check_set_identity(t, kDev);
   launch_set_identity(impl_->stream, t.data<float>(), t.dim(0), t.dim(1));
 }
 

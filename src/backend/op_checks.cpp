@@ -1,0 +1,210 @@
+// Argument checks of every op, shared by the backends (declared in checks.h): the CPU and the GPU
+// reject the same calls with the same messages.
+#include <string>
+
+#include "backend/checks.h"
+
+namespace hypic::checks {
+
+void check_matmul(const Tensor& x, const Tensor& w, const Tensor& y, DeviceKind dev) {
+  const char* op = "matmul";
+  need_f32(op, "x", x, dev);
+  need_float(op, "w", w, dev);
+  need_f32(op, "y", y, dev);
+  need_ndim(op, "x", x, 2);
+  need_ndim(op, "w", w, 2);
+  need_ndim(op, "y", y, 2);
+  const int64_t M = x.dim(0), K = x.dim(1), N = w.dim(0);
+  if (w.dim(1) != K) fail(op, "x " + x.str() + " and w " + w.str() + ": inner dims differ");
+  if (y.dim(0) != M || y.dim(1) != N)
+    fail(op, "y " + y.str() + ": expected shape " + shape_str({M, N}) + " for x " + x.str() + " and w " + w.str());
+  if (overlaps(y, x) || overlaps(y, w)) fail(op, "y " + y.str() + " overlaps an input");
+}
+
+void check_embedding(const Tensor& table, std::span<const int32_t> ids, const Tensor& out, DeviceKind dev) {
+  const char* op = "embedding";
+  need_float(op, "table", table, dev);
+  need_f32(op, "out", out, dev);
+  need_ndim(op, "table", table, 2);
+  const int64_t V = table.dim(0), H = table.dim(1), n = static_cast<int64_t>(ids.size());
+  need_shape(op, "out", out, {n, H});
+  for (int64_t i = 0; i < n; ++i)
+    if (ids[i] < 0 || ids[i] >= V)
+      fail(op, "id " + std::to_string(ids[i]) + " at " + std::to_string(i) + " out of range for table " + table.str());
+}
+
+void check_rms_norm(const Tensor& x, const Tensor* z, const Tensor& w, const Tensor& out, DeviceKind dev) {
+  const char* op = z ? "rms_norm_gated" : "rms_norm";
+  need_f32(op, "x", x, dev);
+  if (z) need_f32(op, "z", *z, dev);
+  need_float(op, "w", w, dev);
+  need_f32(op, "out", out, dev);
+  if (x.ndim() == 0) fail(op, "x " + x.str() + ": needs at least one dim");
+  if (z) need_shape(op, "z", *z, x.shape());
+  need_ndim(op, "w", w, 1);
+  if (w.dim(0) != last_dim(x)) fail(op, "w " + w.str() + " does not match the last dim of x " + x.str());
+  need_shape(op, "out", out, x.shape());
+}
+
+void check_binary(const char* op, const char* an, const Tensor& a, const char* bn, const Tensor& b, const Tensor& out,
+                  DeviceKind dev) {
+  need_f32(op, an, a, dev);
+  need_f32(op, bn, b, dev);
+  need_f32(op, "out", out, dev);
+  if (a.shape() != b.shape())
+    fail(op, std::string(an) + " " + a.str() + " and " + bn + " " + b.str() + ": shapes differ");
+  need_shape(op, "out", out, a.shape());
+}
+
+bool check_sigmoid_mul(const Tensor& x, const Tensor& gate, const Tensor& out, DeviceKind dev) {
+  if (gate.defined() && x.defined() && gate.ndim() == 2 && gate.dim(1) == 1 && last_dim(x) != 1) {
+    const char* op = "sigmoid_mul";
+    need_f32(op, "x", x, dev);
+    need_f32(op, "gate", gate, dev);
+    need_f32(op, "out", out, dev);
+    if (rows_of(x) != gate.dim(0) || out.numel() != x.numel())
+      fail(op, "x " + x.str() + ", gate " + gate.str() + " and out " + out.str() + ": shapes differ");
+    return true;
+  }
+  check_binary("sigmoid_mul", "x", x, "gate", gate, out, dev);
+  return false;
+}
+
+void check_cols(const char* op, const Tensor& wide, const Tensor& narrow, int64_t col, const char* wn, const char* nn,
+                DeviceKind dev) {
+  need_def(op, wn, wide, dev);
+  need_def(op, nn, narrow, dev);
+  if (wide.dtype() != narrow.dtype())
+    fail(op, std::string(wn) + " " + wide.str() + " and " + nn + " " + narrow.str() + ": dtypes differ");
+  if (wide.ndim() < 1 || narrow.ndim() < 1) fail(op, "tensors need at least one dim");
+  if (rows_of(wide) != rows_of(narrow) && last_dim(narrow) != 0 && last_dim(wide) != 0)
+    fail(op, std::string(wn) + " " + wide.str() + " and " + nn + " " + narrow.str() + ": row counts differ");
+  if (col < 0 || col + last_dim(narrow) > last_dim(wide))
+    fail(op, "columns [" + std::to_string(col) + ", " + std::to_string(col + last_dim(narrow)) + ") out of range of " +
+                 wn + " " + wide.str());
+  if (overlaps(wide, narrow)) fail(op, "src and dst overlap");
+}
+
+void check_rope(const Tensor& x, size_t positions, int rot_dim, double theta, DeviceKind dev) {
+  const char* op = "rope_neox";
+  need_f32(op, "x", x, dev);
+  need_ndim(op, "x", x, 3);
+  const int64_t T = x.dim(0), D = x.dim(2);
+  if (static_cast<int64_t>(positions) != T)
+    fail(op, "x " + x.str() + " has " + std::to_string(T) + " rows but " + std::to_string(positions) + " positions");
+  if (rot_dim <= 0 || rot_dim % 2 != 0 || rot_dim > D)
+    fail(op, "rot_dim " + std::to_string(rot_dim) + " must be even, positive and <= head dim of x " + x.str());
+  if (!(theta > 0)) fail(op, "theta must be positive");
+}
+
+void check_attention(const Tensor& q, const Tensor& k, const Tensor& v, int64_t kv_len, int64_t q_offset,
+                     const Tensor& out, DeviceKind dev) {
+  const char* op = "attention";
+  need_f32(op, "q", q, dev);
+  need_f32(op, "k", k, dev);
+  need_f32(op, "v", v, dev);
+  need_f32(op, "out", out, dev);
+  need_ndim(op, "q", q, 3);
+  need_ndim(op, "k", k, 3);
+  need_ndim(op, "v", v, 3);
+  const int64_t T = q.dim(0), Hq = q.dim(1), D = q.dim(2), S = k.dim(0), Hkv = k.dim(1), Dv = v.dim(2);
+  if (k.dim(2) != D) fail(op, "q " + q.str() + " and k " + k.str() + ": head dims differ");
+  if (v.dim(0) != S || v.dim(1) != Hkv) fail(op, "k " + k.str() + " and v " + v.str() + ": rows or heads differ");
+  if (Hkv <= 0 || Hq % Hkv != 0)
+    fail(op, "q " + q.str() + " and k " + k.str() + ": query heads not a multiple of kv heads");
+  need_shape(op, "out", out, {T, Hq, Dv});
+  if (kv_len < 0 || kv_len > S) fail(op, "kv_len " + std::to_string(kv_len) + " out of range for k " + k.str());
+  if (q_offset < 0) fail(op, "q_offset " + std::to_string(q_offset) + " is negative");
+  if (T > 0 && kv_len == 0) fail(op, "kv_len is 0: no keys to attend to");
+  if (overlaps(out, q) || overlaps(out, k) || overlaps(out, v)) fail(op, "out overlaps an input");
+}
+
+void check_conv1d(const Tensor& x, const Tensor& w, const Tensor& state, const Tensor& out, DeviceKind dev) {
+  const char* op = "causal_conv1d_silu";
+  need_f32(op, "x", x, dev);
+  need_float(op, "w", w, dev);
+  need_f32(op, "state", state, dev);
+  need_f32(op, "out", out, dev);
+  need_ndim(op, "x", x, 2);
+  const int64_t T = x.dim(0), C = x.dim(1);
+  // w: [C, K] (or torch's [C, 1, K]).
+  if (!(w.ndim() == 2 || (w.ndim() == 3 && w.dim(1) == 1))) fail(op, "w " + w.str() + ": expected [C, K] or [C, 1, K]");
+  const int64_t K = w.dim(-1);
+  if (w.dim(0) != C) fail(op, "w " + w.str() + " and x " + x.str() + ": channel counts differ");
+  if (K < 1) fail(op, "w " + w.str() + ": kernel size must be >= 1");
+  need_shape(op, "state", state, {K - 1, C});
+  need_shape(op, "out", out, {T, C});
+  if (overlaps(out, x) || overlaps(out, state) || overlaps(out, w) || overlaps(state, x))
+    fail(op, "out, x and state must not overlap");
+}
+
+void check_gdn_gates(const Tensor& a, const Tensor& b, const Tensor& A_log, const Tensor& dt_bias, const Tensor& g,
+                     const Tensor& beta, DeviceKind dev) {
+  const char* op = "gdn_gates";
+  need_f32(op, "a", a, dev);
+  need_f32(op, "b", b, dev);
+  need_float(op, "A_log", A_log, dev);
+  need_float(op, "dt_bias", dt_bias, dev);
+  need_f32(op, "g", g, dev);
+  need_f32(op, "beta", beta, dev);
+  need_ndim(op, "a", a, 2);
+  const int64_t H = a.dim(1);
+  need_shape(op, "b", b, a.shape());
+  need_shape(op, "A_log", A_log, {H});
+  need_shape(op, "dt_bias", dt_bias, {H});
+  need_shape(op, "g", g, a.shape());
+  need_shape(op, "beta", beta, a.shape());
+}
+
+void check_gated_delta_rule(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                            const Tensor& state, const Tensor& out, const Tensor* transition, DeviceKind dev) {
+  const char* op = "gated_delta_rule";
+  need_f32(op, "q", q, dev);
+  need_f32(op, "k", k, dev);
+  need_f32(op, "v", v, dev);
+  need_f32(op, "g", g, dev);
+  need_f32(op, "beta", beta, dev);
+  need_f32(op, "state", state, dev);
+  need_f32(op, "out", out, dev);
+  need_ndim(op, "q", q, 3);
+  need_ndim(op, "v", v, 3);
+  const int64_t T = q.dim(0), Hk = q.dim(1), dk = q.dim(2), Hv = v.dim(1), dv = v.dim(2);
+  need_shape(op, "k", k, q.shape());
+  if (v.dim(0) != T) fail(op, "v " + v.str() + " and q " + q.str() + ": token counts differ");
+  if (Hk <= 0 || Hv % Hk != 0)
+    fail(op, "v " + v.str() + " and k " + k.str() + ": value heads not a multiple of key heads");
+  need_shape(op, "g", g, {T, Hv});
+  need_shape(op, "beta", beta, {T, Hv});
+  need_shape(op, "state", state, {Hv, dk, dv});
+  need_shape(op, "out", out, {T, Hv, dv});
+  if (transition && transition->defined()) {
+    need_f32(op, "transition", *transition, dev);
+    need_shape(op, "transition", *transition, {Hv, dk, dk});
+  }
+}
+
+void check_compose_state(const Tensor& T, const Tensor& S, const Tensor& B, const Tensor& out, DeviceKind dev) {
+  const char* op = "compose_state";
+  need_f32(op, "T", T, dev);
+  need_f32(op, "S", S, dev);
+  need_f32(op, "B", B, dev);
+  need_f32(op, "out", out, dev);
+  need_ndim(op, "T", T, 3);
+  need_ndim(op, "S", S, 3);
+  const int64_t H = T.dim(0), dk = T.dim(1);
+  if (T.dim(2) != dk) fail(op, "T " + T.str() + ": matrices must be square");
+  if (S.dim(0) != H || S.dim(1) != dk) fail(op, "T " + T.str() + " and S " + S.str() + ": shapes do not chain");
+  need_shape(op, "B", B, S.shape());
+  need_shape(op, "out", out, S.shape());
+  if (overlaps(out, S) || overlaps(out, T)) fail(op, "out must not overlap T or S");
+  if (B.raw() != out.raw() && overlaps(out, B)) fail(op, "out partially overlaps B");
+}
+
+void check_set_identity(const Tensor& t, DeviceKind dev) {
+  const char* op = "set_identity";
+  need_f32(op, "t", t, dev);
+  need_ndim(op, "t", t, 3);
+  if (t.dim(2) != t.dim(1)) fail(op, "t " + t.str() + ": matrices must be square");
+}
+
+}  // namespace hypic::checks
