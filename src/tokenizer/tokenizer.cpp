@@ -623,6 +623,9 @@ void TokenizerImpl::split_added(std::string_view text, const TokenTrie& trie, bo
 std::string TokenizerImpl::decode_bytes(std::span<const int32_t> ids, bool skip_special) const {
   std::string out;
   for (int32_t id : ids) {
+    // Ids the tokenizer has no entry for (padded embedding rows: Qwen3.5 has 248,320 rows for fewer
+    // tokens) are model outputs all the same; they decode to no text rather than failing a request.
+    if (id >= 0 && (static_cast<size_t>(id) >= id_kind.size() || id_kind[id] == 0)) continue;
     check_id(id);
     if (skip_special && id_kind[id] == 3) continue;
     out += id_bytes[id];

@@ -47,6 +47,8 @@ class Tokenizer {
   // Special / added tokens in the text are matched when parse_special (see the header comment).
   std::vector<int32_t> encode(std::string_view text, bool parse_special = true) const;
   // Invalid ids throw std::out_of_range naming the id.
+  // Ids without a tokenizer entry (a padded vocabulary's extra rows, holes) decode to no text;
+  // negative ids throw std::out_of_range.
   std::string decode(std::span<const int32_t> ids, bool skip_special = false) const;
 
   std::string id_to_token(int32_t id) const;        // throws std::out_of_range for an unknown id
