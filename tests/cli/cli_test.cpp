@@ -9,6 +9,9 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
+
+#include "io/safetensors.h"
 
 namespace {
 
@@ -154,6 +157,46 @@ TEST(Cli, InfoAndTokenize) {
   for (auto& v : ids) csv += (csv.empty() ? "" : ",") + std::to_string(v.get<int>());
   auto d = run("tokenize --json --ids " + csv + " --model " + model());
   EXPECT_EQ(nlohmann::json::parse(d.out)["text"], "hello there");
+}
+
+// A padded vocabulary (more embedding rows than tokenizer entries, as every released Qwen3.5 has):
+// the reference model with a tokenizer that lacks ids 400..508. Greedy decoding of its reference
+// prompt emits such ids; they must come out as no text, not as a failed request (issue 19).
+TEST(Cli, PaddedVocabularyIdsDecodeToNothing) {
+  namespace fs = std::filesystem;
+  const fs::path src = model();
+  const fs::path dir = fs::temp_directory_path() / ("hypic_padded_" + std::to_string(getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  fs::copy_file(src / "config.json", dir / "config.json");
+  fs::create_symlink(src / "model.safetensors", dir / "model.safetensors");
+  nlohmann::json tok = nlohmann::json::parse(std::ifstream(src / "tokenizer.json"));
+  auto& vocab = tok["model"]["vocab"];
+  nlohmann::json kept = nlohmann::json::object();
+  for (auto& [k, v] : vocab.items())
+    if (v.get<int>() < 400) kept[k] = v;
+  nlohmann::json merges = nlohmann::json::array();
+  for (auto& m : tok["model"]["merges"]) {
+    const std::string a = m[0], b = m[1];
+    if (kept.contains(a) && kept.contains(b) && kept.contains(a + b)) merges.push_back(m);
+  }
+  vocab = kept;
+  tok["model"]["merges"] = merges;
+  std::ofstream(dir / "tokenizer.json") << tok.dump();
+
+  hypic::SafetensorsFile ref((src / "reference.safetensors").string());
+  hypic::Tensor prompt = ref.get("prompt_a");
+  std::string csv;
+  for (int64_t i = 0; i < prompt.numel(); ++i) csv += (i ? "," : "") + std::to_string(prompt.data<int64_t>()[i]);
+  auto r = run("generate --model " + dir.string() + " --prompt-ids " + csv + " --max-tokens 24 --ignore-eos --json");
+  fs::remove_all(dir);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  auto j = nlohmann::json::parse(r.out);
+  int padded = 0;
+  for (auto& id : j["ids"]) padded += id.get<int>() >= 400 && id.get<int>() < 509;
+  EXPECT_GT(padded, 0) << "the continuation never reached an id without a tokenizer entry: " << r.out;
+  EXPECT_TRUE(j["text"].is_string());
+  EXPECT_EQ(j["ids"].size(), 24u);
 }
 
 }  // namespace
