@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "backend/backend.h"
 #include "tensor/tensor.h"
 
 namespace hypic::checks {
@@ -80,5 +81,8 @@ void check_gated_delta_rule(const Tensor& q, const Tensor& k, const Tensor& v, c
                             const Tensor& state, const Tensor& out, const Tensor* transition, DeviceKind dev);
 void check_compose_state(const Tensor& T, const Tensor& S, const Tensor& B, const Tensor& out, DeviceKind dev);
 void check_set_identity(const Tensor& t, DeviceKind dev);
+// Returns the experts' intermediate size.
+int64_t check_moe(const Tensor& x, const Tensor& router_logits, int top_k, const ExpertWeights& experts,
+                  const Tensor& out, DeviceKind dev);
 
 }  // namespace hypic::checks

@@ -20,8 +20,4 @@ struct MoeRouting {
 
 MoeRouting route_topk(const float* logits, int64_t T, int64_t E, int top_k, bool norm_topk);
 
-// Checks moe_experts' arguments (shared by every backend); returns the expert intermediate size.
-int64_t check_moe_args(const Tensor& x, const Tensor& router_logits, int top_k, const ExpertWeights& experts,
-                       const Tensor& out, DeviceKind dev);
-
 }  // namespace hypic

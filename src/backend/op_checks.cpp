@@ -207,4 +207,39 @@ void check_set_identity(const Tensor& t, DeviceKind dev) {
   if (t.dim(2) != t.dim(1)) fail(op, "t " + t.str() + ": matrices must be square");
 }
 
+int64_t check_moe(const Tensor& x, const Tensor& router_logits, int top_k, const ExpertWeights& experts,
+                  const Tensor& out, DeviceKind dev) {
+  const char* op = "moe_experts";
+  need_f32(op, "x", x, dev);
+  need_f32(op, "router_logits", router_logits, dev);
+  need_f32(op, "out", out, dev);
+  need_ndim(op, "x", x, 2);
+  need_ndim(op, "router_logits", router_logits, 2);
+  const int64_t T = x.dim(0), H = x.dim(1), E = router_logits.dim(1);
+  if (router_logits.dim(0) != T)
+    fail(op, "router_logits " + router_logits.str() + " and x " + x.str() + ": token counts differ");
+  need_shape(op, "out", out, {T, H});
+  if (top_k < 1 || top_k > E)
+    fail(op, "top_k " + std::to_string(top_k) + " out of range for " + std::to_string(E) + " experts");
+  if (static_cast<int64_t>(experts.gate.size()) != E || static_cast<int64_t>(experts.up.size()) != E ||
+      static_cast<int64_t>(experts.down.size()) != E)
+    fail(op, "expected " + std::to_string(E) + " experts in gate/up/down, got " + std::to_string(experts.gate.size()) +
+                 "/" + std::to_string(experts.up.size()) + "/" + std::to_string(experts.down.size()));
+  if (overlaps(out, x)) fail(op, "out overlaps x");
+  int64_t I = -1;
+  for (int64_t e = 0; e < E; ++e) {
+    const Tensor &gt = experts.gate[e], &ut = experts.up[e], &dt = experts.down[e];
+    need_float(op, "gate", gt, dev);
+    need_float(op, "up", ut, dev);
+    need_float(op, "down", dt, dev);
+    if (gt.ndim() != 2 || gt.dim(1) != H || (I >= 0 && gt.dim(0) != I))
+      fail(op, "expert " + std::to_string(e) + " gate " + gt.str() + " does not match x " + x.str());
+    I = gt.dim(0);
+    if (ut.shape() != gt.shape()) fail(op, "expert " + std::to_string(e) + " up " + ut.str() + " != gate " + gt.str());
+    if (dt.shape() != Shape{H, I})
+      fail(op, "expert " + std::to_string(e) + " down " + dt.str() + ": expected shape " + shape_str({H, I}));
+  }
+  return I;
+}
+
 }  // namespace hypic::checks

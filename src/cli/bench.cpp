@@ -226,6 +226,7 @@ void register_bench(CLI::App& app) {
       LoadedModel lm = open(o);
       auto& m = *lm.model;
       const auto& cfg = m.config();
+      const double gemm = measure_gemm_gflops(m.backend(), DType::BF16);  // once per model, not per length
       for (const int n_tok : lens) {
         auto ids = random_ids(n_tok, cfg.vocab_size, o.seed);
         std::vector<double> times;
@@ -238,7 +239,6 @@ void register_bench(CLI::App& app) {
         }
         const double t = median(times);
         const double flops = n_tok * (weight_flops_per_token(cfg) + mixer_flops_per_token(cfg, n_tok / 2.0));
-        const double gemm = measure_gemm_gflops(m.backend(), DType::BF16);
         nlohmann::json j{{"bench", "prefill"},
                          {"model", lm.description},
                          {"backend", m.backend().name()},

@@ -851,7 +851,7 @@ void CpuBackend::set_identity(Tensor& t) {
 // ================================================================================================
 void CpuBackend::moe_experts(const Tensor& x, const Tensor& router_logits, int top_k, bool norm_topk,
                              const ExpertWeights& experts, Tensor& out) {
-  const int64_t I = check_moe_args(x, router_logits, top_k, experts, out, DeviceKind::CPU);
+  const int64_t I = check_moe(x, router_logits, top_k, experts, out, DeviceKind::CPU);
   const int64_t T = x.dim(0), H = x.dim(1), E = router_logits.dim(1);
   float* o = out.data<float>();
   std::fill(o, o + T * H, 0.f);

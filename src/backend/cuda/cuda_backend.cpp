@@ -15,7 +15,6 @@
 #include "backend/checks.h"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/kernels.h"
-#include "backend/moe_routing.h"
 
 namespace hypic::cuda {
 
@@ -545,7 +544,7 @@ void CudaBackend::set_identity(Tensor& t) {
 void CudaBackend::moe_experts(const Tensor& x, const Tensor& router_logits, int top_k, bool norm_topk,
                               const ExpertWeights& experts, Tensor& out) {
   OpScope scope_(*impl_, "moe_experts");
-  const int64_t I = check_moe_args(x, router_logits, top_k, experts, out, kDev);
+  const int64_t I = check_moe(x, router_logits, top_k, experts, out, kDev);
   const int64_t T = x.dim(0), H = x.dim(1), E = router_logits.dim(1);
   auto& m = *impl_;
   if (T == 0) return;
