@@ -92,7 +92,7 @@ void register_generate(CLI::App& app) {
     float temperature = 0.f, top_p = 1.f;
     uint64_t seed = 0;
     std::vector<std::string> stop;
-    bool json = false, ignore_eos = false;
+    bool json = false, ignore_eos = false, mask_padded = false;
   };
   auto o = std::make_shared<Opts>();
   auto* c = app.add_subcommand("generate", "Prefill a prompt and generate tokens");
@@ -119,6 +119,9 @@ void register_generate(CLI::App& app) {
   c->add_option("--stop", o->stop, "Stop string (repeatable)");
   c->add_option("--logprobs", o->logprobs, "Report each token's log-prob and the top K");
   c->add_flag("--ignore-eos", o->ignore_eos, "Do not stop at end-of-sequence tokens");
+  c->add_flag("--mask-padded-ids", o->mask_padded,
+              "Never sample ids without a tokenizer entry (padded vocabulary rows); default: sample over every "
+              "row, as transformers does");
   c->add_option("--threads", o->threads, "CPU threads (0: all cores)");
   c->add_option("--backend", o->backend, "Compute backend")->capture_default_str();
   c->add_flag("--json", o->json, "Print one JSON object");
@@ -150,6 +153,7 @@ void register_generate(CLI::App& app) {
       req.stop = o->stop;
       req.logprobs = o->logprobs;
       if (!o->ignore_eos) req.eos_ids = lm.dir->config.eos_token_ids;
+      if (o->mask_padded) req.masked_ids = padded_ids_to_mask(*lm.model, lm.tokenizer.get());
       const bool stream = !o->json;
       // Validate sampling and lengths before any work (generate() repeats these checks).
       validate_request(*lm.model, lm.tokenizer.get(), req);

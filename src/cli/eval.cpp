@@ -16,7 +16,7 @@ void register_eval(CLI::App& app) {
     std::string model = default_model_dir(), task = "all", set = "moderate", data, modes = "full,prefix,pic,naive",
                 seams = "8", predictions;
     int n = 0, threads = 0;
-    bool json = false, no_warm = false, no_extra = false;
+    bool json = false, no_warm = false, no_extra = false, mask_padded = false;
     double cache_mib = 4096;
   };
   auto o = std::make_shared<Opts>();
@@ -33,6 +33,8 @@ void register_eval(CLI::App& app) {
               "Skip the rows pic without RoPE re-rotation and pic with both-ends seams");
   c->add_option("--cache-budget-mib", o->cache_mib, "Segment cache budget")->capture_default_str();
   c->add_option("--predictions", o->predictions, "Write every prediction to this JSONL file");
+  c->add_flag("--mask-padded-ids", o->mask_padded,
+              "Never decode ids without a tokenizer entry (default: every row, as transformers does)");
   c->add_option("--threads", o->threads, "CPU threads (0: all cores)");
   c->add_flag("--json", o->json, "Print JSON only");
   c->callback([o] {
@@ -65,6 +67,7 @@ void register_eval(CLI::App& app) {
       eval::RunOptions ro;
       ro.warm = !o->no_warm;
       ro.cache_mib = o->cache_mib;
+      ro.mask_padded_ids = o->mask_padded;
       nlohmann::json out{
           {"model", o->model}, {"set", o->data.empty() ? o->set : o->data}, {"tasks", nlohmann::json::object()}};
       std::FILE* pred = o->predictions.empty() ? nullptr : std::fopen(o->predictions.c_str(), "w");

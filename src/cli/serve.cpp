@@ -35,6 +35,7 @@ void register_serve(CLI::App& app) {
     int port = 8080, seam = 8, max_queue = 64, max_running = 8, threads = 0, prefill_chunk = 512, http_threads = 0;
     double cache_mib = 4096, max_body_mib = 32;
     int max_json_depth = 64;
+    bool mask_padded = false;
     std::string cache_dir;
     double disk_budget_mib = 0;  // 0: unlimited
   };
@@ -62,6 +63,9 @@ void register_serve(CLI::App& app) {
       ->capture_default_str();
   c->add_option("--max-json-depth", o->max_json_depth, "Deepest accepted JSON nesting (deeper: 400)")
       ->capture_default_str();
+  c->add_flag("--mask-padded-ids", o->mask_padded,
+              "Default of the request field mask_padded_ids: never sample ids without a tokenizer entry (default: "
+              "sample over every row, as transformers does)");
   c->add_option("--backend", o->backend, "Compute backend")->capture_default_str();
   c->callback([o] {
     guarded([&] {
@@ -86,6 +90,7 @@ void register_serve(CLI::App& app) {
       so.sched.max_running = o->max_running;
       so.sched.prefill_chunk = o->prefill_chunk;
       so.http_threads = o->http_threads;
+      so.mask_padded_ids = o->mask_padded;
       if (!(o->max_body_mib > 0)) throw std::invalid_argument("--max-body-mib must be positive");
       so.max_body_bytes = static_cast<size_t>(o->max_body_mib * 1048576.0);
       if (o->max_json_depth < 2) throw std::invalid_argument("--max-json-depth must be >= 2");

@@ -16,6 +16,18 @@ double ms_since(Clock::time_point t0) {
 
 }  // namespace
 
+std::vector<int32_t> padded_ids_to_mask(const Model& model, const Tokenizer* tok) {
+  if (!tok) throw std::invalid_argument("--mask-padded-ids needs a model with a tokenizer (tokenizer.json)");
+  const int64_t rows = model.config().vocab_size;
+  std::vector<int32_t> ids = tok->ids_without_entry(rows);
+  const auto& eos = model.config().eos_token_ids;
+  std::erase_if(ids, [&](int32_t id) { return std::find(eos.begin(), eos.end(), id) != eos.end(); });
+  if (static_cast<int64_t>(ids.size()) >= rows)
+    throw std::invalid_argument("--mask-padded-ids: the tokenizer has an entry for none of the model's " +
+                                std::to_string(rows) + " ids");
+  return ids;
+}
+
 void validate_request(const Model& model, const Tokenizer* tok, const GenerateRequest& req) {
   if (req.prompt.empty()) throw std::invalid_argument("the prompt is empty");
   if (req.max_tokens < 0) throw std::invalid_argument("max_tokens must be >= 0, got " + std::to_string(req.max_tokens));
@@ -39,11 +51,17 @@ GenerateResult decode_from(Model& model, const Tokenizer* tok, const GenerateReq
   std::string full;  // all decoded text, for stop-string matching
   std::unique_ptr<Tokenizer::StreamDecoder> dec;
   if (tok) dec = std::make_unique<Tokenizer::StreamDecoder>(*tok);
+  std::vector<float> masked;
   auto t0 = Clock::now();
   res.finish_reason = "length";
   for (int step = 0; step < req.max_tokens; ++step) {
     Tensor host = be.to_host(logits);
     std::span<const float> row(host.data<float>(), static_cast<size_t>(host.numel()));
+    if (!req.masked_ids.empty()) {
+      masked.assign(row.begin(), row.end());
+      mask_ids(masked, req.masked_ids);
+      row = masked;
+    }
     const int32_t id = sampler.sample(row);
     if (step == 0) res.ttft_ms = ms_since(t0);
     res.ids.push_back(id);

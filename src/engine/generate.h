@@ -16,9 +16,10 @@ struct GenerateRequest {
   std::vector<int32_t> prompt;
   int max_tokens = 64;
   SamplingParams sampling;
-  std::vector<std::string> stop;  // stop strings (matched on decoded text; needs a tokenizer)
-  std::vector<int64_t> eos_ids;   // generation ends after emitting one of these
-  int logprobs = -1;              // < 0: none; k >= 0: chosen token's logprob and the top k
+  std::vector<std::string> stop;    // stop strings (matched on decoded text; needs a tokenizer)
+  std::vector<int64_t> eos_ids;     // generation ends after emitting one of these
+  int logprobs = -1;                // < 0: none; k >= 0: chosen token's logprob and the top k
+  std::vector<int32_t> masked_ids;  // kept out of sampling and logprobs (see padded_ids_to_mask)
 };
 
 struct GenerateResult {
@@ -33,6 +34,12 @@ struct GenerateResult {
 
 // Called with each new token and its decoded text piece; return false to stop early.
 using TokenCallback = std::function<bool(int32_t id, const std::string& piece)>;
+
+// The ids --mask-padded-ids keeps out of sampling: the model's output rows (0..vocab_size-1) that
+// have no tokenizer entry (padded rows, holes), end-of-sequence ids excepted. Without the option
+// hypic samples over every row, as transformers' generate() does. Throws std::invalid_argument
+// without a tokenizer, or when the tokenizer has an entry for none of the model's ids.
+std::vector<int32_t> padded_ids_to_mask(const Model& model, const Tokenizer* tok);
 
 // Checks a request before any work: empty prompt, max_tokens, sampling ranges, stop strings,
 // context length. Throws std::invalid_argument / std::length_error naming the problem.

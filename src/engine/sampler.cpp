@@ -68,6 +68,12 @@ int32_t Sampler::sample(std::span<const float> logits) {
   return scratch_[n - 1].second;
 }
 
+void mask_ids(std::span<float> logits, std::span<const int32_t> ids) {
+  for (int32_t id : ids)
+    if (id >= 0 && static_cast<size_t>(id) < logits.size())
+      logits[static_cast<size_t>(id)] = -std::numeric_limits<float>::infinity();
+}
+
 std::vector<float> log_softmax(std::span<const float> logits) {
   double mx = -std::numeric_limits<double>::infinity();
   for (float v : logits) mx = std::max(mx, static_cast<double>(v));

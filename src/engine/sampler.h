@@ -38,6 +38,10 @@ class Sampler {
   std::vector<std::pair<float, int32_t>> scratch_;
 };
 
+// Keeps ids out of sampling: their logits become -inf (ids outside the row are ignored). Used by
+// --mask-padded-ids for output rows without a tokenizer entry.
+void mask_ids(std::span<float> logits, std::span<const int32_t> ids);
+
 // log_softmax of the row (computed in double) at `id`, and the k most likely tokens.
 TokenLogprob token_logprob(std::span<const float> logits, int32_t id, int k);
 // Full log_softmax of a row (double accumulation).

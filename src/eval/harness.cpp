@@ -104,6 +104,7 @@ std::vector<Result> run(LoadedModel& lm, const std::vector<Example>& examples, c
   const Tokenizer& tok = *lm.tokenizer;
   std::vector<std::vector<std::vector<int32_t>>> prompts;
   for (const auto& ex : examples) prompts.push_back(prompt_segments(tok, ex));
+  const std::vector<int32_t> masked = opt.mask_padded_ids ? padded_ids_to_mask(m, &tok) : std::vector<int32_t>{};
   std::vector<Result> out;
   for (const auto& cfg : configs) {
     const auto t_cfg = std::chrono::steady_clock::now();
@@ -126,6 +127,7 @@ std::vector<Result> run(LoadedModel& lm, const std::vector<Example>& examples, c
       for (const auto& s : segs) req.prompt.insert(req.prompt.end(), s.begin(), s.end());
       req.max_tokens = max_new_tokens(examples[i]);
       req.eos_ids = m.config().eos_token_ids;
+      req.masked_ids = masked;
       const auto t0 = std::chrono::steady_clock::now();
       PrefillResult pre = eng.prefill(segs, cfg.opt);
       const double prefill_ms =

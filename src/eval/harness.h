@@ -45,6 +45,7 @@ struct RunOptions {
   bool warm = true;  // serve each prompt once with its documents in another order first
   double cache_mib = 4096;
   uint64_t seed = 1;
+  bool mask_padded_ids = false;  // never decode ids without a tokenizer entry (--mask-padded-ids)
 };
 
 // Token ids of a prompt exactly as the model was trained: each segment + "\n", tokenised alone.

@@ -249,6 +249,12 @@ void parse_common(const json& b, const ModelFacts& m, GenSpec& g, bool chat) {
   g.eos_ids = m.eos_ids;
   if (has(b, "ignore_eos") && get_bool(b, "ignore_eos")) g.eos_ids.clear();
 
+  g.mask_padded_ids = m.mask_padded_ids;
+  if (has(b, "mask_padded_ids")) {
+    g.mask_padded_ids = get_bool(b, "mask_padded_ids");
+    if (g.mask_padded_ids && !m.tok) bad("mask_padded_ids", "'mask_padded_ids' needs a model with a tokenizer");
+  }
+
   g.pic = m.pic;
   if (has(b, "pic")) {
     const json& p = b["pic"];

@@ -50,8 +50,9 @@ struct ModelFacts {
   const Tokenizer* tok = nullptr;
   std::string chat_template;  // from tokenizer_config.json ("" -> no chat endpoint)
   std::vector<int64_t> eos_ids;
-  SamplingParams defaults;  // generation_config.json defaults
-  PicOptions pic;           // server defaults (--mode, --seam)
+  SamplingParams defaults;       // generation_config.json defaults
+  PicOptions pic;                // server defaults (--mode, --seam)
+  bool mask_padded_ids = false;  // server default (--mask-padded-ids)
 };
 
 enum class Endpoint { Completions, Chat };
@@ -69,6 +70,7 @@ struct GenSpec {
   bool stream = false, include_usage = false;
   PicOptions pic;
   bool echo = false;
+  bool mask_padded_ids = false;  // keep ids without a tokenizer entry out of sampling
 };
 
 // Parse + validate /v1/completions and /v1/chat/completions bodies. Throws ApiError (400 bad

@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <random>
 
+#include "engine/generate.h"
 #include "engine/loader.h"
 #include "tokenizer/tokenizer.h"
 
@@ -153,6 +154,9 @@ struct HttpServer::Impl {
       if (gd.top_k) facts.defaults.top_k = *gd.top_k;
     }
     facts.pic = opt.pic;
+    // Checked at start: a default that cannot apply (no tokenizer) is a configuration error.
+    if (opt.mask_padded_ids) padded_ids_to_mask(*lm.model, lm.tokenizer.get());
+    facts.mask_padded_ids = opt.mask_padded_ids;
     sched = std::make_unique<Scheduler>(*lm.model, lm.tokenizer.get(), opt.sched, metrics);
     sched->start();
     setup();

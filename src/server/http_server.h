@@ -25,6 +25,7 @@ struct ServerOptions {
   size_t max_body_bytes = size_t(32) << 20;  // larger bodies get 413
   int max_json_depth = 64;                   // deeper JSON gets 400
   int http_threads = 0;                      // 0: max_running + max_queue + 8
+  bool mask_padded_ids = false;  // default of the request field: ids without a tokenizer entry never sampled
 };
 
 class HttpServer {

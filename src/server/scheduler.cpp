@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "engine/generate.h"
 #include "tokenizer/tokenizer.h"
 
 namespace hypic::server {
@@ -38,6 +39,7 @@ struct Scheduler::Seq {
   SequenceState st;
   Tensor logits;
   std::unique_ptr<Sampler> sampler;
+  std::vector<float> masked;  // the logits row with padded ids masked (mask_padded_ids)
   std::unique_ptr<Tokenizer::StreamDecoder> dec;
   std::string text;    // decoded so far (cut at a stop string)
   size_t emitted = 0;  // bytes of text released to the handler
@@ -52,6 +54,13 @@ Scheduler::Scheduler(Model& model, const Tokenizer* tok, SchedulerOptions opt, M
   if (opt_.max_queue < 1) throw std::invalid_argument("--max-queue must be >= 1");
   if (opt_.prefill_chunk < 1) throw std::invalid_argument("--prefill-chunk must be >= 1");
   if (!opt_.cache_dir.empty()) engine_.attach_cache_dir(opt_.cache_dir, opt_.disk_budget_bytes);
+  if (tok_) {
+    try {
+      padded_ids_ = padded_ids_to_mask(model_, tok_);
+    } catch (const std::invalid_argument& e) {
+      spdlog::warn("mask_padded_ids will have no effect: {}", e.what());
+    }
+  }
 }
 
 Scheduler::~Scheduler() {
@@ -350,6 +359,12 @@ void Scheduler::decode_sample(Seq& s) {
   Backend& be = model_.backend();
   Tensor host = be.to_host(s.logits);
   std::span<const float> row(host.data<float>(), static_cast<size_t>(host.numel()));
+  if (g.mask_padded_ids && !padded_ids_.empty()) {
+    s.masked.assign(row.begin(), row.end());
+    mask_ids(s.masked, padded_ids_);
+    row = s.masked;
+  }
+  // Any id of the row may come out (a padded row included): it decodes to no text, never to an error.
   const int32_t id = s.sampler->sample(row);
   TokenOut t;
   t.id = id;

@@ -129,6 +129,7 @@ class Scheduler {
 
   Model& model_;
   const Tokenizer* tok_;
+  std::vector<int32_t> padded_ids_;  // ids without a tokenizer entry (requests with mask_padded_ids)
   SchedulerOptions opt_;
   Metrics& metrics_;
   mutable PicEngine engine_;

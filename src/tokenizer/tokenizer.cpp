@@ -962,6 +962,17 @@ bool Tokenizer::is_special(int32_t id) const {
   return id >= 0 && static_cast<size_t>(id) < impl_->id_kind.size() && impl_->id_kind[id] == 3;
 }
 
+bool Tokenizer::has_entry(int32_t id) const {
+  return id >= 0 && static_cast<size_t>(id) < impl_->id_kind.size() && impl_->id_kind[id] != 0;
+}
+
+std::vector<int32_t> Tokenizer::ids_without_entry(int64_t rows) const {
+  std::vector<int32_t> out;
+  for (int64_t id = 0; id < rows; ++id)
+    if (!has_entry(static_cast<int32_t>(id))) out.push_back(static_cast<int32_t>(id));
+  return out;
+}
+
 const std::string& Tokenizer::chat_template() const {
   return impl_->chat_template;
 }

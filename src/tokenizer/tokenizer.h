@@ -46,7 +46,6 @@ class Tokenizer {
 
   // Special / added tokens in the text are matched when parse_special (see the header comment).
   std::vector<int32_t> encode(std::string_view text, bool parse_special = true) const;
-  // Invalid ids throw std::out_of_range naming the id.
   // Ids without a tokenizer entry (a padded vocabulary's extra rows, holes) decode to no text;
   // negative ids throw std::out_of_range.
   std::string decode(std::span<const int32_t> ids, bool skip_special = false) const;
@@ -55,6 +54,12 @@ class Tokenizer {
   int32_t token_to_id(std::string_view tok) const;  // -1 if absent
   size_t vocab_size() const;                        // including added tokens (max id + 1)
   bool is_special(int32_t id) const;
+  // Whether `id` has an entry (a vocabulary token or an added token). Padded embedding rows and
+  // holes in the id space have none.
+  bool has_entry(int32_t id) const;
+  // The ids in [0, rows) without an entry, ascending: what --mask-padded-ids keeps out of sampling
+  // for a model with `rows` output rows.
+  std::vector<int32_t> ids_without_entry(int64_t rows) const;
 
   // From tokenizer_config.json when given (empty otherwise).
   const std::string& chat_template() const;

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "io/safetensors.h"
+#include "padded_vocab.h"
 
 namespace {
 
@@ -197,6 +198,42 @@ TEST(Cli, PaddedVocabularyIdsDecodeToNothing) {
   EXPECT_GT(padded, 0) << "the continuation never reached an id without a tokenizer entry: " << r.out;
   EXPECT_TRUE(j["text"].is_string());
   EXPECT_EQ(j["ids"].size(), 24u);
+}
+
+// --mask-padded-ids on a checkpoint with more output rows than tokenizer entries: no id without an
+// entry is generated, and generate / eval accept the flag; a model without a tokenizer is refused.
+TEST(Cli, MaskPaddedIds) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("hypic_cli_padded_" + std::to_string(getpid()));
+  hypic::testing::make_padded_vocab_model(dir);
+  const std::string base = "generate --model " + dir.string() + " --prompt 'Once upon a time' --max-tokens 24 --json";
+  auto plain = run(base);
+  auto masked = run(base + " --mask-padded-ids");
+  ASSERT_EQ(plain.rc, 0) << plain.out;
+  ASSERT_EQ(masked.rc, 0) << masked.out;
+  const auto pj = nlohmann::json::parse(plain.out), mj = nlohmann::json::parse(masked.out);
+  int padded = 0;
+  for (auto& id : pj["ids"]) padded += id.get<int>() >= 512;
+  EXPECT_GT(padded, 0) << plain.out;
+  for (auto& id : mj["ids"]) EXPECT_LT(id.get<int>(), 512);
+  const fs::path data = dir / "examples.jsonl";
+  std::ofstream(data)
+      << R"({"task": "lookup", "metric": "em", "segments": ["Answer.", "Doc: the key is blue.", "Q: what is blue?"], "answer": "key"})"
+      << "\n";
+  for (const char* flag : {"", " --mask-padded-ids"}) {
+    auto e = run("eval --model " + dir.string() + " --data " + data.string() +
+                 " --modes full,pic --no-extra-rows --json" + flag);
+    EXPECT_EQ(e.rc, 0) << e.out;
+  }
+  // No tokenizer: nothing says which ids have an entry.
+  const fs::path bare = dir / "bare";
+  fs::create_directories(bare);
+  fs::copy_file(dir / "config.json", bare / "config.json");
+  fs::create_symlink(dir / "model.safetensors", bare / "model.safetensors");
+  auto r = run("generate --model " + bare.string() + " --prompt-ids 1,2,3 --max-tokens 2 --mask-padded-ids");
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.out.find("needs a model with a tokenizer"), std::string::npos) << r.out;
+  fs::remove_all(dir);
 }
 
 }  // namespace

@@ -106,3 +106,21 @@ TEST(Sampler, RejectsBadParameters) {
     EXPECT_NE(std::string(e.what()).find("top_p"), std::string::npos);
   }
 }
+
+TEST(Sampler, MaskedIdsAreNeverPicked) {
+  for (uint64_t s = 0; s < 20; ++s) {
+    auto l = random_logits(97, s);
+    const int32_t best = argmax(l);
+    std::vector<int32_t> ban = {best, 0, 96, 500, -3};  // out-of-row ids are ignored
+    mask_ids(l, ban);
+    EXPECT_TRUE(std::isinf(l[static_cast<size_t>(best)]) && l[static_cast<size_t>(best)] < 0);
+    EXPECT_NE(Sampler({0.f, 0, 1.f, s}).sample(l), best);
+    Sampler hot({3.f, 0, 1.f, s});
+    for (int k = 0; k < 200; ++k) {
+      const int32_t id = hot.sample(l);
+      EXPECT_TRUE(id != best && id != 0 && id != 96) << id;
+    }
+    const auto lp = token_logprob(l, argmax(l), 5);
+    for (const auto& [id, p] : lp.top) EXPECT_TRUE(id != best && id != 0 && id != 96);
+  }
+}

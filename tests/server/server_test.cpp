@@ -4,17 +4,21 @@
 
 #ifdef HYPIC_HAVE_HTTPLIB
 #include <httplib.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <filesystem>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "engine/generate.h"
 #include "engine/loader.h"
+#include "padded_vocab.h"
 #include "server/api.h"
 #include "server/http_server.h"
 
@@ -34,8 +38,8 @@ struct TestServer {
   std::thread th;
   int port = 0;
 
-  explicit TestServer(ServerOptions o = {}) {
-    lm = hypic::load_model(model_dir(), "cpu", 1);
+  explicit TestServer(ServerOptions o = {}, const std::string& dir = model_dir()) {
+    lm = hypic::load_model(dir, "cpu", 1);
     o.host = "127.0.0.1";
     o.port = 0;
     srv = std::make_unique<HttpServer>(lm, o);
@@ -656,6 +660,88 @@ TEST(Server, NonStreamingDisconnectCancels) {
   EXPECT_TRUE(wait_metric(s, "hypic_running_requests 0"));
   auto r = s.post("/v1/completions", greedy({{"prompt", "After"}, {"max_tokens", 2}}));
   EXPECT_EQ(r.first, 200);
+}
+
+// Greedy continuation of `prompt` computed in process (the reference the server must reproduce).
+hypic::GenerateResult generate_in_process(const std::string& dir, const std::string& prompt, int n, bool mask) {
+  hypic::LoadedModel lm = hypic::load_model(dir, "cpu", 1);
+  hypic::GenerateRequest req;
+  req.prompt = lm.tokenizer->encode(prompt);
+  req.max_tokens = n;
+  if (mask) req.masked_ids = hypic::padded_ids_to_mask(*lm.model, lm.tokenizer.get());
+  return hypic::generate(*lm.model, lm.tokenizer.get(), req);
+}
+
+std::string streamed_text(const TestServer& s, json req, json& usage) {
+  req["stream"] = true;
+  req["stream_options"] = {{"include_usage", true}};
+  auto events = sse_events(s.stream("/v1/completions", req));
+  EXPECT_FALSE(events.empty());
+  if (events.empty()) return "";
+  EXPECT_EQ(events.back(), "[DONE]");
+  std::string text;
+  for (size_t i = 0; i + 1 < events.size(); ++i) {
+    json c = json::parse(events[i]);
+    if (c.contains("error")) ADD_FAILURE() << "stream error: " << events[i];
+    if (c["choices"].empty()) {
+      usage = c["usage"];
+      continue;
+    }
+    text += c["choices"][0]["text"].get<std::string>();
+  }
+  return text;
+}
+
+// A padded vocabulary (issue 19): sampling picks ids without a tokenizer entry; they come out as no
+// text, streamed or not, instead of failing the request. With mask_padded_ids they are never
+// picked, and the answer is the unpadded reference model's.
+TEST(Server, PaddedVocabularyStreamingAndNot) {
+  const auto dir = std::filesystem::temp_directory_path() / ("hypic_padded_server_" + std::to_string(getpid()));
+  hypic::testing::make_padded_vocab_model(dir);
+  const std::string prompt = "Once upon a time";
+  const auto plain = generate_in_process(dir.string(), prompt, 24, false);
+  int padded = 0;
+  for (int32_t id : plain.ids) padded += id >= hypic::testing::kPaddedVocabTokenizerIds;
+  ASSERT_GT(padded, 0) << "the fixture never samples a padded id; the test would prove nothing";
+  const auto masked = generate_in_process(dir.string(), prompt, 24, true);
+  for (int32_t id : masked.ids) EXPECT_LT(id, hypic::testing::kPaddedVocabTokenizerIds);
+  const auto ref = generate_in_process(model_dir(), prompt, 24, false);
+  EXPECT_EQ(masked.ids, ref.ids);
+  {
+    TestServer s({}, dir.string());
+    const json req = greedy({{"prompt", prompt}, {"max_tokens", 24}, {"logprobs", 2}});
+    auto r = s.post("/v1/completions", req);
+    ASSERT_EQ(r.first, 200) << r.second.dump();
+    EXPECT_EQ(r.second["choices"][0]["text"], plain.text);
+    EXPECT_EQ(r.second["choices"][0]["finish_reason"], "length");
+    EXPECT_EQ(r.second["usage"]["completion_tokens"], 24);
+    EXPECT_EQ(r.second["choices"][0]["logprobs"]["tokens"].size(), 24u);
+    json usage;
+    EXPECT_EQ(streamed_text(s, req, usage), plain.text);
+    EXPECT_EQ(usage["completion_tokens"], 24);
+    // Masked per request: the reference model's answer, streamed or not.
+    json mreq = req;
+    mreq["mask_padded_ids"] = true;
+    auto m = s.post("/v1/completions", mreq);
+    ASSERT_EQ(m.first, 200) << m.second.dump();
+    EXPECT_EQ(m.second["choices"][0]["text"], ref.text);
+    EXPECT_EQ(streamed_text(s, mreq, usage), ref.text);
+    expect_error(s.post("/v1/completions", greedy({{"prompt", prompt}, {"mask_padded_ids", "yes"}})), 400,
+                 "mask_padded_ids must be a boolean");
+  }
+  {
+    // --mask-padded-ids as the server default; a request may still turn it off.
+    ServerOptions o;
+    o.mask_padded_ids = true;
+    TestServer s(o, dir.string());
+    auto m = s.post("/v1/completions", greedy({{"prompt", prompt}, {"max_tokens", 24}}));
+    ASSERT_EQ(m.first, 200) << m.second.dump();
+    EXPECT_EQ(m.second["choices"][0]["text"], ref.text);
+    auto u = s.post("/v1/completions", greedy({{"prompt", prompt}, {"max_tokens", 24}, {"mask_padded_ids", false}}));
+    ASSERT_EQ(u.first, 200) << u.second.dump();
+    EXPECT_EQ(u.second["choices"][0]["text"], plain.text);
+  }
+  std::filesystem::remove_all(dir);
 }
 
 TEST(ServerApi, StopHoldback) {
