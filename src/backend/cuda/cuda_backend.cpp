@@ -161,6 +161,8 @@ struct CudaBackend::Impl {
   // Reused scratch for activations converted to a weight's dtype (stream order makes reuse safe).
   Tensor half_x;
   bool exact_half = false;
+  // HYPIC_CUDA_GDN=token keeps every span on the token-recurrence kernel (benchmarks, bisecting).
+  bool gdn_token_only = false;
   // Makes this backend's GPU current on the calling thread (a no-op after the first call there).
   void bind() const {
     thread_local int current = -1;
@@ -169,6 +171,13 @@ struct CudaBackend::Impl {
       current = dev;
     }
   }
+  // Device pointer tables [gate x E, up x E, down x E] of MoE layers, keyed by the first gate
+  // weight and checked against every pointer before reuse.
+  struct ExpertTable {
+    std::vector<const void*> host;
+    Tensor dev;
+  };
+  std::map<const void*, ExpertTable> expert_tables;
   // inv_freq tables per (rot_dim, theta), uploaded once.
   std::map<std::pair<int, double>, Tensor> inv_freq;
   int depth = 0;  // nesting of OpScopes (an op calling ops is profiled as one)
@@ -230,6 +239,7 @@ CudaBackend::CudaBackend(int device) : impl_(std::make_unique<Impl>()) {
   m.mem = std::make_shared<DeviceAllocator>(device);
   if (const char* e = std::getenv("HYPIC_CUDA_PROFILE"); e && *e && std::string(e) != "0")
     m.prof = std::make_unique<OpProfile>();
+  if (const char* e = std::getenv("HYPIC_CUDA_GDN"); e && std::string(e) == "token") m.gdn_token_only = true;
 }
 
 CudaBackend::~CudaBackend() {
@@ -237,6 +247,7 @@ CudaBackend::~CudaBackend() {
   if (m.stream) cudaStreamSynchronize(m.stream);
   m.half_x = Tensor();
   m.inv_freq.clear();
+  m.expert_tables.clear();
   if (m.blas) cublasDestroy(m.blas);
   if (m.stream) cudaStreamDestroy(m.stream);
 }
@@ -344,6 +355,12 @@ void CudaBackend::matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accum
   auto& m = *impl_;
   if (K == 0) {
     if (!accumulate) launch_fill(m.stream, y.data<float>(), M * N, 0.f);
+    return;
+  }
+  // Decode-sized products stream the weights with a warp per row (f32 activations: exact in
+  // precise mode too); cuBLAS takes the rest.
+  if (M <= kGemvMaxRows && gemv_supported(w.dtype(), M, K, w.raw(), x.data<float>())) {
+    launch_gemv(m.stream, w.raw(), w.dtype(), x.data<float>(), y.data<float>(), M, N, K, accumulate);
     return;
   }
   // Row-major y[M,N] = x[M,K] W[N,K]^T is column-major y^T[N,M] = W^T(N x K) x^T(K x M).
@@ -508,6 +525,16 @@ void CudaBackend::gated_delta_rule(const Tensor& q, const Tensor& k, const Tenso
   check_gated_delta_rule(q, k, v, g, beta, state, out, transition, kDev);
   const int64_t T = q.dim(0), Hk = q.dim(1), dk = q.dim(2), Hv = v.dim(1), dv = v.dim(2);
   float* tr = transition && transition->defined() ? transition->data<float>() : nullptr;
+  // Long spans take the chunked form (tensor-friendly, parallel over chunks); decode steps and
+  // short seams stay on the token recurrence, which has no workspace and fewer launches.
+  if (T >= kGdnChunkedMin && !impl_->gdn_token_only &&
+      gated_delta_chunked_supported(q.data<float>(), k.data<float>(), dk, dv)) {
+    Tensor ws = alloc_uninit(DType::F32, {gated_delta_chunked_workspace_floats(T, Hv, dk, dv)});
+    launch_gated_delta_rule_chunked(impl_->stream, q.data<float>(), k.data<float>(), v.data<float>(), g.data<float>(),
+                                    beta.data<float>(), l2norm_qk, T, Hk, Hv, dk, dv, state.data<float>(),
+                                    out.data<float>(), tr, ws.data<float>());
+    return;
+  }
   launch_gated_delta_rule(impl_->stream, q.data<float>(), k.data<float>(), v.data<float>(), g.data<float>(),
                           beta.data<float>(), l2norm_qk, T, Hk, Hv, dk, dv, state.data<float>(), out.data<float>(), tr);
 }
@@ -552,6 +579,20 @@ void CudaBackend::moe_experts(const Tensor& x, const Tensor& router_logits, int 
          rank = alloc_uninit(DType::I32, {T * top_k}), counts = alloc_uninit(DType::I32, {E});
   launch_moe_route(m.stream, router_logits.data<float>(), T, E, top_k, norm_topk, sel.data<int32_t>(), dw.data<float>(),
                    rank.data<int32_t>(), counts.data<int32_t>());
+  // Few slots (decode): every slot reads its expert's rows directly, no counts come back to the host.
+  if (T * top_k <= kMoeGemvMaxSlots) {
+    if (const void* const* tab = expert_table(experts, H, I)) {
+      const int64_t n = T * top_k;
+      Tensor order = alloc_uninit(DType::I32, {n}), hs = alloc_uninit(DType::F32, {n, I}),
+             ys = alloc_uninit(DType::F32, {n, H});
+      launch_moe_order(m.stream, sel.data<int32_t>(), rank.data<int32_t>(), counts.data<int32_t>(), E, n,
+                       order.data<int32_t>());
+      launch_moe_gemv(m.stream, experts.gate[0].dtype(), tab, tab + E, tab + 2 * E, x.data<float>(),
+                      sel.data<int32_t>(), order.data<int32_t>(), n, top_k, H, I, hs.data<float>(), ys.data<float>());
+      launch_moe_combine(m.stream, ys.data<float>(), nullptr, dw.data<float>(), T, top_k, H, out.data<float>());
+      return;
+    }
+  }
   Tensor hc = to_host(counts);
   std::vector<int64_t> used;
   std::vector<int32_t> batch_of(static_cast<size_t>(E), 0);
@@ -582,6 +623,30 @@ void CudaBackend::moe_experts(const Tensor& x, const Tensor& router_logits, int 
   batched_matmul(gs, pick(experts.down), maxn, ds);
   launch_moe_combine(m.stream, ds.data<float>(), dpos.data<int32_t>(), dw.data<float>(), T, top_k, H,
                      out.data<float>());
+}
+
+// The device pointer table of a MoE layer's experts, or null where the few-slot kernels cannot
+// take them (mixed dtypes, sizes not a multiple of 8, unaligned rows).
+const void* const* CudaBackend::expert_table(const ExpertWeights& experts, int64_t H, int64_t I) {
+  auto& m = *impl_;
+  const size_t E = experts.gate.size();
+  if (E == 0 || H % 8 != 0 || I % 8 != 0) return nullptr;
+  const DType dt = experts.gate[0].dtype();
+  if (dt != DType::BF16 && dt != DType::F16 && dt != DType::F32) return nullptr;
+  std::vector<const void*> host(3 * E);
+  for (size_t e = 0; e < E; ++e) {
+    const Tensor* w[3] = {&experts.gate[e], &experts.up[e], &experts.down[e]};
+    for (int j = 0; j < 3; ++j) {
+      if (w[j]->dtype() != dt || (reinterpret_cast<uintptr_t>(w[j]->raw()) & 15u) != 0) return nullptr;
+      host[j * E + e] = w[j]->raw();
+    }
+  }
+  auto& entry = m.expert_tables[host[0]];
+  if (entry.host != host) {
+    entry.dev = upload(host.data(), DType::I64, static_cast<int64_t>(host.size()));
+    entry.host = std::move(host);
+  }
+  return reinterpret_cast<const void* const*>(entry.dev.raw());
 }
 
 // y[b*M .. (b+1)*M) = x[b*M .. (b+1)*M) w[b]^T for every b, one cuBLAS batched call (three in precise

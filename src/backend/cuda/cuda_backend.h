@@ -78,6 +78,7 @@ class CudaBackend : public Backend {
   std::unique_ptr<Impl> impl_;
   Tensor alloc_uninit(DType dt, Shape shape);
   Tensor upload(const void* host, DType dt, int64_t n);  // small host array -> device tensor
+  const void* const* expert_table(const ExpertWeights& experts, int64_t H, int64_t I);
   void batched_matmul(const Tensor& x, const std::vector<const Tensor*>& w, int64_t M, Tensor& y);
 };
 

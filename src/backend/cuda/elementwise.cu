@@ -228,7 +228,10 @@ __global__ void k_moe_combine(const float* y, const int32_t* pos, const float* w
   const int64_t t = blockIdx.x;
   for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
     float acc = 0.f;
-    for (int j = 0; j < top_k; ++j) acc += w[t * top_k + j] * y[static_cast<int64_t>(pos[t * top_k + j]) * H + c];
+    for (int j = 0; j < top_k; ++j) {
+      const int64_t row = pos ? pos[t * top_k + j] : t * top_k + j;
+      acc += w[t * top_k + j] * y[row * H + c];
+    }
     out[t * H + c] = acc;
   }
 }

@@ -43,9 +43,27 @@ void launch_moe_route(cudaStream_t s, const float* logits, int64_t T, int64_t E,
 // rows[batch_of[e] * maxn + rank] = token of each slot (rows pre-filled with -1), pos[slot] = that row.
 void launch_moe_index(cudaStream_t s, const int32_t* sel, const int32_t* rank, const int32_t* batch_of, int64_t T,
                       int top_k, int64_t maxn, int32_t* rows, int32_t* pos);
-// MoE un-permute: out[t, :] = sum_j w[t*k + j] * y[pos[t*k + j], :] (one block per token: no races)
+// MoE un-permute: out[t, :] = sum_j w[t*k + j] * y[pos[t*k + j], :] (one block per token: no races);
+// pos null means y is indexed by slot.
 void launch_moe_combine(cudaStream_t s, const float* y, const int32_t* pos, const float* w, int64_t T, int top_k,
                         int64_t H, float* out);
+
+// Few-row products (gemv.cu): y[M,N] (+)= x[M,K] W[N,K]^T for M <= kGemvMaxRows, W bf16/f16/f32
+// (K % 8 == 0, W and x 16-byte aligned), f32 accumulation from f32 activations.
+constexpr int64_t kGemvMaxRows = 8;
+constexpr int64_t kMoeGemvMaxSlots = 256;  // T * top_k up to this: the few-slot MoE kernels
+bool gemv_supported(DType wdt, int64_t M, int64_t K, const void* w, const float* x);
+void launch_gemv(cudaStream_t s, const void* w, DType wdt, const float* x, float* y, int64_t M, int64_t N, int64_t K,
+                 bool accumulate);
+// MoE for few slots, with no host round trip: order [n] lists the slots grouped by expert (from
+// the routing's ranks and counts); then h[slot] = silu(gate_e x_t) * (up_e x_t) and
+// ys[slot] = down_e h[slot] for every slot, reading the expert's weights through pointer tables
+// (device arrays of E pointers each; H % 8 == 0, I % 8 == 0, rows 16-byte aligned).
+void launch_moe_order(cudaStream_t s, const int32_t* sel, const int32_t* rank, const int32_t* counts, int64_t E,
+                      int64_t n, int32_t* order);
+void launch_moe_gemv(cudaStream_t s, DType wdt, const void* const* gate, const void* const* up, const void* const* down,
+                     const float* x, const int32_t* sel, const int32_t* order, int64_t slots, int top_k, int64_t H,
+                     int64_t I, float* h, float* ys);
 
 // Causal GQA attention, f32: q [T, Hq, D], k [S, Hkv, D], v [S, Hkv, Dv]; query t sees keys
 // j < min(kv_len, q_offset + t + 1). `part` (f32, attention_part_floats(...) elements, or null for
@@ -68,5 +86,15 @@ void launch_flash_attention(cudaStream_t s, const float* q, const float* k, cons
 void launch_gated_delta_rule(cudaStream_t s, const float* q, const float* k, const float* v, const float* g,
                              const float* beta, bool l2norm_qk, int64_t T, int64_t Hk, int64_t Hv, int64_t dk,
                              int64_t dv, float* state, float* out, float* transition);
+
+// The same in chunked (WY) form (gated_delta_chunked.cu): three kernels, the sequential part only
+// over chunks of 64 tokens. Needs dk in {64, 128, 256}, dv <= 256, 16-byte aligned q and k, and a
+// workspace of gated_delta_chunked_workspace_floats(...) floats.
+constexpr int64_t kGdnChunkedMin = 128;  // shorter spans stay on the token kernel
+bool gated_delta_chunked_supported(const float* q, const float* k, int64_t dk, int64_t dv);
+int64_t gated_delta_chunked_workspace_floats(int64_t T, int64_t Hv, int64_t dk, int64_t dv);
+void launch_gated_delta_rule_chunked(cudaStream_t s, const float* q, const float* k, const float* v, const float* g,
+                                     const float* beta, bool l2norm_qk, int64_t T, int64_t Hk, int64_t Hv, int64_t dk,
+                                     int64_t dv, float* state, float* out, float* transition, float* workspace);
 
 }  // namespace hypic::cuda

@@ -1,0 +1,226 @@
+// Products with few activation rows (decode steps): y[M,N] = x[M,K] W[N,K]^T for M <= 8, and the
+// MoE experts of a decode batch. Here the weights are read once and every other cost is small, so
+// what matters is streaming W at the memory's bandwidth: a warp per output row, 16-byte loads, the
+// activations in f32 from L1/L2, f32 accumulation. cuBLAS picks tensor-core tiles for these shapes
+// and pays the activation conversion on top; the MoE path also needs no host round trip (no expert
+// counts read back), which is what lets a decode step run without a synchronisation.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/kernels.h"
+
+namespace hypic::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;  // 8 warps, a row each
+constexpr int kWarps = kThreads / 32;
+
+// Eight consecutive weights as f32 (one 16-byte load for 16-bit types, two for f32).
+__device__ __forceinline__ void load8(const __nv_bfloat16* p, float* o) {
+  const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    o[2 * i] = __uint_as_float(w[i] << 16);
+    o[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+__device__ __forceinline__ void load8(const __half* p, float* o) {
+  const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
+  const __half2* h = reinterpret_cast<const __half2*>(&u);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __half22float2(h[i]);
+    o[2 * i] = f.x;
+    o[2 * i + 1] = f.y;
+  }
+}
+__device__ __forceinline__ void load8(const float* p, float* o) {
+  const float4 a = __ldg(reinterpret_cast<const float4*>(p)), b = __ldg(reinterpret_cast<const float4*>(p + 4));
+  o[0] = a.x, o[1] = a.y, o[2] = a.z, o[3] = a.w, o[4] = b.x, o[5] = b.y, o[6] = b.z, o[7] = b.w;
+}
+__device__ __forceinline__ float dot8(const float* w, const float* x) {
+  const float4 a = *reinterpret_cast<const float4*>(x), b = *reinterpret_cast<const float4*>(x + 4);
+  return w[0] * a.x + w[1] * a.y + w[2] * a.z + w[3] * a.w + w[4] * b.x + w[5] * b.y + w[6] * b.z + w[7] * b.w;
+}
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float silu(float x) {
+  return x / (1.0f + expf(-x));
+}
+
+template <typename WT, int M>
+__global__ void __launch_bounds__(kThreads) k_gemv(const WT* __restrict__ w, const float* __restrict__ x,
+                                                   float* __restrict__ y, int64_t N, int64_t K, bool accumulate) {
+  const int64_t n = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (n >= N) return;
+  const WT* wr = w + n * K;
+  float acc[M];
+#pragma unroll
+  for (int m = 0; m < M; ++m) acc[m] = 0.f;
+#pragma unroll 4
+  for (int64_t k = lane * 8; k < K; k += 256) {
+    float wv[8];
+    load8(wr + k, wv);
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[m] += dot8(wv, x + m * K + k);
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    const float v = warp_sum(acc[m]);
+    if (lane == m) y[m * N + n] = accumulate ? y[m * N + n] + v : v;
+  }
+}
+
+// h[slot, n] = silu(gate_e[n] . x_t) * (up_e[n] . x_t) for slot = order[blockIdx.x] (slots grouped
+// by expert, so blocks running together read the same expert's rows: L2 serves the repeats).
+template <typename WT>
+__global__ void __launch_bounds__(kThreads)
+    k_moe_gate_up(const WT* const* __restrict__ gate, const WT* const* __restrict__ up, const float* __restrict__ x,
+                  const int32_t* __restrict__ sel, const int32_t* __restrict__ order, int top_k, int64_t H, int64_t I,
+                  float* __restrict__ h) {
+  const int32_t slot = order[blockIdx.x];
+  const int e = sel[slot];
+  const int64_t n = static_cast<int64_t>(blockIdx.y) * kWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (n >= I) return;
+  const WT* wg = gate[e] + n * H;
+  const WT* wu = up[e] + n * H;
+  const float* xr = x + static_cast<int64_t>(slot / top_k) * H;
+  float ag = 0.f, au = 0.f;
+#pragma unroll 2
+  for (int64_t k = lane * 8; k < H; k += 256) {
+    float a[8], b[8];
+    load8(wg + k, a);
+    load8(wu + k, b);
+    ag += dot8(a, xr + k);
+    au += dot8(b, xr + k);
+  }
+  ag = warp_sum(ag);
+  au = warp_sum(au);
+  if (lane == 0) h[static_cast<int64_t>(slot) * I + n] = silu(ag) * au;
+}
+
+// ys[slot, n] = down_e[n] . h[slot]
+template <typename WT>
+__global__ void __launch_bounds__(kThreads)
+    k_moe_down(const WT* const* __restrict__ down, const float* __restrict__ h, const int32_t* __restrict__ sel,
+               const int32_t* __restrict__ order, int64_t H, int64_t I, float* __restrict__ ys) {
+  const int32_t slot = order[blockIdx.x];
+  const int e = sel[slot];
+  const int64_t n = static_cast<int64_t>(blockIdx.y) * kWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (n >= H) return;
+  const WT* wd = down[e] + n * I;
+  const float* hr = h + static_cast<int64_t>(slot) * I;
+  float acc = 0.f;
+#pragma unroll 2
+  for (int64_t k = lane * 8; k < I; k += 256) {
+    float a[8];
+    load8(wd + k, a);
+    acc += dot8(a, hr + k);
+  }
+  acc = warp_sum(acc);
+  if (lane == 0) ys[static_cast<int64_t>(slot) * H + n] = acc;
+}
+
+// order[offset of expert e + rank] = slot: one block, an exclusive scan of the counts (E <= 1024).
+__global__ void k_moe_order(const int32_t* sel, const int32_t* rank, const int32_t* counts, int E, int64_t n,
+                            int32_t* order) {
+  __shared__ int32_t off[1024];
+  if (threadIdx.x == 0) {
+    int32_t acc = 0;
+    for (int e = 0; e < E; ++e) {
+      off[e] = acc;
+      acc += counts[e];
+    }
+  }
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) order[off[sel[i]] + rank[i]] = static_cast<int32_t>(i);
+}
+
+template <typename WT>
+void gemv_t(cudaStream_t s, const WT* w, const float* x, float* y, int64_t M, int64_t N, int64_t K, bool acc) {
+  const unsigned blocks = static_cast<unsigned>((N + kWarps - 1) / kWarps);
+  switch (M) {
+#define HYPIC_GEMV_CASE(m)                                         \
+  case m:                                                          \
+    k_gemv<WT, m><<<blocks, kThreads, 0, s>>>(w, x, y, N, K, acc); \
+    break;
+    HYPIC_GEMV_CASE(1)
+    HYPIC_GEMV_CASE(2)
+    HYPIC_GEMV_CASE(3)
+    HYPIC_GEMV_CASE(4)
+    HYPIC_GEMV_CASE(5)
+    HYPIC_GEMV_CASE(6)
+    HYPIC_GEMV_CASE(7)
+    HYPIC_GEMV_CASE(8)
+#undef HYPIC_GEMV_CASE
+    default:
+      throw std::logic_error("gemv: at most 8 rows");
+  }
+  CUDA_LAUNCH_CHECK("k_gemv");
+}
+
+template <typename WT>
+void moe_t(cudaStream_t s, const void* const* gate, const void* const* up, const void* const* down, const float* x,
+           const int32_t* sel, const int32_t* order, int64_t slots, int top_k, int64_t H, int64_t I, float* h,
+           float* ys) {
+  const auto* g = reinterpret_cast<const WT* const*>(gate);
+  const auto* u = reinterpret_cast<const WT* const*>(up);
+  const auto* d = reinterpret_cast<const WT* const*>(down);
+  k_moe_gate_up<WT>
+      <<<dim3(static_cast<unsigned>(slots), static_cast<unsigned>((I + kWarps - 1) / kWarps)), kThreads, 0, s>>>(
+          g, u, x, sel, order, top_k, H, I, h);
+  CUDA_LAUNCH_CHECK("k_moe_gate_up");
+  k_moe_down<WT>
+      <<<dim3(static_cast<unsigned>(slots), static_cast<unsigned>((H + kWarps - 1) / kWarps)), kThreads, 0, s>>>(
+          d, h, sel, order, H, I, ys);
+  CUDA_LAUNCH_CHECK("k_moe_down");
+}
+
+}  // namespace
+
+bool gemv_supported(DType wdt, int64_t M, int64_t K, const void* w, const float* x) {
+  const bool type_ok = wdt == DType::BF16 || wdt == DType::F16 || wdt == DType::F32;
+  return type_ok && M >= 1 && M <= kGemvMaxRows && K % 8 == 0 && (reinterpret_cast<uintptr_t>(w) & 15u) == 0 &&
+         (reinterpret_cast<uintptr_t>(x) & 15u) == 0;
+}
+
+void launch_gemv(cudaStream_t s, const void* w, DType wdt, const float* x, float* y, int64_t M, int64_t N, int64_t K,
+                 bool accumulate) {
+  if (M == 0 || N == 0) return;
+  if (wdt == DType::BF16)
+    gemv_t(s, static_cast<const __nv_bfloat16*>(w), x, y, M, N, K, accumulate);
+  else if (wdt == DType::F16)
+    gemv_t(s, static_cast<const __half*>(w), x, y, M, N, K, accumulate);
+  else
+    gemv_t(s, static_cast<const float*>(w), x, y, M, N, K, accumulate);
+}
+
+void launch_moe_order(cudaStream_t s, const int32_t* sel, const int32_t* rank, const int32_t* counts, int64_t E,
+                      int64_t n, int32_t* order) {
+  if (n == 0) return;
+  k_moe_order<<<1, 1024, 0, s>>>(sel, rank, counts, static_cast<int>(E), n, order);
+  CUDA_LAUNCH_CHECK("k_moe_order");
+}
+
+void launch_moe_gemv(cudaStream_t s, DType wdt, const void* const* gate, const void* const* up, const void* const* down,
+                     const float* x, const int32_t* sel, const int32_t* order, int64_t slots, int top_k, int64_t H,
+                     int64_t I, float* h, float* ys) {
+  if (slots == 0) return;
+  if (wdt == DType::BF16)
+    moe_t<__nv_bfloat16>(s, gate, up, down, x, sel, order, slots, top_k, H, I, h, ys);
+  else if (wdt == DType::F16)
+    moe_t<__half>(s, gate, up, down, x, sel, order, slots, top_k, H, I, h, ys);
+  else
+    moe_t<float>(s, gate, up, down, x, sel, order, slots, top_k, H, I, h, ys);
+}
+
+}  // namespace hypic::cuda
