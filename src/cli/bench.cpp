@@ -138,6 +138,8 @@ double median(std::vector<double> v) {
 // shuffles the documents, as retrieval does.
 struct RagOpts {
   int segments = 16, segment_tokens = 512, query_tokens = 32, prefix_tokens = 32, requests = 5, seam = 8;
+  int answer_tokens = 64;              // multi-turn: tokens of each earlier turn's answer
+  std::string workload = "reordered";  // bench ttft: reordered | multi-turn
   std::string modes = "full,prefix,pic,naive", seams = "0,4,8,16,32";
   std::string task, set = "moderate";  // fidelity: held-out task prompts instead of random tokens
   double cache_mib = 8192;
@@ -164,19 +166,50 @@ struct RagWorkload {
   }
 };
 
+// A conversation over a fixed set of documents: turn t sends the prefix, the documents (in the
+// same order every turn), each earlier turn's question and answer (one segment per turn), then its
+// own question. Every turn repeats the previous turn's prompt as its exact prefix.
+struct MultiTurnWorkload {
+  std::vector<std::vector<int32_t>> context;  // prefix, documents, earlier turns
+  std::mt19937_64 rng;
+  int64_t vocab;
+  int query_tokens, answer_tokens;
+  MultiTurnWorkload(const RagOpts& o, int64_t V, uint64_t seed)
+      : rng(seed ^ 0x5bd1e995u), vocab(V), query_tokens(o.query_tokens), answer_tokens(o.answer_tokens) {
+    RagWorkload docs(o, V, seed);  // the same prefix and documents as the reordered workload
+    context.push_back(docs.prefix);
+    context.insert(context.end(), docs.docs.begin(), docs.docs.end());
+  }
+  std::vector<std::vector<int32_t>> next_turn() {
+    auto s = context;
+    std::vector<int32_t> q = random_ids(query_tokens, vocab, rng());
+    s.push_back(q);
+    // The answer this turn gets is part of every later turn's context, with its question.
+    std::vector<int32_t> a = random_ids(answer_tokens, vocab, rng());
+    q.insert(q.end(), a.begin(), a.end());
+    context.push_back(std::move(q));
+    return s;
+  }
+};
+
 void add_rag(CLI::App* c, RagOpts& r) {
   c->add_option("--segments", r.segments, "Documents per request")->capture_default_str();
   c->add_option("--segment-tokens", r.segment_tokens, "Tokens per document")->capture_default_str();
   c->add_option("--query-tokens", r.query_tokens, "Question tokens")->capture_default_str();
   c->add_option("--prefix-tokens", r.prefix_tokens, "System prefix tokens")->capture_default_str();
-  c->add_option("--requests", r.requests, "Timed requests (shuffled documents)")->capture_default_str();
+  c->add_option("--requests", r.requests, "Timed requests (shuffled documents; multi-turn: turns)")
+      ->capture_default_str();
   c->add_option("--cache-budget-mib", r.cache_mib, "Segment cache budget")->capture_default_str();
 }
 
 void check_rag(const RagOpts& r) {
-  if (r.segments <= 0 || r.segment_tokens <= 0 || r.query_tokens <= 0 || r.prefix_tokens <= 0 || r.requests <= 0)
+  if (r.segments <= 0 || r.segment_tokens <= 0 || r.query_tokens <= 0 || r.prefix_tokens <= 0 || r.requests <= 0 ||
+      r.answer_tokens <= 0)
     throw std::invalid_argument(
-        "--segments, --segment-tokens, --query-tokens, --prefix-tokens and --requests must be positive");
+        "--segments, --segment-tokens, --query-tokens, --prefix-tokens, --answer-tokens and --requests must be "
+        "positive");
+  if (r.workload != "reordered" && r.workload != "multi-turn")
+    throw std::invalid_argument("unknown --workload '" + r.workload + "' (expected reordered or multi-turn)");
 }
 
 double rel_l2(Backend& be, const Tensor& a, const Tensor& ref) {
@@ -333,9 +366,16 @@ void register_bench(CLI::App& app) {
 
   auto to = std::make_shared<BenchOpts>();
   auto tr = std::make_shared<RagOpts>();
-  auto* t = b->add_subcommand("ttft", "Time to first token per mode on a warm RAG workload with shuffled documents");
+  auto* t = b->add_subcommand(
+      "ttft", "Time to first token per mode: warm RAG requests with shuffled documents, or a multi-turn conversation");
   add_common(t, *to);
   add_rag(t, *tr);
+  t->add_option("--workload", tr->workload,
+                "reordered: every request shuffles the documents; multi-turn: a conversation over the documents "
+                "growing by one turn per request")
+      ->capture_default_str();
+  t->add_option("--answer-tokens", tr->answer_tokens, "multi-turn: answer tokens of each earlier turn")
+      ->capture_default_str();
   t->add_option("--modes", tr->modes, "Modes to compare")->capture_default_str();
   t->add_option("--seam", tr->seam, "Seam width for pic")->capture_default_str();
   t->callback([to, tr] {
@@ -349,21 +389,26 @@ void register_bench(CLI::App& app) {
       auto& m = *lm.model;
       nlohmann::json res = nlohmann::json::array();
       std::map<std::string, double> med;
+      const bool multi_turn = ro.workload == "multi-turn";
       for (PicMode mode : modes) {
-        RagWorkload w(ro, m.config().vocab_size, o.seed);  // same documents and orders for every mode
+        // Same documents, orders and turns for every mode.
+        RagWorkload w(ro, m.config().vocab_size, o.seed);
+        MultiTurnWorkload conv(ro, m.config().vocab_size, o.seed);
         PicEngine eng(m, static_cast<size_t>(ro.cache_mib * 1048576.0));
         PicOptions po{mode, ro.seam};
-        eng.prefill(w.request(false), po);  // warm-up: every document seen once
+        // Warm-up: every document seen once (multi-turn: the conversation's first turn).
+        eng.prefill(multi_turn ? conv.next_turn() : w.request(false), po);
         std::vector<double> ttft;
-        std::vector<double> computed;
+        std::vector<double> computed, cached;
         for (int r = 0; r < ro.requests; ++r) {
-          auto segs = w.request();
+          auto segs = multi_turn ? conv.next_turn() : w.request();
           auto t0 = Clock::now();
           PrefillResult pr = eng.prefill(segs, po);
           Tensor h = m.backend().to_host(pr.logits);
           Sampler({}).sample(std::span<const float>(h.data<float>(), static_cast<size_t>(h.numel())));
           ttft.push_back(secs(t0, Clock::now()) * 1000);
           computed.push_back(static_cast<double>(pr.report.computed_tokens));
+          cached.push_back(static_cast<double>(pr.report.reused_tokens));
         }
         const double mt = median(ttft);
         med[pic_mode_name(mode)] = mt;
@@ -371,10 +416,14 @@ void register_bench(CLI::App& app) {
                        {"ttft_ms_median", mt},
                        {"ttft_ms", ttft},
                        {"computed_tokens_median", median(computed)},
+                       {"cached_tokens_median", median(cached)},
                        {"cache_bytes", eng.cache().stats().bytes}});
       }
-      const int64_t prompt = ro.prefix_tokens + int64_t(ro.segments) * ro.segment_tokens + ro.query_tokens;
+      // Multi-turn: the last timed turn's prompt (it carries one earlier turn per timed request).
+      const int64_t prompt = ro.prefix_tokens + int64_t(ro.segments) * ro.segment_tokens + ro.query_tokens +
+                             (multi_turn ? int64_t(ro.requests) * (ro.query_tokens + ro.answer_tokens) : 0);
       nlohmann::json j{{"bench", "ttft"},
+                       {"workload", ro.workload},
                        {"model", lm.description},
                        {"threads", m.backend().num_threads()},
                        {"segments", ro.segments},
@@ -384,15 +433,18 @@ void register_bench(CLI::App& app) {
                        {"prompt_tokens", prompt},
                        {"seam", ro.seam},
                        {"requests", ro.requests},
+                       {"answer_tokens", multi_turn ? nlohmann::json(ro.answer_tokens) : nlohmann::json()},
                        {"modes", res}};
       if (med.count("prefix") && med.count("pic")) j["prefix_over_pic"] = med["prefix"] / med["pic"];
       if (med.count("full") && med.count("pic")) j["full_over_pic"] = med["full"] / med["pic"];
       std::cout << j.dump(o.json ? -1 : 2) << "\n";
       if (!o.json) {
-        std::printf("%-8s %14s %16s\n", "mode", "TTFT p50 (ms)", "computed tokens");
+        std::printf("workload %s\n%-8s %14s %16s %14s\n", ro.workload.c_str(), "mode", "TTFT p50 (ms)",
+                    "computed tokens", "cached tokens");
         for (auto& e : res)
-          std::printf("%-8s %14.1f %16.0f\n", e["mode"].get<std::string>().c_str(), e["ttft_ms_median"].get<double>(),
-                      e["computed_tokens_median"].get<double>());
+          std::printf("%-8s %14.1f %16.0f %14.0f\n", e["mode"].get<std::string>().c_str(),
+                      e["ttft_ms_median"].get<double>(), e["computed_tokens_median"].get<double>(),
+                      e["cached_tokens_median"].get<double>());
         if (j.contains("prefix_over_pic"))
           std::printf("prefix / pic TTFT: %.2fx\n", j["prefix_over_pic"].get<double>());
       }

@@ -191,6 +191,7 @@ void register_generate(CLI::App& app) {
         j["cache"] = {{"hit_segments", cr.hit_segments},
                       {"miss_segments", cr.miss_segments},
                       {"reused_tokens", cr.reused_tokens},
+                      {"prefix_tokens", cr.prefix_tokens},
                       {"computed_tokens", cr.computed_tokens}};
         if (!o->cache_dir.empty()) {
           const auto cs = engine.cache().stats();

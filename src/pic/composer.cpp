@@ -35,11 +35,19 @@ const char* pic_mode_name(PicMode m) {
 
 // ---- prefix cache ----------------------------------------------------------------------------
 // Exact-prefix snapshots taken at segment boundaries: what prefix caching engines reuse today.
+// Two kinds share one LRU:
+//  - exact (tag 0, prefix mode): the state of a plain prefill of `ids`; it fits any request whose
+//    tokens start with `ids` and that has a segment boundary at ids.size();
+//  - composed (tag != 0, pic / naive): the state the composition left after these segments under
+//    one set of options (the tag). A composed state depends on where the segments start and end,
+//    so it fits only a request whose first segments are exactly these (`bounds`, their ends).
 struct PicEngine::PrefixCache {
   struct Snap {
     std::vector<int32_t> ids;
     SequenceState state;
     size_t bytes;
+    uint64_t tag = 0;
+    std::vector<size_t> bounds;  // composed snapshots: the ends of the segments they hold
   };
   size_t budget;
   size_t bytes = 0;
@@ -53,13 +61,19 @@ struct PicEngine::PrefixCache {
         if (t->defined()) b += t->nbytes();
     return b;
   }
-  // Longest cached prefix of `ids` that ends at one of `boundaries`; returns its length or 0.
-  const Snap* longest(const std::vector<int32_t>& ids, const std::vector<size_t>& boundaries) {
+  // Longest cached prefix of `ids` that ends at one of `boundaries` (exact snapshots, tag 0) or
+  // whose segments are the request's first ones (composed snapshots of this tag); null if none.
+  const Snap* longest(const std::vector<int32_t>& ids, const std::vector<size_t>& boundaries, uint64_t tag = 0) {
     const Snap* best = nullptr;
     for (auto it = lru.begin(); it != lru.end(); ++it) {
       const size_t n = it->ids.size();
-      if (n > ids.size() || (best && n <= best->ids.size())) continue;
-      if (std::find(boundaries.begin(), boundaries.end(), n) == boundaries.end()) continue;
+      if (it->tag != tag || n > ids.size() || (best && n <= best->ids.size())) continue;
+      if (tag == 0) {
+        if (std::find(boundaries.begin(), boundaries.end(), n) == boundaries.end()) continue;
+      } else if (it->bounds.size() > boundaries.size() ||
+                 !std::equal(it->bounds.begin(), it->bounds.end(), boundaries.begin())) {
+        continue;
+      }
       if (!std::equal(it->ids.begin(), it->ids.end(), ids.begin())) continue;
       best = &*it;
     }
@@ -71,11 +85,11 @@ struct PicEngine::PrefixCache {
         }
     return best;
   }
-  void put(std::vector<int32_t> ids, SequenceState st) {
+  void put(std::vector<int32_t> ids, SequenceState st, uint64_t tag = 0, std::vector<size_t> bounds = {}) {
     const size_t b = state_bytes(st);
     if (b > budget) return;
     for (auto it = lru.begin(); it != lru.end(); ++it)
-      if (it->ids == ids) {
+      if (it->tag == tag && it->ids == ids && it->bounds == bounds) {
         lru.splice(lru.begin(), lru, it);
         return;
       }
@@ -83,7 +97,7 @@ struct PicEngine::PrefixCache {
       bytes -= lru.back().bytes;
       lru.pop_back();
     }
-    lru.push_front(Snap{std::move(ids), std::move(st), b});
+    lru.push_front(Snap{std::move(ids), std::move(st), b, tag, std::move(bounds)});
     bytes += b;
   }
 };
@@ -106,6 +120,15 @@ void check_segments(const Model& m, const std::vector<std::vector<int32_t>>& seg
   if (ctx > 0 && total > ctx)
     throw std::length_error("prompt of " + std::to_string(total) + " tokens exceeds the model's context of " +
                             std::to_string(ctx) + " tokens");
+}
+
+// Prefix-cache tag of composed snapshots: everything besides the segments that shapes the state.
+uint64_t composed_tag(const PicOptions& o) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (uint64_t v : {static_cast<uint64_t>(o.mode), static_cast<uint64_t>(o.seam), static_cast<uint64_t>(o.tail_seam),
+                     static_cast<uint64_t>(o.rerotate)})
+    h = (h ^ v) * 0x100000001b3ull;
+  return h | 1;  // never 0, the tag of exact snapshots
 }
 
 // A copy of st holding exactly its n_past KV rows.
@@ -301,6 +324,7 @@ PrefillResult PicEngine::prefill_prefix(const std::vector<std::vector<int32_t>>&
   if (done == 0) r.state = model_.new_state(static_cast<int64_t>(all.size()));
   model_.reserve(r.state, static_cast<int64_t>(all.size()));
   r.report.reused_tokens = static_cast<int64_t>(done);
+  r.report.prefix_tokens = static_cast<int64_t>(done);
   for (size_t b : bounds) r.report.hit_segments += b <= done ? 1 : 0;
   // Recompute the rest segment by segment, snapshotting each new boundary.
   size_t pos = 0;
@@ -323,6 +347,19 @@ PrefillResult PicEngine::prefill_prefix(const std::vector<std::vector<int32_t>>&
   return r;
 }
 
+size_t PicEngine::cached_prefix_segments(const std::vector<std::vector<int32_t>>& segs, const PicOptions& opt) {
+  if ((opt.mode != PicMode::Pic && opt.mode != PicMode::Naive) || segs.size() < 2) return 0;
+  std::vector<int32_t> ctx;
+  std::vector<size_t> bounds;
+  for (size_t i = 0; i + 1 < segs.size(); ++i) {
+    ctx.insert(ctx.end(), segs[i].begin(), segs[i].end());
+    bounds.push_back(ctx.size());
+  }
+  std::lock_guard<std::mutex> g(prefix_->mu);
+  const auto* snap = prefix_->longest(ctx, bounds, composed_tag(opt));
+  return snap ? snap->bounds.size() : 0;
+}
+
 PrefillResult PicEngine::prefill_composed(const std::vector<std::vector<int32_t>>& segs, const PicOptions& opt) {
   Model& m = model_;
   Backend& be = m.backend();
@@ -335,16 +372,47 @@ PrefillResult PicEngine::prefill_composed(const std::vector<std::vector<int32_t>
   SequenceState& st = r.state;
   const int rot = static_cast<int>(cfg.rotary_dim());
 
+  // The longest exact prefix this composition already produced: a snapshot of the composed state
+  // after the request's first segments, under the same options. It holds what the segment entries
+  // cannot give back: the linear layers' recurrent and conv state, and the K/V rows of the seams
+  // (the bodies' K/V are the entries' own, spliced and re-rotated below exactly as composing them
+  // would). Starting from it gives the state composing those segments again gives, bit for bit,
+  // so only the segments after it are composed. It covers `first` segments.
+  const size_t n_ctx = segs.size() - 1;
+  std::vector<int32_t> ctx;
+  std::vector<size_t> bounds;
+  for (size_t i = 0; i < n_ctx; ++i) {
+    ctx.insert(ctx.end(), segs[i].begin(), segs[i].end());
+    bounds.push_back(ctx.size());
+  }
+  const uint64_t tag = composed_tag(opt);
+  size_t first = 0;
+  SequenceState snap;  // handles to the snapshot's immutable tensors
+  {
+    std::lock_guard<std::mutex> g(prefix_->mu);
+    if (const auto* s = prefix_->longest(ctx, bounds, tag)) {
+      first = s->bounds.size();
+      snap = s->state;
+    }
+  }
+  for (int64_t l = 0; first > 0 && l < cfg.num_hidden_layers; ++l)
+    if (cfg.layer_types[static_cast<size_t>(l)] == LayerKind::Linear) {
+      auto& ls = st.layers[static_cast<size_t>(l)];
+      be.copy(snap.layers[static_cast<size_t>(l)].ssm, ls.ssm);
+      be.copy(snap.layers[static_cast<size_t>(l)].conv, ls.conv);
+    }
+
   // Entries for every context segment (built in isolation when missing), and the rows this
-  // request computes: the seams of all segments, then the question.
+  // request computes: the seams of the segments after the snapshot, then the question.
   struct Part {
     std::shared_ptr<const SegmentEntry> e;
     int64_t pos, len, head, tail;  // cached body: [head, len - tail)
+    bool restored;                 // covered by the snapshot: seam rows come from it
   };
   std::vector<Part> parts;
   std::vector<int32_t> rows;
-  int64_t pos = 0;
-  for (size_t i = 0; i + 1 < segs.size(); ++i) {
+  int64_t pos = 0, seam_rows = 0;
+  for (size_t i = 0; i < n_ctx; ++i) {
     const auto& ids = segs[i];
     const int64_t L = static_cast<int64_t>(ids.size());
     // The first segment sits at its true position 0: reused whole, no seam needed.
@@ -352,14 +420,23 @@ PrefillResult PicEngine::prefill_composed(const std::vector<std::vector<int32_t>
     const int tail = (i == 0 || naive) ? 0 : opt.tail_seam;
     const int hits_before = r.report.hit_segments;
     auto e = get_or_build(ids, seam, tail, r.report);
+    const bool hit = r.report.hit_segments > hits_before;
     const int64_t head = std::min<int64_t>(seam, L);
     const int64_t tl = std::min<int64_t>(tail, L - head);
-    // Only entries that were already cached count as reused; one built for this request was computed.
-    if (r.report.hit_segments > hits_before) r.report.reused_tokens += L - head - tl;
-    r.report.computed_tokens += head + tl;
-    rows.insert(rows.end(), ids.begin(), ids.begin() + head);
-    rows.insert(rows.end(), ids.end() - tl, ids.end());
-    parts.push_back({std::move(e), pos, L, head, tl});
+    const bool restored = i < first;
+    // Only entries that were already cached count as reused; one built for this request was
+    // computed. Seam rows are reused from the snapshot, computed otherwise.
+    if (hit) r.report.reused_tokens += L - head - tl;
+    if (restored) {
+      r.report.reused_tokens += head + tl;
+      r.report.prefix_tokens += (hit ? L - head - tl : 0) + head + tl;
+    } else {
+      r.report.computed_tokens += head + tl;
+      rows.insert(rows.end(), ids.begin(), ids.begin() + head);
+      rows.insert(rows.end(), ids.end() - tl, ids.end());
+    }
+    seam_rows += head + tl;
+    parts.push_back({std::move(e), pos, L, head, tl, restored});
     pos += L;
   }
   const bool with_q = !opt.skip_question;
@@ -369,21 +446,46 @@ PrefillResult PicEngine::prefill_composed(const std::vector<std::vector<int32_t>
     r.report.computed_tokens += Q;
   }
 
-  // One pass over the layers for all of those rows: projections and MLPs run once per layer over
-  // every seam and the question together; the token mixers walk the segments in order, and
-  // each segment's cached body is composed in right after its seam (LayerSpan::after).
+  // One pass over the layers; in each layer the token mixers walk the segments in order, and each
+  // segment's cached body is composed in right after its seam (LayerSpan::after). Each segment's
+  // seam rows, and the question, go through the layer as a call of their own: a CPU GEMM's result
+  // for a row depends on the rows computed with it, so this keeps every segment's numbers
+  // independent of the segments around it and of where the composition started.
   Tensor x;
   if (!rows.empty()) x = m.embed(rows);
   std::vector<std::function<void()>> hooks(parts.size());
   std::vector<LayerSpan> spans;
+  std::vector<std::pair<size_t, int64_t>> groups;  // (end of the group's spans, its rows)
+  // The snapshot of this context for the next request that starts with these segments (the next
+  // turn of a conversation, a repeat): linear layers' state right after the last context span,
+  // full layers' seam rows. Kept when this request composed any segment itself.
+  const bool keep = first < n_ctx;
+  SequenceState end;
+  std::function<void()> capture;
+  if (keep) {
+    end.layers.resize(st.layers.size());
+    end.n_past = pos;
+  }
   for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
     LayerState& ls = st.layers[static_cast<size_t>(l)];
     const bool linear = cfg.layer_types[static_cast<size_t>(l)] == LayerKind::Linear;
+    if (keep && linear) {
+      LayerState& e = end.layers[static_cast<size_t>(l)];
+      capture = [&be, &ls, &e] {
+        e.ssm = be.alloc(DType::F32, ls.ssm.shape());
+        e.conv = be.alloc(DType::F32, ls.conv.shape());
+        be.copy(ls.ssm, e.ssm);
+        be.copy(ls.conv, e.conv);
+      };
+    }
     spans.clear();
+    groups.clear();
+    int64_t snap_row = 0;  // next seam row of the snapshot (full layers)
     for (size_t i = 0; i < parts.size(); ++i) {
       const Part& p = parts[i];
       const LayerSummary& sum = p.e->layers[static_cast<size_t>(l)];
       if (linear) {
+        if (p.restored) continue;  // its effect is in the restored state
         // Seam tokens have advanced the running state from the prefix state (conv warmed by the
         // previous segment's tail); now S <- T_body S + S_body and the conv tail moves on.
         hooks[i] = [&be, &ls, &sum, &p, naive] {
@@ -398,32 +500,80 @@ PrefillResult PicEngine::prefill_composed(const std::vector<std::vector<int32_t>
           }
           be.copy(sum.conv_tail, ls.conv);
         };
-      } else if (p.head + p.tail < p.len) {
-        // Splice the body's K/V; keys were stored at relative positions and RoPE angles add, so
-        // rotating them by the segment's start is exact (only the rotary dims change).
-        const int64_t b0 = p.head, b1 = p.len - p.tail;
-        Tensor kd = ls.k.slice_rows(p.pos + b0, p.pos + b1), vd = ls.v.slice_rows(p.pos + b0, p.pos + b1);
-        be.copy(sum.k.slice_rows(b0, b1), kd);
-        be.copy(sum.v.slice_rows(b0, b1), vd);
-        if (!naive && opt.rerotate && p.pos > 0) {
-          std::vector<int64_t> shift(static_cast<size_t>(b1 - b0), p.pos);
-          be.rope_neox(kd, shift, rot, cfg.rope_theta);
+      } else {
+        if (p.head + p.tail < p.len) {
+          // Splice the body's K/V; keys were stored at relative positions and RoPE angles add, so
+          // rotating them by the segment's start is exact (only the rotary dims change).
+          const int64_t b0 = p.head, b1 = p.len - p.tail;
+          Tensor kd = ls.k.slice_rows(p.pos + b0, p.pos + b1), vd = ls.v.slice_rows(p.pos + b0, p.pos + b1);
+          be.copy(sum.k.slice_rows(b0, b1), kd);
+          be.copy(sum.v.slice_rows(b0, b1), vd);
+          if (!naive && opt.rerotate && p.pos > 0) {
+            std::vector<int64_t> shift(static_cast<size_t>(b1 - b0), p.pos);
+            be.rope_neox(kd, shift, rot, cfg.rope_theta);
+          }
+        }
+        if (p.restored) {
+          // The seam rows as the composition that made the snapshot computed them.
+          const auto& sl = snap.layers[static_cast<size_t>(l)];
+          for (auto [a, n] : {std::pair<int64_t, int64_t>{p.pos, p.head}, {p.pos + p.len - p.tail, p.tail}}) {
+            if (n == 0) continue;
+            Tensor kd = ls.k.slice_rows(a, a + n), vd = ls.v.slice_rows(a, a + n);
+            be.copy(sl.k.slice_rows(snap_row, snap_row + n), kd);
+            be.copy(sl.v.slice_rows(snap_row, snap_row + n), vd);
+            snap_row += n;
+          }
+          continue;
         }
       }
       spans.push_back(LayerSpan{&ls, p.pos, p.head, nullptr, linear ? &hooks[i] : nullptr});
       // Both-ends seam: the segment's last tokens are recomputed too, after its body.
       if (p.tail > 0) spans.push_back(LayerSpan{&ls, p.pos + p.len - p.tail, p.tail, nullptr, nullptr});
+      groups.emplace_back(spans.size(), p.head + p.tail);
     }
-    if (with_q) spans.push_back(LayerSpan{&ls, pos, Q, nullptr, nullptr});
-    if (x.defined()) {
-      m.layer_forward(l, x, spans);
-    } else {
-      for (auto& sp : spans)
-        if (sp.after) (*sp.after)();
+    if (keep && linear) {
+      spans.push_back(LayerSpan{&ls, pos, 0, nullptr, &capture});
+      groups.emplace_back(spans.size(), 0);
+    }
+    if (with_q) {
+      spans.push_back(LayerSpan{&ls, pos, Q, nullptr, nullptr});
+      groups.emplace_back(spans.size(), Q);
+    }
+    size_t s0 = 0;
+    int64_t r0 = 0;
+    for (const auto& [s1, n] : groups) {
+      if (n == 0) {
+        for (size_t i = s0; i < s1; ++i)
+          if (spans[i].after) (*spans[i].after)();
+      } else {
+        Tensor xg = x.slice_rows(r0, r0 + n);
+        m.layer_forward(l, xg, std::span<const LayerSpan>(spans.data() + s0, s1 - s0));
+      }
+      s0 = s1;
+      r0 += n;
+    }
+    if (keep && !linear && seam_rows > 0) {
+      // Every context segment's seam rows, in order (the K/V rows no entry holds).
+      LayerState& e = end.layers[static_cast<size_t>(l)];
+      e.k = be.alloc(DType::F32, {seam_rows, ls.k.dim(1), ls.k.dim(2)});
+      e.v = be.alloc(DType::F32, {seam_rows, ls.v.dim(1), ls.v.dim(2)});
+      int64_t o = 0;
+      for (const Part& p : parts)
+        for (auto [a, n] : {std::pair<int64_t, int64_t>{p.pos, p.head}, {p.pos + p.len - p.tail, p.tail}}) {
+          if (n == 0) continue;
+          Tensor kd = e.k.slice_rows(o, o + n), vd = e.v.slice_rows(o, o + n);
+          be.copy(ls.k.slice_rows(a, a + n), kd);
+          be.copy(ls.v.slice_rows(a, a + n), vd);
+          o += n;
+        }
     }
   }
   st.n_past = pos + (with_q ? Q : 0);
   if (with_q) r.logits = m.logits(x.slice_rows(x.dim(0) - 1, x.dim(0)));
+  if (keep) {
+    std::lock_guard<std::mutex> g(prefix_->mu);
+    prefix_->put(std::move(ctx), std::move(end), tag, std::move(bounds));
+  }
   return r;
 }
 

@@ -8,7 +8,11 @@
 //           compose S = T_body (S after the seam) + S_body; full-attention layers splice cached
 //           K/V re-rotated to the segment's real start; the first `seam` tokens of every reused
 //           segment after the first are recomputed through all layers at their true positions
-//           (they enter the linear state exactly once, through the recomputation);
+//           (they enter the linear state exactly once, through the recomputation). The composed
+//           state at the end of the context is kept as an exact-prefix snapshot (one per request);
+//           a later request whose first segments are exactly those (a repeat, the next turn of a
+//           conversation) starts from it and composes only the segments after it. The snapshot
+//           is the state the composition itself produced, so reusing it changes no answer;
 //  naive  - ablation: sum of zero-start states, no transition, no re-rotation, no seam.
 // The last segment (the question) is always computed, never cached.
 #pragma once
@@ -41,8 +45,9 @@ struct PicOptions {
 struct CacheReport {
   int hit_segments = 0;
   int miss_segments = 0;
-  int64_t reused_tokens = 0;    // tokens taken from cache without recomputation
+  int64_t reused_tokens = 0;    // tokens taken from cache without recomputation (both kinds)
   int64_t computed_tokens = 0;  // tokens run through the model for this request
+  int64_t prefix_tokens = 0;    // of reused_tokens: from an exact-prefix snapshot (prefix, pic, naive)
 };
 
 struct PrefillResult {
@@ -58,6 +63,9 @@ class PicEngine {
   // segments: token ids of each segment, in prompt order; none may be empty.
   PrefillResult prefill(const std::vector<std::vector<int32_t>>& segments, const PicOptions& opt);
   SegmentCache& cache() { return cache_; }
+  // pic / naive: how many leading context segments an exact-prefix snapshot covers for this
+  // request now (their entries are not needed); 0 for the other modes.
+  size_t cached_prefix_segments(const std::vector<std::vector<int32_t>>& segments, const PicOptions& opt);
   // Optional disk tier (--cache-dir): memory misses look on disk before computing, new entries are
   // written through. Loaded entries are also checked against this model's layer layout and shapes.
   // Disk errors never fail a request. Call before serving requests.

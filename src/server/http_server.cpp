@@ -185,10 +185,10 @@ struct HttpServer::Impl {
                 {"prompt_tokens_details", {{"cached_tokens", j.report.reused_tokens}}}};
   }
   json pic_info(const Job& j) const {
-    return json{{"mode", pic_mode_name(j.gen.pic.mode)},      {"seam", j.gen.pic.seam},
-                {"segments", j.gen.segments.size()},          {"hit_segments", j.report.hit_segments},
-                {"miss_segments", j.report.miss_segments},    {"reused_tokens", j.report.reused_tokens},
-                {"computed_tokens", j.report.computed_tokens}};
+    return json{{"mode", pic_mode_name(j.gen.pic.mode)},       {"seam", j.gen.pic.seam},
+                {"segments", j.gen.segments.size()},           {"hit_segments", j.report.hit_segments},
+                {"miss_segments", j.report.miss_segments},     {"reused_tokens", j.report.reused_tokens},
+                {"computed_tokens", j.report.computed_tokens}, {"prefix_tokens", j.report.prefix_tokens}};
   }
 
   // Completions-style logprobs for a run of tokens; text_offset counts from `offset`.

@@ -145,6 +145,31 @@ TEST(Cli, TtftReportCountsComputedTokens) {
   EXPECT_EQ(computed["naive"], 5);
 }
 
+// Multi-turn: each turn repeats the previous prompt as its exact prefix and adds the previous
+// turn (question + answer) and a new question. pic starts from the previous turn's composed
+// context; prefix from its exact snapshot; both compute only the new turn.
+TEST(Cli, TtftMultiTurnReusesThePreviousTurn) {
+  auto r = run("bench ttft --json --workload multi-turn --model " + model() +
+               " --segments 3 --segment-tokens 30 --query-tokens 5 --answer-tokens 7 --prefix-tokens 6 --requests 3");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["workload"], "multi-turn");
+  std::map<std::string, double> computed, cached;
+  for (auto& m : j["modes"]) {
+    computed[m["mode"].get<std::string>()] = m["computed_tokens_median"].get<double>();
+    cached[m["mode"].get<std::string>()] = m["cached_tokens_median"].get<double>();
+  }
+  // Median turn (the second timed one): prefix, 3 documents, 2 earlier turns, the question.
+  EXPECT_EQ(computed["full"], 6 + 3 * 30 + 2 * 12 + 5);
+  EXPECT_EQ(computed["prefix"], 12 + 5);   // the previous turn and the question
+  EXPECT_EQ(computed["pic"], 12 + 8 + 5);  // the previous turn built alone, its seam, the question
+  EXPECT_EQ(cached["prefix"], 6 + 3 * 30 + 12);
+  EXPECT_EQ(cached["pic"], 6 + 3 * 30 + 12);  // everything before the previous turn
+  auto bad = run("bench ttft --workload chat --model " + model());
+  EXPECT_NE(bad.rc, 0);
+  EXPECT_NE(bad.out.find("unknown --workload 'chat'"), std::string::npos) << bad.out;
+}
+
 TEST(Cli, InfoAndTokenize) {
   auto r = run("info --json --model " + model());
   ASSERT_EQ(r.rc, 0) << r.out;

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <random>
 
+#include "engine/generate.h"
 #include "engine/loader.h"
 #include "engine/sampler.h"
 
@@ -125,6 +126,79 @@ TEST_P(Pic, AnswersDoNotDependOnCacheHistory) {
   EXPECT_EQ(rw.computed_tokens, 20 + 8 * 3 + 12);               // new prefix prefilled + seams + question
 }
 
+// pic takes the longest exact prefix from its snapshots (issue 19): the next turn of a
+// conversation and an exact repeat start from the state the earlier composition left, compose
+// only the segments after it, and answer exactly (bitwise) as an engine that composes it all.
+TEST_P(Pic, ExactPrefixReuseEqualsComposingAgain) {
+  std::mt19937_64 rng(99);
+  const int64_t V = lm_->model->config().vocab_size;
+  const auto q2 = rand_ids(9, V, rng);
+  const std::vector<std::vector<int32_t>> turn1 = {segs_[0], segs_[1], segs_[2], segs_[4]};
+  const std::vector<std::vector<int32_t>> turn2 = {segs_[0], segs_[1], segs_[2], segs_[3], q2};
+  auto answer = [&](PicEngine& eng, const std::vector<std::vector<int32_t>>& s, PicOptions o, CacheReport& rep) {
+    PrefillResult r = eng.prefill(s, o);
+    rep = r.report;
+    GenerateRequest req;
+    req.max_tokens = 12;
+    GenerateResult g = decode_from(*lm_->model, nullptr, req, r.state, r.logits);
+    return std::make_pair(host_logprobs(*lm_->backend, r.logits), g.ids);
+  };
+  for (const PicOptions o : {PicOptions{PicMode::Pic, 8}, PicOptions{.mode = PicMode::Pic, .seam = 4, .tail_seam = 3},
+                             PicOptions{PicMode::Naive, 0}}) {
+    SCOPED_TRACE(std::string(pic_mode_name(o.mode)) + " seam " + std::to_string(o.seam));
+    PicEngine warm(*lm_->model, 64 << 20), cold(*lm_->model, 64 << 20);
+    CacheReport r1, r2, rc, rr;
+    answer(warm, turn1, o, r1);
+    EXPECT_EQ(r1.prefix_tokens, 0);
+    const auto w = answer(warm, turn2, o, r2);
+    const auto c = answer(cold, turn2, o, rc);
+    EXPECT_EQ(w.first, c.first);  // bitwise
+    EXPECT_EQ(w.second, c.second);
+    // The first three segments came from the snapshot; only segs_[3] and the question were new.
+    const int64_t ctx3 = 20 + 70 + 41;
+    EXPECT_EQ(r2.prefix_tokens, ctx3);
+    EXPECT_EQ(rc.prefix_tokens, 0);
+    EXPECT_EQ(r2.hit_segments, 3);
+    EXPECT_EQ(r2.miss_segments, 1);
+    EXPECT_EQ(r2.reused_tokens, ctx3);
+    const int64_t seam = o.mode == PicMode::Naive ? 0 : o.seam + o.tail_seam;
+    EXPECT_EQ(r2.computed_tokens, 90 + seam + 9);  // segs_[3] built in isolation, its seams, the question
+    EXPECT_LT(r2.computed_tokens, rc.computed_tokens);
+    // An exact repeat reuses the whole context and computes only the question.
+    const auto rep = answer(warm, turn2, o, rr);
+    EXPECT_EQ(rep.first, c.first);
+    EXPECT_EQ(rep.second, c.second);
+    EXPECT_EQ(rr.prefix_tokens, ctx3 + 90);
+    EXPECT_EQ(rr.reused_tokens, ctx3 + 90);
+    EXPECT_EQ(rr.computed_tokens, 9);
+    EXPECT_EQ(rr.hit_segments, 4);
+    EXPECT_EQ(warm.cached_prefix_segments(turn2, o), 4u);
+    // Entries evicted, snapshot kept: the bodies are rebuilt (bit for bit) and the answer is the same.
+    warm.cache().clear();
+    CacheReport re;
+    const auto rebuilt = answer(warm, turn2, o, re);
+    EXPECT_EQ(rebuilt.first, c.first);
+    EXPECT_EQ(re.miss_segments, 4);
+    EXPECT_EQ(re.prefix_tokens, 3 * seam);  // only the seam rows came from the snapshot
+    EXPECT_EQ(re.computed_tokens, ctx3 + 90 + 9);
+  }
+  // Snapshots fit only the options and the segmentation they were composed under.
+  PicEngine eng(*lm_->model, 64 << 20);
+  CacheReport rep;
+  answer(eng, turn2, {PicMode::Pic, 8}, rep);
+  EXPECT_EQ(eng.cached_prefix_segments(turn2, {PicMode::Pic, 8}), 4u);
+  EXPECT_EQ(eng.cached_prefix_segments(turn2, {PicMode::Pic, 4}), 0u);
+  EXPECT_EQ(eng.cached_prefix_segments(turn2, {PicMode::Prefix}), 0u);
+  answer(eng, turn2, {PicMode::Pic, 4}, rep);
+  EXPECT_EQ(rep.prefix_tokens, 0);
+  std::vector<int32_t> merged = segs_[1];
+  merged.insert(merged.end(), segs_[2].begin(), segs_[2].end());
+  const std::vector<std::vector<int32_t>> resplit = {segs_[0], merged, segs_[3], q2};
+  EXPECT_EQ(eng.cached_prefix_segments(resplit, {PicMode::Pic, 8}), 0u);
+  answer(eng, resplit, {PicMode::Pic, 8}, rep);
+  EXPECT_EQ(rep.prefix_tokens, 0);
+}
+
 TEST_P(Pic, NaiveAdditionIsMeasurablyWrongAndPicIsCloser) {
   PicEngine eng(*lm_->model, 64 << 20);
   auto full = run(eng, segs_, {PicMode::Full});
@@ -145,12 +219,22 @@ TEST_P(Pic, BothEndsSeamsKeepExactnessProperties) {
   EXPECT_LE(max_abs(full, run(eng, segs_, covering)), 2e-4);
   PicOptions both{PicMode::Pic, 8};
   both.tail_seam = 8;
-  CacheReport cold, warm;
+  CacheReport cold, repeat, warm;
   auto a = run(eng, segs_, both, &sp, &cold);
-  auto b = run(eng, segs_, both, nullptr, &warm);
+  auto b = run(eng, segs_, both, nullptr, &repeat);
   EXPECT_EQ(a, b);
   EXPECT_LE(rel_l2(*lm_->backend, sp.layers[0].ssm, sf.layers[0].ssm), 1e-5);  // exact at layer 0
   EXPECT_LE(rel_l2(*lm_->backend, sp.layers[0].conv, sf.layers[0].conv), 1e-6);
+  // An exact repeat starts from the composed context's snapshot.
+  EXPECT_EQ(repeat.reused_tokens, 20 + 70 + 41 + 90);
+  EXPECT_EQ(repeat.computed_tokens, 12);
+  // Documents in another order: no snapshot fits, every segment is a hit, composed as if fresh.
+  auto swapped = segs_;
+  std::swap(swapped[1], swapped[2]);
+  auto c = run(eng, swapped, both, nullptr, &warm);
+  PicEngine fresh_swapped(*lm_->model, 64 << 20);
+  EXPECT_EQ(c, run(fresh_swapped, swapped, both));
+  EXPECT_EQ(warm.prefix_tokens, 0);
   EXPECT_EQ(warm.hit_segments, 4);
   EXPECT_EQ(warm.reused_tokens, 20 + (70 - 16) + (41 - 16) + (90 - 16));
   EXPECT_EQ(warm.computed_tokens, 16 * 3 + 12);

@@ -326,6 +326,51 @@ TEST(Server, RagRequestReusesShuffledDocuments) {
   EXPECT_NE(m.find("hypic_prompt_tokens_reused_total " + std::to_string(cached)), std::string::npos) << m;
 }
 
+// The next turn of a conversation repeats the previous prompt: pic starts from the composed
+// state of that exact prefix (issue 19), reports it in cached_tokens and pic.prefix_tokens, and
+// answers exactly as a server that composes everything afresh (also with a chunked question).
+TEST(Server, PicReusesTheExactPrefixOfThePreviousTurn) {
+  const std::string ctx =
+      "You answer from the documents.<<PIC_SEP>>Document one: the river flows north."
+      "<<PIC_SEP>>Document two: bakers rise before dawn.";
+  const std::string turn1 = ctx + "<<PIC_SEP>>Question: where does the river flow?";
+  const std::string turn2 = ctx + "<<PIC_SEP>>Question: where does the river flow? Answer: north." +
+                            "<<PIC_SEP>>Question: when do bakers rise?";
+  for (int chunk : {512, 2}) {
+    SCOPED_TRACE("prefill chunk " + std::to_string(chunk));
+    ServerOptions o;
+    o.sched.prefill_chunk = chunk;
+    TestServer warm(o);
+    auto r1 = warm.post("/v1/completions", greedy({{"prompt", turn1}}));
+    ASSERT_EQ(r1.first, 200) << r1.second.dump();
+    EXPECT_EQ(r1.second["pic"]["prefix_tokens"], 0);
+    auto r2 = warm.post("/v1/completions", greedy({{"prompt", turn2}}));
+    ASSERT_EQ(r2.first, 200) << r2.second.dump();
+    const json& p2 = r2.second["pic"];
+    const auto& tok = *warm.lm.tokenizer;
+    const int q1 = static_cast<int>(tok.encode("Question: where does the river flow?").size());
+    const int q2 = static_cast<int>(tok.encode("Question: when do bakers rise?").size());
+    const int ctx_tokens = r1.second["usage"]["prompt_tokens"].get<int>() - q1;
+    EXPECT_EQ(p2["prefix_tokens"], ctx_tokens);
+    EXPECT_EQ(p2["hit_segments"], 3);  // from the snapshot; the previous turn is a new middle segment
+    EXPECT_EQ(p2["miss_segments"], 1);
+    EXPECT_EQ(r2.second["usage"]["prompt_tokens_details"]["cached_tokens"], p2["reused_tokens"]);
+    EXPECT_EQ(p2["reused_tokens"], ctx_tokens);  // the previous turn was built for this request
+    // An exact repeat: the whole context from the snapshot, only the question computed.
+    auto r3 = warm.post("/v1/completions", greedy({{"prompt", turn2}}));
+    ASSERT_EQ(r3.first, 200);
+    EXPECT_EQ(r3.second["pic"]["computed_tokens"], q2);
+    EXPECT_EQ(r3.second["pic"]["prefix_tokens"].get<int>(), r3.second["usage"]["prompt_tokens"].get<int>() - q2);
+    EXPECT_EQ(r3.second["usage"]["prompt_tokens_details"]["cached_tokens"], r3.second["pic"]["prefix_tokens"]);
+    TestServer cold(o);
+    auto c = cold.post("/v1/completions", greedy({{"prompt", turn2}}));
+    ASSERT_EQ(c.first, 200);
+    EXPECT_EQ(c.second["pic"]["prefix_tokens"], 0);
+    EXPECT_EQ(r2.second["choices"][0]["text"], c.second["choices"][0]["text"]);
+    EXPECT_EQ(r3.second["choices"][0]["text"], c.second["choices"][0]["text"]);
+  }
+}
+
 TEST(Server, ChatPartsMarkedForCachingBecomeSegments) {
   TestServer s;
   auto msgs = [](const char* a, const char* b) {
