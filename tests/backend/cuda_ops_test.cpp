@@ -194,7 +194,8 @@ TEST_F(CudaOps, AttentionPrefillDecodeAndOffsets) {
   for (Case c :
        {Case{1, 40, 40, 39, 4, 2, 64, 64}, Case{5, 64, 61, 56, 8, 2, 256, 256}, Case{70, 70, 70, 0, 6, 3, 96, 40},
         Case{33, 100, 90, 57, 2, 2, 128, 128}, Case{300, 500, 470, 170, 16, 2, 256, 256},
-        Case{129, 129, 129, 0, 4, 2, 32, 32}, Case{200, 1000, 1000, 800, 4, 1, 128, 64}})
+        Case{129, 129, 129, 0, 4, 2, 32, 32}, Case{200, 1000, 1000, 800, 4, 1, 128, 64},
+        Case{50, 60, 55, 5, 4, 2, 36, 20}})  // head dims not multiples of 8: the f32-tile kernel
     for (bool precise : {false, true}) {
       gpu->set_precise(precise);
       Tensor q = randn({c.T, c.Hq, c.D}, rng), k = randn({c.S, c.Hkv, c.D}, rng), v = randn({c.S, c.Hkv, c.Dv}, rng);

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include "backend/checks.h"
@@ -39,7 +40,12 @@ class DeviceAllocator {
       while (r < bytes) r <<= 1;
       return r;
     }
-    const size_t step = size_t(2) << 20;
+    // Eight size classes per power of two (at most 12.5% slack): buffers whose size drifts from
+    // call to call (MoE batches, key counts, workspaces) land in the same class and are reused
+    // instead of costing a cudaMalloc (which synchronises) each time.
+    size_t top = size_t(1) << 20;
+    while (top < bytes / 2) top <<= 1;  // top <= bytes < 2 top... or bytes just above 1 MiB
+    const size_t step = std::max<size_t>(top / 8, size_t(1) << 17);
     return (bytes + step - 1) / step * step;
   }
 
@@ -120,12 +126,15 @@ cudaDataType_t cuda_type(DType d) {
 
 // HYPIC_CUDA_PROFILE=1: GPU time per op, from events around every call, printed to stderr when the
 // backend is destroyed (ops run in one stream, so the times add up to the stream's busy time).
+// HYPIC_CUDA_PROFILE=2 adds phases inside ops ("moe_experts/gate"), listed apart from the total.
 struct OpProfile {
   struct Rec {
     const char* op;
     cudaEvent_t a, b;
+    bool phase = false;
   };
   std::vector<Rec> recs;
+  int level = 1;
   ~OpProfile() {
     if (recs.empty()) return;
     cudaDeviceSynchronize();
@@ -136,7 +145,7 @@ struct OpProfile {
       if (cudaEventElapsedTime(&ms, r.a, r.b) == cudaSuccess) {
         by[r.op].first++;
         by[r.op].second += ms;
-        total += ms;
+        if (!r.phase) total += ms;
       }
       cudaEventDestroy(r.a);
       cudaEventDestroy(r.b);
@@ -185,6 +194,30 @@ struct CudaBackend::Impl {
 
 namespace {
 // First line of every op: binds the device and, when profiling, brackets the op with events.
+// A phase inside an op, recorded at HYPIC_CUDA_PROFILE=2 only.
+class PhaseScope {
+ public:
+  PhaseScope(CudaBackend::Impl& m, const char* name) : m_(m) {
+    if (!m.prof || m.prof->level < 2 || m.prof->recs.size() >= (size_t(1) << 22)) return;
+    rec_.op = name;
+    rec_.phase = true;
+    cudaEventCreate(&rec_.a);
+    cudaEventCreate(&rec_.b);
+    cudaEventRecord(rec_.a, m.stream);
+    on_ = true;
+  }
+  ~PhaseScope() {
+    if (!on_) return;
+    cudaEventRecord(rec_.b, m_.stream);
+    m_.prof->recs.push_back(rec_);
+  }
+
+ private:
+  CudaBackend::Impl& m_;
+  OpProfile::Rec rec_{};
+  bool on_ = false;
+};
+
 class OpScope {
  public:
   OpScope(CudaBackend::Impl& m, const char* op) : m_(m) {
@@ -238,7 +271,7 @@ CudaBackend::CudaBackend(int device) : impl_(std::make_unique<Impl>()) {
   CUBLAS_CHECK(cublasSetMathMode(m.blas, CUBLAS_PEDANTIC_MATH));
   m.mem = std::make_shared<DeviceAllocator>(device);
   if (const char* e = std::getenv("HYPIC_CUDA_PROFILE"); e && *e && std::string(e) != "0")
-    m.prof = std::make_unique<OpProfile>();
+    m.prof = std::make_unique<OpProfile>(), m.prof->level = std::atoi(e) >= 2 ? 2 : 1;
   if (const char* e = std::getenv("HYPIC_CUDA_GDN"); e && std::string(e) == "token") m.gdn_token_only = true;
 }
 
@@ -491,8 +524,21 @@ void CudaBackend::attention(const Tensor& q, const Tensor& k, const Tensor& v, i
   if (T == 0) return;
   // Prefill-sized spans on the tensor cores; decode steps and precise mode in f32 (key-split).
   if (!impl_->exact_half && T >= 16) {
-    launch_flash_attention(impl_->stream, q.data<float>(), k.data<float>(), v.data<float>(), T, Hq, Hkv, D, Dv, kv_len,
-                           q_offset, scale, out.data<float>());
+    // The cache is f32 (the CPU's convention): the keys and values this span sees are rounded to
+    // bf16 once per call (kv_len rows, cheap next to the T x kv_len products) so that the kernel
+    // can stream them with cp.async instead of converting every tile in every block.
+    if (flash_attention_kv16(D, Dv) && kv_len > 0) {
+      std::optional<PhaseScope> ph(std::in_place, *impl_, "attention/kv_to_bf16");
+      Tensor kh = alloc_uninit(DType::BF16, {kv_len * Hkv * D}), vh = alloc_uninit(DType::BF16, {kv_len * Hkv * Dv});
+      launch_convert_f32(impl_->stream, k.data<float>(), DType::BF16, kh.raw(), kv_len * Hkv * D);
+      launch_convert_f32(impl_->stream, v.data<float>(), DType::BF16, vh.raw(), kv_len * Hkv * Dv);
+      ph.emplace(*impl_, "attention/flash");
+      launch_flash_attention(impl_->stream, q.data<float>(), kh.raw(), vh.raw(), true, T, Hq, Hkv, D, Dv, kv_len,
+                             q_offset, scale, out.data<float>());
+      return;
+    }
+    launch_flash_attention(impl_->stream, q.data<float>(), k.data<float>(), v.data<float>(), false, T, Hq, Hkv, D, Dv,
+                           kv_len, q_offset, scale, out.data<float>());
     return;
   }
   Tensor part = alloc_uninit(DType::F32, {attention_part_floats(T, Hq, Dv, kv_len)});
@@ -593,6 +639,7 @@ void CudaBackend::moe_experts(const Tensor& x, const Tensor& router_logits, int 
       return;
     }
   }
+  std::optional<PhaseScope> ph(std::in_place, m, "moe_experts/counts+index");
   Tensor hc = to_host(counts);
   std::vector<int64_t> used;
   std::vector<int32_t> batch_of(static_cast<size_t>(E), 0);
@@ -609,18 +656,29 @@ void CudaBackend::moe_experts(const Tensor& x, const Tensor& router_logits, int 
   CUDA_CHECK(cudaMemsetAsync(drows.raw(), 0xff, drows.nbytes(), m.stream));  // -1: padding rows
   launch_moe_index(m.stream, sel.data<int32_t>(), rank.data<int32_t>(), dbatch.data<int32_t>(), T, top_k, maxn,
                    drows.data<int32_t>(), dpos.data<int32_t>());
-  Tensor xs = alloc_uninit(DType::F32, {B * maxn, H}), gs = alloc_uninit(DType::F32, {B * maxn, I}),
+  // With 16-bit experts (default mode) the rows are gathered straight into the products' input
+  // dtype, once for gate and up; precise mode keeps them f32 for the split products.
+  const DType wd = experts.gate[0].dtype();
+  const bool half_in = !m.exact_half && (wd == DType::BF16 || wd == DType::F16);
+  Tensor xs = alloc_uninit(half_in ? wd : DType::F32, {B * maxn, H}), gs = alloc_uninit(DType::F32, {B * maxn, I}),
          us = alloc_uninit(DType::F32, {B * maxn, I}), ds = alloc_uninit(DType::F32, {B * maxn, H});
-  launch_gather_rows(m.stream, x.data<float>(), drows.data<int32_t>(), xs.data<float>(), B * maxn, H);
+  ph.emplace(m, "moe_experts/gather");
+  if (half_in)
+    launch_gather_rows_half(m.stream, x.data<float>(), drows.data<int32_t>(), wd, xs.raw(), B * maxn, H);
+  else
+    launch_gather_rows(m.stream, x.data<float>(), drows.data<int32_t>(), xs.data<float>(), B * maxn, H);
   auto pick = [&](const std::vector<Tensor>& w) {
     std::vector<const Tensor*> p;
     for (int64_t e : used) p.push_back(&w[static_cast<size_t>(e)]);
     return p;
   };
+  ph.emplace(m, "moe_experts/gate+up");
   batched_matmul(xs, pick(experts.gate), maxn, gs);
   batched_matmul(xs, pick(experts.up), maxn, us);
   launch_binary(m.stream, BinOp::SiluMul, gs.data<float>(), us.data<float>(), gs.data<float>(), gs.numel());
+  ph.emplace(m, "moe_experts/down");
   batched_matmul(gs, pick(experts.down), maxn, ds);
+  ph.emplace(m, "moe_experts/combine");
   launch_moe_combine(m.stream, ds.data<float>(), dpos.data<int32_t>(), dw.data<float>(), T, top_k, H,
                      out.data<float>());
 }
@@ -658,10 +716,15 @@ void CudaBackend::batched_matmul(const Tensor& x, const std::vector<const Tensor
   const int64_t K = x.dim(1), N = y.dim(1);
   const DType wd = w[0]->dtype();
   const float alpha = 1.f, zero = 0.f, one = 1.f;
-  const int parts = wd == DType::F32 ? 1 : m.exact_half ? 3 : 1;
+  // x may already be in the weights' 16-bit dtype (rounded by the caller): used as it is.
+  const bool pre = x.dtype() == wd && wd != DType::F32;
+  if (!pre && x.dtype() != DType::F32)
+    throw std::logic_error("batched_matmul: x is " + std::string(dtype_name(x.dtype())) + ", weights " +
+                           std::string(dtype_name(wd)));
+  const int parts = wd == DType::F32 || pre ? 1 : m.exact_half ? 3 : 1;
   const size_t es = dtype_size(wd);
-  Tensor xh;
-  if (wd != DType::F32) {
+  Tensor xh = pre ? x : Tensor();
+  if (wd != DType::F32 && !pre) {
     xh = alloc_uninit(wd, {parts * B * M * K});
     char* p0 = static_cast<char*>(xh.raw());
     if (parts == 3)

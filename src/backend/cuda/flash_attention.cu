@@ -45,16 +45,28 @@ __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t& b0, uint32_t& b1, co
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n" : "=r"(b0), "=r"(b1) : "r"(addr));
 }
 
-template <int DP>
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 16 : 0));
+}
+
+// PIPE: k and v are bf16 copies (head dims multiples of 8) that stream into two shared-memory
+// stages with cp.async, so the next key tile loads while this one computes; otherwise k and v are
+// f32, converted tile by tile on the way into shared memory.
+template <int DP, bool PIPE>
 __global__ void __launch_bounds__(kWarps * 32)
-    k_flash(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v, int64_t T,
+    k_flash(const float* __restrict__ q, const void* __restrict__ kp, const void* __restrict__ vp, int64_t T,
             int64_t Hq, int64_t Hkv, int D, int Dv, int64_t kv_len, int64_t q_offset, float scale_log2, bool vec4,
             float* __restrict__ out) {
   constexpr int QS = DP + 8;  // padded row stride (bf16 elements): conflict-free fragment loads
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* Qs = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [kBQ][QS]
-  __nv_bfloat16* Ks = Qs + kBQ * QS;                               // [kBK][QS]
-  __nv_bfloat16* Vs = Ks + kBK * QS;                               // [kBK][QS]
+  // [kBK][QS] each; PIPE: two stages of (K, V)
+  __nv_bfloat16* const K0 = Qs + kBQ * QS;
+  const float* k = static_cast<const float*>(kp);
+  const float* v = static_cast<const float*>(vp);
+  const __nv_bfloat16* kh = static_cast<const __nv_bfloat16*>(kp);
+  const __nv_bfloat16* vh = static_cast<const __nv_bfloat16*>(vp);
   const int64_t q0 = static_cast<int64_t>(blockIdx.x) * kBQ;
   const int64_t h = blockIdx.y, hk = h / (Hq / Hkv);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
@@ -79,34 +91,62 @@ __global__ void __launch_bounds__(kWarps * 32)
   float mA = -FLT_MAX, mB = -FLT_MAX, lA = 0.f, lB = 0.f;
   const int ksteps = (D + 15) / 16, ntiles = (Dv + 7) / 8;
 
-  for (int64_t k0 = 0; k0 < blk_hi; k0 += kBK) {
-    __syncthreads();
-    if (vec4) {
-      // Four consecutive dims per thread: 16-byte loads (head dims are multiples of 4 in practice).
-      for (int e = tid; e < kBK * DP / 4; e += nthreads) {
-        const int j = e / (DP / 4), d = 4 * (e % (DP / 4));
-        const int64_t key = k0 + j;
-        const bool in = key < kv_len;
-        float4 kk4 = make_float4(0.f, 0.f, 0.f, 0.f), vv4 = kk4;
-        if (in && d < D) kk4 = *reinterpret_cast<const float4*>(k + (key * Hkv + hk) * D + d);
-        if (in && d < Dv) vv4 = *reinterpret_cast<const float4*>(v + (key * Hkv + hk) * Dv + d);
-        __nv_bfloat162* kd = reinterpret_cast<__nv_bfloat162*>(Ks + j * QS + d);
-        kd[0] = __floats2bfloat162_rn(kk4.x, kk4.y);
-        kd[1] = __floats2bfloat162_rn(kk4.z, kk4.w);
-        __nv_bfloat162* vd = reinterpret_cast<__nv_bfloat162*>(Vs + j * QS + d);
-        vd[0] = __floats2bfloat162_rn(vv4.x, vv4.y);
-        vd[1] = __floats2bfloat162_rn(vv4.z, vv4.w);
-      }
-    } else {
-      for (int e = tid; e < kBK * DP; e += nthreads) {
-        const int j = e / DP, d = e % DP;
-        const int64_t key = k0 + j;
-        const bool in = key < kv_len;
-        Ks[j * QS + d] = __float2bfloat16_rn(in && d < D ? k[(key * Hkv + hk) * D + d] : 0.f);
-        Vs[j * QS + d] = __float2bfloat16_rn(in && d < Dv ? v[(key * Hkv + hk) * Dv + d] : 0.f);
-      }
+  // PIPE: the tile at k0 into stage st (zero rows past kv_len, zero columns past D / Dv).
+  auto load16 = [&](int64_t k0, int st) {
+    __nv_bfloat16* Kt = K0 + st * 2 * kBK * QS;
+    __nv_bfloat16* Vt = Kt + kBK * QS;
+    for (int e = tid; e < kBK * (DP / 8); e += nthreads) {
+      const int j = e / (DP / 8), d = 8 * (e % (DP / 8));
+      const int64_t key = k0 + j;
+      const bool in = key < kv_len;
+      const bool okk = in && d < D, okv = in && d < Dv;
+      cp_async16(Kt + j * QS + d, okk ? kh + (key * Hkv + hk) * D + d : kh, okk);
+      cp_async16(Vt + j * QS + d, okv ? vh + (key * Hkv + hk) * Dv + d : vh, okv);
     }
-    __syncthreads();
+    asm volatile("cp.async.commit_group;\n" ::);
+  };
+  if constexpr (PIPE) {
+    if (blk_hi > 0) load16(0, 0);
+  }
+  int it = 0;
+  for (int64_t k0 = 0; k0 < blk_hi; k0 += kBK, ++it) {
+    __nv_bfloat16* Ks = K0;
+    __nv_bfloat16* Vs = K0 + kBK * QS;
+    if constexpr (PIPE) {
+      asm volatile("cp.async.wait_group 0;\n" ::);
+      __syncthreads();  // the tile at k0 has landed; every warp is done with the other stage
+      if (k0 + kBK < blk_hi) load16(k0 + kBK, (it + 1) & 1);
+      Ks = K0 + (it & 1) * 2 * kBK * QS;
+      Vs = Ks + kBK * QS;
+    } else {
+      __syncthreads();
+      if (vec4) {
+        // Four consecutive dims per thread: 16-byte loads (head dims are multiples of 4 in practice).
+        for (int e = tid; e < kBK * DP / 4; e += nthreads) {
+          const int j = e / (DP / 4), d = 4 * (e % (DP / 4));
+          const int64_t key = k0 + j;
+          const bool in = key < kv_len;
+          float4 kk4 = make_float4(0.f, 0.f, 0.f, 0.f), vv4 = kk4;
+          if (in && d < D) kk4 = *reinterpret_cast<const float4*>(k + (key * Hkv + hk) * D + d);
+          if (in && d < Dv) vv4 = *reinterpret_cast<const float4*>(v + (key * Hkv + hk) * Dv + d);
+          __nv_bfloat162* kd = reinterpret_cast<__nv_bfloat162*>(Ks + j * QS + d);
+          kd[0] = __floats2bfloat162_rn(kk4.x, kk4.y);
+          kd[1] = __floats2bfloat162_rn(kk4.z, kk4.w);
+          __nv_bfloat162* vd = reinterpret_cast<__nv_bfloat162*>(Vs + j * QS + d);
+          vd[0] = __floats2bfloat162_rn(vv4.x, vv4.y);
+          vd[1] = __floats2bfloat162_rn(vv4.z, vv4.w);
+        }
+      } else {
+        for (int e = tid; e < kBK * DP; e += nthreads) {
+          const int j = e / DP, d = e % DP;
+          const int64_t key = k0 + j;
+          const bool in = key < kv_len;
+          Ks[j * QS + d] = __float2bfloat16_rn(in && d < D ? k[(key * Hkv + hk) * D + d] : 0.f);
+          Vs[j * QS + d] = __float2bfloat16_rn(in && d < Dv ? v[(key * Hkv + hk) * Dv + d] : 0.f);
+        }
+      }
+      __syncthreads();
+    }
     if (k0 >= warp_hi) continue;  // every row of this warp is done (no barrier below)
 
     float s[kBK / 8][4];
@@ -205,36 +245,45 @@ __global__ void __launch_bounds__(kWarps * 32)
 }
 
 template <int DP>
-void run(cudaStream_t s, const float* q, const float* k, const float* v, int64_t T, int64_t Hq, int64_t Hkv, int D,
-         int Dv, int64_t kv_len, int64_t q_offset, float scale, float* out) {
-  const size_t smem = static_cast<size_t>(kBQ + 2 * kBK) * (DP + 8) * 2;
-  static bool configured = false;  // per device would be exact; one GPU per process is the norm
-  if (!configured) {
-    CUDA_CHECK(cudaFuncSetAttribute(k_flash<DP>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    configured = true;
+void run(cudaStream_t s, const float* q, const void* k, const void* v, bool kv16, int64_t T, int64_t Hq, int64_t Hkv,
+         int D, int Dv, int64_t kv_len, int64_t q_offset, float scale, float* out) {
+  const size_t smem = static_cast<size_t>(kBQ + (kv16 ? 4 : 2) * kBK) * (DP + 8) * 2;
+  static bool configured[2] = {false, false};  // per device would be exact; one GPU per process is the norm
+  const void* fn =
+      kv16 ? reinterpret_cast<const void*>(k_flash<DP, true>) : reinterpret_cast<const void*>(k_flash<DP, false>);
+  if (!configured[kv16]) {
+    CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    configured[kv16] = true;
   }
   dim3 grid(static_cast<unsigned>((T + kBQ - 1) / kBQ), static_cast<unsigned>(Hq));
   const bool vec4 =
       D % 4 == 0 && Dv % 4 == 0 && reinterpret_cast<uintptr_t>(k) % 16 == 0 && reinterpret_cast<uintptr_t>(v) % 16 == 0;
-  k_flash<DP><<<grid, kWarps * 32, smem, s>>>(q, k, v, T, Hq, Hkv, D, Dv, kv_len, q_offset, scale * 1.4426950408889634f,
-                                              vec4, out);
+  const float sl2 = scale * 1.4426950408889634f;
+  if (kv16)
+    k_flash<DP, true><<<grid, kWarps * 32, smem, s>>>(q, k, v, T, Hq, Hkv, D, Dv, kv_len, q_offset, sl2, vec4, out);
+  else
+    k_flash<DP, false><<<grid, kWarps * 32, smem, s>>>(q, k, v, T, Hq, Hkv, D, Dv, kv_len, q_offset, sl2, vec4, out);
   CUDA_LAUNCH_CHECK("k_flash");
 }
 
 }  // namespace
 
-void launch_flash_attention(cudaStream_t s, const float* q, const float* k, const float* v, int64_t T, int64_t Hq,
-                            int64_t Hkv, int64_t D, int64_t Dv, int64_t kv_len, int64_t q_offset, float scale,
-                            float* out) {
+bool flash_attention_kv16(int64_t D, int64_t Dv) {
+  return D % 8 == 0 && Dv % 8 == 0;
+}
+
+void launch_flash_attention(cudaStream_t s, const float* q, const void* k, const void* v, bool kv16, int64_t T,
+                            int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv, int64_t kv_len, int64_t q_offset,
+                            float scale, float* out) {
   if (T == 0) return;
   const int64_t m = D > Dv ? D : Dv;
   const int d = static_cast<int>(D), dv = static_cast<int>(Dv);
   if (m <= 64)
-    run<64>(s, q, k, v, T, Hq, Hkv, d, dv, kv_len, q_offset, scale, out);
+    run<64>(s, q, k, v, kv16, T, Hq, Hkv, d, dv, kv_len, q_offset, scale, out);
   else if (m <= 128)
-    run<128>(s, q, k, v, T, Hq, Hkv, d, dv, kv_len, q_offset, scale, out);
+    run<128>(s, q, k, v, kv16, T, Hq, Hkv, d, dv, kv_len, q_offset, scale, out);
   else if (m <= 256)
-    run<256>(s, q, k, v, T, Hq, Hkv, d, dv, kv_len, q_offset, scale, out);
+    run<256>(s, q, k, v, kv16, T, Hq, Hkv, d, dv, kv_len, q_offset, scale, out);
   else
     throw std::invalid_argument("attention: head dims up to 256 on cuda, got " + std::to_string(D) + "/" +
                                 std::to_string(Dv));

@@ -36,6 +36,9 @@ void launch_causal_conv1d_silu(cudaStream_t s, const float* x, const void* w, DT
 void launch_set_identity(cudaStream_t s, float* t, int64_t H, int64_t n);
 // rows: out[i, :] = x[idx[i], :], or zeros where idx[i] < 0 (padding)
 void launch_gather_rows(cudaStream_t s, const float* x, const int32_t* idx, float* out, int64_t n, int64_t H);
+// the same rounded to bf16/f16 (to = BF16 or F16)
+void launch_gather_rows_half(cudaStream_t s, const float* x, const int32_t* idx, DType to, void* out, int64_t n,
+                             int64_t H);
 // MoE routing (moe.cu): sel/wsel [T*k] chosen experts and weights, rank [T*k] each slot's place
 // among its expert's slots in token order, counts [E].
 void launch_moe_route(cudaStream_t s, const float* logits, int64_t T, int64_t E, int top_k, bool norm, int32_t* sel,
@@ -77,9 +80,12 @@ void launch_attention(cudaStream_t s, const float* q, const float* k, const floa
                       float* part);
 
 // The same on the tensor cores (flash_attention.cu): q, k, v rounded to bf16, f32 accumulation.
-void launch_flash_attention(cudaStream_t s, const float* q, const float* k, const float* v, int64_t T, int64_t Hq,
-                            int64_t Hkv, int64_t D, int64_t Dv, int64_t kv_len, int64_t q_offset, float scale,
-                            float* out);
+// With kv16, k and v are bf16 copies ([kv_len, Hkv, D] and [kv_len, Hkv, Dv], head dims multiples
+// of 8: flash_attention_kv16) and stream through a two-stage cp.async pipeline; else f32.
+bool flash_attention_kv16(int64_t D, int64_t Dv);
+void launch_flash_attention(cudaStream_t s, const float* q, const void* k, const void* v, bool kv16, int64_t T,
+                            int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv, int64_t kv_len, int64_t q_offset,
+                            float scale, float* out);
 
 // Gated delta rule over T tokens from state [Hv, dk, dv] (advanced in place); transition
 // [Hv, dk, dk] (may be null) receives T_C of the span, computed in the same pass.
