@@ -447,10 +447,14 @@ PrefillResult PicEngine::prefill_composed(const std::vector<std::vector<int32_t>
   }
 
   // One pass over the layers; in each layer the token mixers walk the segments in order, and each
-  // segment's cached body is composed in right after its seam (LayerSpan::after). Each segment's
-  // seam rows, and the question, go through the layer as a call of their own: a CPU GEMM's result
-  // for a row depends on the rows computed with it, so this keeps every segment's numbers
-  // independent of the segments around it and of where the composition started.
+  // segment's cached body is composed in right after its seam (LayerSpan::after). On the CPU each
+  // segment's seam rows, and the question, go through the layer as a call of their own: a GEMM's
+  // result for a row depends on the rows computed with it (OpenBLAS picks kernels and blocking by
+  // M), so this keeps every segment's numbers independent of the segments around it and of where
+  // the composition started, and a reused exact prefix continues bitwise as composing it again.
+  // Other backends run all rows in one call (a launch per op and group would cost more than the
+  // rows); there a reused prefix matches composing again to rounding.
+  const bool per_segment = be.name() == "cpu";
   Tensor x;
   if (!rows.empty()) x = m.embed(rows);
   std::vector<std::function<void()>> hooks(parts.size());
@@ -538,6 +542,9 @@ PrefillResult PicEngine::prefill_composed(const std::vector<std::vector<int32_t>
     if (with_q) {
       spans.push_back(LayerSpan{&ls, pos, Q, nullptr, nullptr});
       groups.emplace_back(spans.size(), Q);
+    }
+    if (!per_segment && x.defined()) {
+      groups.assign(1, {spans.size(), x.dim(0)});  // one call: hooks run inside, in span order
     }
     size_t s0 = 0;
     int64_t r0 = 0;
