@@ -1,11 +1,11 @@
 // Flash attention (prefill) on the tensor cores: causal GQA over f32 q/k/v rounded to bf16 in
 // shared memory, bf16 mma.sync (m16n8k16) with f32 accumulation, online softmax in registers (the
-// FlashAttention-2 schedule); V's fragments come from row-major tiles through ldmatrix.trans. A
-// block owns 128 query rows of one query head (16 per warp) and walks
-// 64-key tiles of its kv head up to the last key its rows can see; keys are masked per row by
-// position (q_offset + row, and kv_len), so spans that start anywhere in the cache work as they do
-// in the f32 kernel (attention.cu), which stays as the reference and the precise path.
-// Head dims are padded with zeros to 64, 128 or 256 in shared memory.
+// FlashAttention-2 schedule); all fragments come through ldmatrix (V's row-major tiles with
+// .trans). A block owns 128 query rows of one query head (16 per warp) and walks 64-key tiles of
+// its kv head up to the last key its rows can see; keys are masked per row by position (q_offset
+// + row, and kv_len), so spans that start anywhere in the cache work as they do in the f32 kernel
+// (attention.cu), which stays as the reference and the precise path. Head dims are padded with
+// zeros to 64, 128 or 256 in shared memory.
 #include <cuda_bf16.h>
 
 #include <cfloat>
@@ -34,15 +34,20 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-__device__ __forceinline__ uint32_t ld32(const __nv_bfloat16* p) {
-  return *reinterpret_cast<const uint32_t*>(p);
-}
-
-// B fragments (k = 16 keys, n = 8 dims) of row-major V [key][dim]: two transposed 8x8 loads. Lanes
-// 0-7 give the rows of keys 0-7, lanes 8-15 those of keys 8-15 (lanes 16-31: any valid address).
-__device__ __forceinline__ void ldmatrix_x2_trans(uint32_t& b0, uint32_t& b1, const __nv_bfloat16* row) {
+// Four 8x8 b16 matrices; lane l gives the address of row l % 8 of matrix l / 8.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3,
+                                            const __nv_bfloat16* row) {
   const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(row));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n" : "=r"(b0), "=r"(b1) : "r"(addr));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3,
+                                                  const __nv_bfloat16* row) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
 }
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) {
@@ -152,15 +157,20 @@ __global__ void __launch_bounds__(kWarps * 32)
     float s[kBK / 8][4];
 #pragma unroll
     for (int j = 0; j < kBK / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+    // Fragments through ldmatrix: Q's 16x16 A tile in one x4, two key tiles' B fragments per x4
+    // (lane l addresses row l % 8 of matrix l / 8).
+    const int mi = lane / 8, mr = lane % 8;
 #pragma unroll
     for (int kk = 0; kk < DP / 16; ++kk) {
       if (kk >= ksteps) break;
-      const __nv_bfloat16* qa = Qs + (r0 + g) * QS + kk * 16 + 2 * t4;
-      const uint32_t a0 = ld32(qa), a1 = ld32(qa + 8 * QS), a2 = ld32(qa + 8), a3 = ld32(qa + 8 * QS + 8);
+      uint32_t a0, a1, a2, a3;
+      ldmatrix_x4(a0, a1, a2, a3, Qs + (r0 + (mi & 1) * 8 + mr) * QS + kk * 16 + (mi >> 1) * 8);
 #pragma unroll
-      for (int j = 0; j < kBK / 8; ++j) {
-        const __nv_bfloat16* kb = Ks + (j * 8 + g) * QS + kk * 16 + 2 * t4;
-        mma_bf16(s[j], a0, a1, a2, a3, ld32(kb), ld32(kb + 8));
+      for (int j = 0; j < kBK / 8; j += 2) {
+        uint32_t b0, b1, c0, c1;
+        ldmatrix_x4(b0, b1, c0, c1, Ks + ((j + (mi >> 1)) * 8 + mr) * QS + kk * 16 + (mi & 1) * 8);
+        mma_bf16(s[j], a0, a1, a2, a3, b0, b1);
+        mma_bf16(s[j + 1], a0, a1, a2, a3, c0, c1);
       }
     }
     // Mask, scale (log2 domain) and the running max of rows A (g) and B (g + 8).
@@ -213,11 +223,12 @@ __global__ void __launch_bounds__(kWarps * 32)
       const uint32_t a2 = pack_bf16(s[2 * ks + 1][0], s[2 * ks + 1][1]),
                      a3 = pack_bf16(s[2 * ks + 1][2], s[2 * ks + 1][3]);
 #pragma unroll
-      for (int n = 0; n < NO; ++n) {
+      for (int n = 0; n < NO; n += 2) {  // two dim tiles per x4 (past Dv: zero columns, unused)
         if (n >= ntiles) break;
-        uint32_t b0, b1;
-        ldmatrix_x2_trans(b0, b1, Vs + (ks * 16 + (lane % 16)) * QS + n * 8);
+        uint32_t b0, b1, c0, c1;
+        ldmatrix_x4_trans(b0, b1, c0, c1, Vs + (ks * 16 + (mi & 1) * 8 + mr) * QS + (n + (mi >> 1)) * 8);
         mma_bf16(o[n], a0, a1, a2, a3, b0, b1);
+        mma_bf16(o[n + 1], a0, a1, a2, a3, c0, c1);
       }
     }
   }

@@ -49,15 +49,19 @@ Work carve(float* ws, int64_t Hv, int64_t N, int64_t dk, int64_t dv) {
   return w;
 }
 
-// (1) Per chunk c and value head h. Shared memory: q, k rows [kC][dk], A [kC][kC], G, e^G, b.
+// (1) Per chunk c and value head h. Shared memory: q and k transposed, [dk][kTS] (a column per
+// token: the Gram products read four tokens per float4), A [kC][kC], G, e^G, b.
+constexpr int kTS = kC + 4;  // padded token stride of the transposed tiles
+
 __global__ void __launch_bounds__(kThreads, 2)
     k_chunk_prep(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                  const float* __restrict__ g, const float* __restrict__ beta, bool l2norm, int64_t T, int64_t Hk,
                  int64_t Hv, int dk, int dv, int64_t N, Work wk) {
-  extern __shared__ float smem[];
-  float* qs = smem;
-  float* ks = qs + kC * dk;
-  float* As = ks + kC * dk;
+  extern __shared__ float4 smem4p[];
+  float* smem = reinterpret_cast<float*>(smem4p);
+  float* qT = smem;
+  float* kT = qT + dk * kTS;
+  float* As = kT + dk * kTS;
   float* Gs = As + kC * kC;
   float* Es = Gs + kC;
   float* bs = Es + kC;
@@ -66,30 +70,24 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int L = static_cast<int>(T - t0 < kC ? T - t0 : kC);
   const int64_t base = static_cast<int64_t>(h) * N + c;
 
-  const int d4 = dk / 4;
-  for (int e = tid; e < kC * d4; e += kThreads) {
-    const int i = e / d4, d = (e % d4) * 4;
-    float4 qv = make_float4(0.f, 0.f, 0.f, 0.f), kv = qv;
-    if (i < L) {
-      const int64_t src = ((t0 + i) * Hk + hk) * dk + d;
-      qv = *reinterpret_cast<const float4*>(q + src);
-      kv = *reinterpret_cast<const float4*>(k + src);
-    }
-    *reinterpret_cast<float4*>(qs + i * dk + d) = qv;
-    *reinterpret_cast<float4*>(ks + i * dk + d) = kv;
+  for (int e = tid; e < kC * dk; e += kThreads) {  // coalesced reads along d
+    const int i = e / dk, d = e % dk;
+    const int64_t src = ((t0 + i) * Hk + hk) * dk + d;
+    qT[d * kTS + i] = i < L ? q[src] : 0.f;
+    kT[d * kTS + i] = i < L ? k[src] : 0.f;
   }
   if (tid < kC) {
     Gs[tid] = tid < L ? g[(t0 + tid) * Hv + h] : 0.f;  // padding: no decay, b = 0, k = q = 0
     bs[tid] = tid < L ? beta[(t0 + tid) * Hv + h] : 0.f;
   }
   __syncthreads();
-  // L2 norms (x / sqrt(sum x^2 + 1e-6), as the CPU backend) and the query scale, one warp per row.
+  // L2 norms (x / sqrt(sum x^2 + 1e-6), as the CPU backend) and the query scale, one warp per token.
   const float qscale = rsqrtf(static_cast<float>(dk));
   for (int i = warp; i < kC; i += kThreads / 32) {
     float sq = 0.f, sk = 0.f;
     for (int d = lane; d < dk; d += 32) {
-      sq += qs[i * dk + d] * qs[i * dk + d];
-      sk += ks[i * dk + d] * ks[i * dk + d];
+      sq += qT[d * kTS + i] * qT[d * kTS + i];
+      sk += kT[d * kTS + i] * kT[d * kTS + i];
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
@@ -98,8 +96,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
     const float fq = l2norm ? qscale / sqrtf(sq + 1e-6f) : qscale, fk = l2norm ? 1.f / sqrtf(sk + 1e-6f) : 1.f;
     for (int d = lane; d < dk; d += 32) {
-      qs[i * dk + d] *= fq;
-      ks[i * dk + d] *= fk;
+      qT[d * kTS + i] *= fq;
+      kT[d * kTS + i] *= fk;
     }
   }
   if (tid == 0) {  // cumulative log decay: 64 adds, not worth a scan
@@ -113,31 +111,43 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   __syncthreads();
   const float Glast = Gs[kC - 1];
-  // Gram entries: a warp per row i, lanes over j; the dot products start at a lane-dependent offset
-  // so that the 32 lanes read 32 different banks.
-  for (int i = warp; i < kC; i += kThreads / 32) {
-    const float* qi = qs + i * dk;
-    const float* ki = ks + i * dk;
-    for (int j = lane; j < kC; j += 32) {
-      float qk = 0.f, kk = 0.f;
-      if (j <= i) {
-        const float* kj = ks + j * dk;
-        int d = lane % dk;
-        for (int n = 0; n < dk; ++n) {
-          qk += qi[d] * kj[d];
-          kk += ki[d] * kj[d];
-          d = d + 1 == dk ? 0 : d + 1;
+  // Gram products, a 4x4 tile of (i, j) per thread: Q K^T for P and K K^T for A together
+  // (3 float4 loads per 32 FMAs).
+  {
+    const int i0 = (tid / 16) * 4, j0 = (tid % 16) * 4;
+    float pq[4][4] = {}, pk[4][4] = {};
+    for (int d = 0; d < dk; ++d) {
+      const float4 qi = *reinterpret_cast<const float4*>(qT + d * kTS + i0);
+      const float4 ki = *reinterpret_cast<const float4*>(kT + d * kTS + i0);
+      const float4 kj = *reinterpret_cast<const float4*>(kT + d * kTS + j0);
+      const float qa[4] = {qi.x, qi.y, qi.z, qi.w}, ka[4] = {ki.x, ki.y, ki.z, ki.w}, kb[4] = {kj.x, kj.y, kj.z, kj.w};
+#pragma unroll
+      for (int a = 0; a < 4; ++a)
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+          pq[a][b] += qa[a] * kb[b];
+          pk[a][b] += ka[a] * kb[b];
         }
+    }
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+      const int i = i0 + a;
+      float pr[4], ar[4];
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        const int j = j0 + b;
+        const float decay = j <= i ? expf(Gs[i] - Gs[j]) : 0.f;
+        pr[b] = decay * pq[a][b];
+        ar[b] = j < i ? bs[i] * decay * pk[a][b] : 0.f;
       }
-      const float decay = j <= i ? expf(Gs[i] - Gs[j]) : 0.f;
-      wk.p[(base * kC + i) * kC + j] = decay * qk;
-      As[i * kC + j] = j < i ? bs[i] * decay * kk : 0.f;
+      *reinterpret_cast<float4*>(wk.p + (base * kC + i) * kC + j0) = make_float4(pr[0], pr[1], pr[2], pr[3]);
+      *reinterpret_cast<float4*>(As + i * kC + j0) = make_float4(ar[0], ar[1], ar[2], ar[3]);
     }
   }
   for (int e = tid; e < kC * dk; e += kThreads) {
-    const int i = e / dk;
-    wk.qg[base * kC * dk + e] = Es[i] * qs[e];
-    wk.kd[base * kC * dk + e] = expf(Glast - Gs[i]) * ks[e];
+    const int i = e / dk, d = e % dk;
+    wk.qg[base * kC * dk + e] = Es[i] * qT[d * kTS + i];
+    wk.kd[base * kC * dk + e] = expf(Glast - Gs[i]) * kT[d * kTS + i];
   }
   __syncthreads();
   // Forward substitution X_i -= sum_{j<i} A_ij X_j, one column per thread held in registers (A is
@@ -148,7 +158,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
     for (int i = 0; i < kC; ++i) {
       if (is_k)
-        x[i] = bs[i] * Es[i] * ks[i * dk + col];
+        x[i] = bs[i] * Es[i] * kT[col * kTS + i];
       else
         x[i] = i < L ? bs[i] * v[((t0 + i) * Hv + h) * dv + (col - dk)] : 0.f;
     }
@@ -385,7 +395,7 @@ void launch_gated_delta_rule_chunked(cudaStream_t s, const float* q, const float
   const Work w = carve(workspace, Hv, N, dk, dv);
   const int idk = static_cast<int>(dk), idv = static_cast<int>(dv);
 
-  const size_t prep_smem = static_cast<size_t>(2 * kC * dk + kC * kC + 3 * kC) * sizeof(float);
+  const size_t prep_smem = static_cast<size_t>(2 * dk * kTS + kC * kC + 3 * kC) * sizeof(float);
   set_smem(reinterpret_cast<const void*>(k_chunk_prep), prep_smem);
   k_chunk_prep<<<dim3(static_cast<unsigned>(N), static_cast<unsigned>(Hv)), kThreads, prep_smem, s>>>(
       q, k, v, g, beta, l2norm_qk, T, Hk, Hv, idk, idv, N, w);
