@@ -64,7 +64,8 @@ class PicEngine {
   PrefillResult prefill(const std::vector<std::vector<int32_t>>& segments, const PicOptions& opt);
   SegmentCache& cache() { return cache_; }
   // pic / naive: how many leading context segments an exact-prefix snapshot covers for this
-  // request now (their entries are not needed); 0 for the other modes.
+  // request now (their seams are not recomputed; their bodies' K/V still come from the entries);
+  // 0 for the other modes.
   size_t cached_prefix_segments(const std::vector<std::vector<int32_t>>& segments, const PicOptions& opt);
   // Optional disk tier (--cache-dir): memory misses look on disk before computing, new entries are
   // written through. Loaded entries are also checked against this model's layer layout and shapes.
