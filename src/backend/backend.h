@@ -33,6 +33,9 @@ class Backend {
 
   // ---- memory -------------------------------------------------------------------------------
   virtual Tensor alloc(DType dt, Shape shape) = 0;  // zero-filled
+  // Left unset (no fill: no memset pass on the CPU, no launch on a GPU), for outputs an op writes
+  // in full. Poisoned in debug builds and under HYPIC_POISON_UNINIT=1 (Tensor::uninitialized).
+  virtual Tensor alloc_uninit(DType dt, Shape shape) { return alloc(dt, std::move(shape)); }
   // Makes a host tensor usable by this backend. CPU returns the same tensor (no copy), so
   // memory-mapped weights stay mapped rather than duplicated.
   virtual Tensor to_device(const Tensor& host) = 0;

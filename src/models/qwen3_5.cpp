@@ -137,7 +137,7 @@ struct MlpWeights {
 // out = down(silu(gate(x)) * up(x)).
 static void swiglu_forward(Backend& be, const Tensor& x, const MlpWeights& w, Tensor& out) {
   const int64_t T = x.dim(0), I = w.gate.dim(0);
-  Tensor gt = be.alloc(DType::F32, {T, I}), up = be.alloc(DType::F32, {T, I});
+  Tensor gt = be.alloc_uninit(DType::F32, {T, I}), up = be.alloc_uninit(DType::F32, {T, I});
   be.matmul(x, w.gate, gt);
   be.matmul(x, w.up, up);
   be.silu_mul(gt, up, gt);
@@ -384,7 +384,7 @@ Tensor Model::embed(std::span<const int32_t> ids) {
     if (id < 0 || id >= cfg_.vocab_size)
       throw std::out_of_range("token id " + std::to_string(id) + " outside the vocabulary [0, " +
                               std::to_string(cfg_.vocab_size) + ")");
-  Tensor x = be_.alloc(DType::F32, {static_cast<int64_t>(ids.size()), impl_->H});
+  Tensor x = be_.alloc_uninit(DType::F32, {static_cast<int64_t>(ids.size()), impl_->H});
   be_.embedding(impl_->embed, ids, x);
   return x;
 }
@@ -409,27 +409,27 @@ void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> s
                                   std::to_string(T));
   }
   const float eps = static_cast<float>(cfg_.rms_norm_eps);
-  Tensor xn = be_.alloc(DType::F32, {T, m.H});
-  Tensor mix = be_.alloc(DType::F32, {T, m.H});
+  Tensor xn = be_.alloc_uninit(DType::F32, {T, m.H});
+  Tensor mix = be_.alloc_uninit(DType::F32, {T, m.H});
   be_.rms_norm(x, L.in_norm, eps, true, xn);
 
   if (L.kind == LayerKind::Linear) {
     auto& g = L.gdn;
-    Tensor qkv = be_.alloc(DType::F32, {T, m.C});
-    Tensor z = be_.alloc(DType::F32, {T, m.Hv * m.dv});
-    Tensor b = be_.alloc(DType::F32, {T, m.Hv});
-    Tensor a = be_.alloc(DType::F32, {T, m.Hv});
+    Tensor qkv = be_.alloc_uninit(DType::F32, {T, m.C});
+    Tensor z = be_.alloc_uninit(DType::F32, {T, m.Hv * m.dv});
+    Tensor b = be_.alloc_uninit(DType::F32, {T, m.Hv});
+    Tensor a = be_.alloc_uninit(DType::F32, {T, m.Hv});
     be_.matmul(xn, g.in_qkv, qkv);
     be_.matmul(xn, g.in_z, z);
     be_.matmul(xn, g.in_b, b);
     be_.matmul(xn, g.in_a, a);
-    Tensor conv_out = be_.alloc(DType::F32, {T, m.C});
-    Tensor q = be_.alloc(DType::F32, {T, m.Hk, m.dk});
-    Tensor k = be_.alloc(DType::F32, {T, m.Hk, m.dk});
-    Tensor v = be_.alloc(DType::F32, {T, m.Hv, m.dv});
-    Tensor gdec = be_.alloc(DType::F32, {T, m.Hv});
-    Tensor beta = be_.alloc(DType::F32, {T, m.Hv});
-    Tensor o = be_.alloc(DType::F32, {T, m.Hv, m.dv});
+    Tensor conv_out = be_.alloc_uninit(DType::F32, {T, m.C});
+    Tensor q = be_.alloc_uninit(DType::F32, {T, m.Hk, m.dk});
+    Tensor k = be_.alloc_uninit(DType::F32, {T, m.Hk, m.dk});
+    Tensor v = be_.alloc_uninit(DType::F32, {T, m.Hv, m.dv});
+    Tensor gdec = be_.alloc_uninit(DType::F32, {T, m.Hv});
+    Tensor beta = be_.alloc_uninit(DType::F32, {T, m.Hv});
+    Tensor o = be_.alloc_uninit(DType::F32, {T, m.Hv, m.dv});
     be_.gdn_gates(a, b, g.A_log, g.dt_bias, gdec, beta);
     int64_t r0 = 0;
     for (const auto& sp : spans) {
@@ -457,10 +457,10 @@ void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> s
     be_.matmul(o.reshape({T, m.Hv * m.dv}), g.out_proj, mix);
   } else {
     auto& at = L.attn;
-    Tensor q = be_.alloc(DType::F32, {T, m.Hq, m.D});
-    Tensor gate = be_.alloc(DType::F32, {T, m.Hq * m.D});
-    Tensor k = be_.alloc(DType::F32, {T, m.Hkv, m.D});
-    Tensor v = be_.alloc(DType::F32, {T, m.Hkv, m.D});
+    Tensor q = be_.alloc_uninit(DType::F32, {T, m.Hq, m.D});
+    Tensor gate = be_.alloc_uninit(DType::F32, {T, m.Hq * m.D});
+    Tensor k = be_.alloc_uninit(DType::F32, {T, m.Hkv, m.D});
+    Tensor v = be_.alloc_uninit(DType::F32, {T, m.Hkv, m.D});
     Tensor q2 = q.reshape({T, m.Hq * m.D}), k2 = k.reshape({T, m.Hkv * m.D}), v2 = v.reshape({T, m.Hkv * m.D});
     be_.matmul(xn, at.q, q2);
     be_.matmul(xn, at.gate, gate);
@@ -478,7 +478,7 @@ void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> s
     const int rot = static_cast<int>(cfg_.rotary_dim());
     be_.rope_neox(q, pos, rot, cfg_.rope_theta);
     be_.rope_neox(k, pos, rot, cfg_.rope_theta);
-    Tensor o = be_.alloc(DType::F32, {T, m.Hq, m.D});
+    Tensor o = be_.alloc_uninit(DType::F32, {T, m.Hq, m.D});
     const float scale = 1.0f / std::sqrt(static_cast<float>(m.D));
     int64_t r0 = 0;
     for (const auto& sp : spans) {
@@ -508,13 +508,13 @@ void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> s
     swiglu_forward(be_, xn, L.mlp, mix);
   } else {
     auto& mo = L.moew;
-    Tensor logits = be_.alloc(DType::F32, {T, cfg_.num_experts});
+    Tensor logits = be_.alloc_uninit(DType::F32, {T, cfg_.num_experts});
     be_.matmul(xn, mo.router, logits);
     be_.moe_experts(xn, logits, static_cast<int>(cfg_.num_experts_per_tok), cfg_.norm_topk_prob, mo.experts, mix);
     if (mo.has_shared) {
-      Tensor sh = be_.alloc(DType::F32, {T, m.H});
+      Tensor sh = be_.alloc_uninit(DType::F32, {T, m.H});
       swiglu_forward(be_, xn, mo.shared, sh);
-      Tensor sg = be_.alloc(DType::F32, {T, 1});
+      Tensor sg = be_.alloc_uninit(DType::F32, {T, 1});
       be_.matmul(xn, mo.shared_gate, sg);
       be_.sigmoid_mul(sh, sg, sh);  // gate [T, 1] broadcasts over the row
       be_.add(mix, sh, mix);
@@ -526,9 +526,9 @@ void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> s
 Tensor Model::logits(const Tensor& x) {
   auto& m = *impl_;
   const int64_t R = x.dim(0);
-  Tensor xn = be_.alloc(DType::F32, {R, m.H});
+  Tensor xn = be_.alloc_uninit(DType::F32, {R, m.H});
   be_.rms_norm(x, m.final_norm, static_cast<float>(cfg_.rms_norm_eps), true, xn);
-  Tensor out = be_.alloc(DType::F32, {R, cfg_.vocab_size});
+  Tensor out = be_.alloc_uninit(DType::F32, {R, cfg_.vocab_size});
   be_.matmul(xn, m.lm_head, out);
   return out;
 }
@@ -554,7 +554,7 @@ Tensor Model::forward_batch(std::span<const BatchItem> items) {
     layer_forward(static_cast<int64_t>(l), x, spans);
   }
   // Last row of each sequence.
-  Tensor last = be_.alloc(DType::F32, {static_cast<int64_t>(items.size()), impl_->H});
+  Tensor last = be_.alloc_uninit(DType::F32, {static_cast<int64_t>(items.size()), impl_->H});
   int64_t r = 0;
   for (size_t i = 0; i < items.size(); ++i) {
     r += static_cast<int64_t>(items[i].ids.size());
@@ -576,7 +576,7 @@ Tensor Model::forward(std::span<const int32_t> ids, SequenceState& st, const For
   // activation memory independent of prompt length.
   const int64_t kChunk = be_.prefill_chunk();
   Tensor all;
-  if (opt.all_logits) all = be_.alloc(DType::F32, {T, cfg_.vocab_size});
+  if (opt.all_logits) all = be_.alloc_uninit(DType::F32, {T, cfg_.vocab_size});
   Tensor last;
   for (int64_t s = 0; s < T; s += kChunk) {
     const int64_t n = std::min(kChunk, T - s);

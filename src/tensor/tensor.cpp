@@ -40,6 +40,30 @@ Tensor Tensor::empty(DType dt, Shape shape) {
   return Tensor(std::move(st), 0, dt, std::move(shape));
 }
 
+bool Tensor::poison_uninitialized() {
+#ifndef NDEBUG
+  return true;
+#else
+  static const bool on = [] {
+    const char* e = std::getenv("HYPIC_POISON_UNINIT");
+    return e && *e && std::string(e) != "0";
+  }();
+  return on;
+#endif
+}
+
+Tensor Tensor::uninitialized(DType dt, Shape shape) {
+  for (auto d : shape)
+    if (d < 0) throw std::invalid_argument("negative dimension in shape " + shape_str(shape));
+  size_t bytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dt);
+  size_t alloc = (bytes + 63) / 64 * 64;
+  void* p = std::aligned_alloc(64, alloc ? alloc : 64);
+  if (!p) throw std::bad_alloc();
+  if (poison_uninitialized()) std::memset(p, 0xff, alloc ? alloc : 64);
+  auto st = std::make_shared<Storage>(p, bytes, Device{}, [](void* q) { std::free(q); });
+  return Tensor(std::move(st), 0, dt, std::move(shape));
+}
+
 Tensor Tensor::borrow(void* data, DType dt, Shape shape, Device dev) {
   size_t bytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dt);
   auto st = std::make_shared<Storage>(data, bytes, dev, nullptr);

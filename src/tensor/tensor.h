@@ -55,6 +55,11 @@ class Tensor {
   // Host allocation (CPU device), zero-filled. Other devices allocate through their Backend.
   static Tensor empty(DType dt, Shape shape);
   static Tensor zeros(DType dt, Shape shape) { return empty(dt, std::move(shape)); }
+  // Host allocation left unset, for buffers an op overwrites in full. Debug builds and
+  // HYPIC_POISON_UNINIT=1 fill it with 0xff bytes (NaN as f32/bf16/f16, -1 as integers), so that
+  // reading an element no op wrote shows up in the results.
+  static Tensor uninitialized(DType dt, Shape shape);
+  static bool poison_uninitialized();
   // Wraps caller memory without owning it (the caller keeps it alive).
   static Tensor borrow(void* data, DType dt, Shape shape, Device dev = {});
 

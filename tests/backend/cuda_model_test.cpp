@@ -42,7 +42,7 @@ TEST_F(CudaModel, BatchedForwardMatchesCpuPerSequence) {
         {1, 2, 3, 4, 5, 6, 7}, {9, 8}, {100, 200, 300, 400, 17, 23, 5, 77, 3, 1, 2}};
     std::vector<SequenceState> gs, cs;
     std::vector<BatchItem> items;
-    for (auto& p : prompts) {
+    for (size_t i = 0; i < prompts.size(); ++i) {
       gs.push_back(g.model->new_state());
       cs.push_back(c.model->new_state());
     }

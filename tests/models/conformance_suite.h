@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <tuple>
 
@@ -19,6 +20,10 @@ namespace fs = std::filesystem;
 using namespace hypic;
 
 namespace conformance {
+
+// Buffers the model leaves unset (Backend::alloc_uninit) are NaN-poisoned in these runs, so an op
+// that reads an element nobody wrote fails the comparison instead of reading stale values.
+inline const bool kPoisonUninit = (::setenv("HYPIC_POISON_UNINIT", "1", 0), true);
 
 // Log-prob tolerance: max abs over the vocabulary, every position. Every backend runs the suite with
 // f32-exact products (Backend::set_precise), so a bf16 checkpoint is held to the same

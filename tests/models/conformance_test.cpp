@@ -26,7 +26,7 @@ TEST(BatchedForward, MatchesSeparateSequences) {
         {1, 2, 3, 4, 5, 6, 7}, {9, 8}, {100, 200, 300, 400, 17, 23, 5, 77, 3, 1, 2}};
     std::vector<SequenceState> alone, batched;
     std::vector<Tensor> ref;
-    for (auto& p : prompts) {
+    for (size_t i = 0; i < prompts.size(); ++i) {
       alone.push_back(m.new_state());
       batched.push_back(m.new_state());
     }

@@ -307,6 +307,10 @@ Tensor CpuBackend::alloc(DType dt, Shape shape) {
   return Tensor::empty(dt, std::move(shape));
 }
 
+Tensor CpuBackend::alloc_uninit(DType dt, Shape shape) {
+  return Tensor::uninitialized(dt, std::move(shape));
+}
+
 Tensor CpuBackend::to_device(const Tensor& host) {
   need_def("to_device", "host", host);
   return host;

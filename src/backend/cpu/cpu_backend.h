@@ -20,6 +20,7 @@ class CpuBackend : public Backend {
   ThreadPool& pool() { return pool_; }
 
   Tensor alloc(DType dt, Shape shape) override;
+  Tensor alloc_uninit(DType dt, Shape shape) override;
   Tensor to_device(const Tensor& host) override;
   Tensor to_host(const Tensor& t) override;
   void copy(const Tensor& src, Tensor& dst) override;

@@ -316,6 +316,7 @@ Tensor CudaBackend::alloc_uninit(DType dt, Shape shape) {
   void* p = mem->get(std::max<size_t>(bytes, 1));
   auto st =
       std::make_shared<Storage>(p, bytes, device(), [mem, bytes](void* q) { mem->put(q, std::max<size_t>(bytes, 1)); });
+  if (bytes && Tensor::poison_uninitialized()) CUDA_CHECK(cudaMemsetAsync(p, 0xff, bytes, impl_->stream));
   return Tensor(std::move(st), 0, dt, std::move(shape));
 }
 

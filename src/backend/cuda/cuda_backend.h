@@ -30,6 +30,7 @@ class CudaBackend : public Backend {
   std::string description() const;
 
   Tensor alloc(DType dt, Shape shape) override;
+  Tensor alloc_uninit(DType dt, Shape shape) override;
   Tensor to_device(const Tensor& host) override;
   Tensor to_host(const Tensor& t) override;
   void copy(const Tensor& src, Tensor& dst) override;
@@ -76,7 +77,6 @@ class CudaBackend : public Backend {
 
  private:
   std::unique_ptr<Impl> impl_;
-  Tensor alloc_uninit(DType dt, Shape shape);
   Tensor upload(const void* host, DType dt, int64_t n);  // small host array -> device tensor
   const void* const* expert_table(const ExpertWeights& experts, int64_t H, int64_t I);
   void batched_matmul(const Tensor& x, const std::vector<const Tensor*>& w, int64_t M, Tensor& y);
