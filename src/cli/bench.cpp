@@ -340,8 +340,10 @@ void register_bench(CLI::App& app) {
           if (r > 0) times.push_back(secs(t0, Clock::now()));
         }
         const double t = median(times);
-        // Bytes one step must stream: every weight once (MoE: upper bound, all experts).
-        const double gbps = m.weight_bytes() * o.tokens / t / 1e9;
+        // Bytes one step must stream: the weights it reads (routed experts at the share a batch
+        // of B selects), once per step.
+        const double step_bytes = m.step_weight_bytes(B);
+        const double gbps = step_bytes * o.tokens / t / 1e9;
         nlohmann::json j{{"bench", "decode"},
                          {"model", lm.description},
                          {"backend", m.backend().name()},
@@ -355,10 +357,11 @@ void register_bench(CLI::App& app) {
                          {"tokens_per_s", double(o.tokens) * B / t},
                          {"ms_per_token", 1000 * t / o.tokens},
                          {"weight_bytes", m.weight_bytes()},
+                         {"step_weight_bytes", step_bytes},
                          {"weight_gb_per_s", gbps}};
         std::cout << j.dump(o.json ? -1 : 2) << "\n";
         if (!o.json)
-          std::printf("decode %d tokens after %d: %.2f ms/token, %.1f tok/s, weights streamed at %.2f GB/s\n", o.tokens,
+          std::printf("decode %d tokens after %d: %.2f ms/token, %.1f tok/s, weights read at %.2f GB/s\n", o.tokens,
                       o.context, 1000 * t / o.tokens, o.tokens / t, gbps);
       }
     });

@@ -74,6 +74,10 @@ class Model {
   Backend& backend() const { return be_; }
   int64_t parameter_count() const { return n_params_; }
   size_t weight_bytes() const { return weight_bytes_; }
+  // Weight bytes one decode step of `batch` tokens reads at least once: everything but the rows of
+  // an untied embedding table it does not look up, with the routed experts counted at the
+  // expected share a batch selects (1 - (1 - k/E)^batch under uniform routing).
+  double step_weight_bytes(int64_t batch) const;
   // Identifies config + weights (names, shapes, dtypes and sampled bytes of every tensor); part
   // of every cache key so entries never cross models.
   uint64_t fingerprint() const { return fingerprint_; }
@@ -110,6 +114,8 @@ class Model {
   std::unique_ptr<Impl> impl_;
   int64_t n_params_ = 0;
   size_t weight_bytes_ = 0;
+  size_t expert_bytes_ = 0;  // routed experts, all layers
+  size_t embed_bytes_ = 0;   // the embedding table when it is not also the head
   uint64_t fingerprint_ = 0;
 };
 

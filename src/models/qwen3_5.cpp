@@ -217,6 +217,7 @@ Model::Model(ModelConfig cfg, const WeightSource& ws, Backend& be)
   };
 
   m.embed = W(P + "embed_tokens.weight", {c.vocab_size, m.H});
+  if (!c.tie_word_embeddings) embed_bytes_ = m.embed.nbytes();
   m.final_norm = W(P + "norm.weight", {m.H});
   if (c.tie_word_embeddings)  // as transformers: tied means the embedding is the head
     m.lm_head = m.embed;
@@ -298,6 +299,7 @@ Model::Model(ModelConfig cfg, const WeightSource& ws, Backend& be)
         // Fused layout (transformers 5 in-memory form): gate_up [E, 2I, H], down [E, H, I].
         Tensor gu = dev(load(mp + "experts.gate_up_proj", {E, 2 * I, m.H}).reshape({E * 2 * I, m.H}));
         Tensor dn = dev(load(mp + "experts.down_proj", {E, m.H, I}).reshape({E * m.H, I}));
+        expert_bytes_ += gu.nbytes() + dn.nbytes();
         for (int64_t e = 0; e < E; ++e) {
           mo.experts.gate.push_back(gu.slice_rows(e * 2 * I, e * 2 * I + I));
           mo.experts.up.push_back(gu.slice_rows(e * 2 * I + I, (e + 1) * 2 * I));
@@ -309,6 +311,8 @@ Model::Model(ModelConfig cfg, const WeightSource& ws, Backend& be)
           mo.experts.gate.push_back(W(ep + "gate_proj.weight", {I, m.H}));
           mo.experts.up.push_back(W(ep + "up_proj.weight", {I, m.H}));
           mo.experts.down.push_back(W(ep + "down_proj.weight", {m.H, I}));
+          expert_bytes_ +=
+              mo.experts.gate.back().nbytes() + mo.experts.up.back().nbytes() + mo.experts.down.back().nbytes();
         }
       }
       if (c.shared_expert_intermediate_size > 0) {
@@ -521,6 +525,14 @@ void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> s
     }
   }
   be_.add(x, mix, x);
+}
+
+double Model::step_weight_bytes(int64_t batch) const {
+  const double E = static_cast<double>(cfg_.num_experts), k = static_cast<double>(cfg_.num_experts_per_tok);
+  const double used = E > 0 ? 1.0 - std::pow(1.0 - k / E, static_cast<double>(batch)) : 1.0;
+  const double lookups = std::min(1.0, static_cast<double>(batch) / static_cast<double>(cfg_.vocab_size));
+  return static_cast<double>(weight_bytes_ - expert_bytes_ - embed_bytes_) + used * static_cast<double>(expert_bytes_) +
+         lookups * static_cast<double>(embed_bytes_);
 }
 
 Tensor Model::logits(const Tensor& x) {
