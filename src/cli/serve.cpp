@@ -9,8 +9,11 @@
 #include <condition_variable>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include "cli/commands.h"
 #include "engine/loader.h"
@@ -29,6 +32,26 @@ void on_signal(int) {
 }
 }  // namespace
 
+// A key from its flag, its file (first line, surrounding whitespace dropped) or the environment,
+// in that order; the flag and the file together are an error, as is an empty file.
+[[maybe_unused]] static std::string secret_option(const std::string& flag, const std::string& value,
+                                                  const std::string& file, const char* env) {
+  if (!value.empty() && !file.empty()) throw std::invalid_argument(flag + " and " + flag + "-file are exclusive");
+  std::string key = value;
+  if (!file.empty()) {
+    std::ifstream in(file);
+    if (!in) throw std::invalid_argument(flag + "-file: cannot read " + file);
+    std::getline(in, key);
+  } else if (key.empty()) {
+    if (const char* e = std::getenv(env)) key = e;
+  }
+  const auto b = key.find_first_not_of(" \t\r\n"), e = key.find_last_not_of(" \t\r\n");
+  key = b == std::string::npos ? std::string() : key.substr(b, e - b + 1);
+  if (!file.empty() && key.empty())
+    throw std::invalid_argument(flag + "-file: " + file + " has no key on its first line");
+  return key;
+}
+
 void register_serve(CLI::App& app) {
   struct Opts {
     std::string model = default_model_dir(), host = "127.0.0.1", mode = "pic", name, backend = "cpu";
@@ -38,6 +61,8 @@ void register_serve(CLI::App& app) {
     bool mask_padded = false;
     std::string cache_dir;
     double disk_budget_mib = 0;  // 0: unlimited
+    std::string api_key, api_key_file, admin_key, admin_key_file;
+    std::vector<std::string> cors_origins;
   };
   auto o = std::make_shared<Opts>();
   auto* c = app.add_subcommand("serve", "Serve the model over an OpenAI-compatible HTTP API");
@@ -67,6 +92,17 @@ void register_serve(CLI::App& app) {
               "Default of the request field mask_padded_ids: never sample ids without a tokenizer entry (default: "
               "sample over every row, as transformers does)");
   c->add_option("--backend", o->backend, "Compute backend")->capture_default_str();
+  c->add_option("--api-key", o->api_key,
+                "Key clients must send as 'Authorization: Bearer <key>' for /v1/* (also HYPIC_API_KEY)");
+  c->add_option("--api-key-file", o->api_key_file, "File whose first line is the API key (keeps it out of ps)");
+  c->add_option("--admin-key", o->admin_key,
+                "Key for POST and DELETE of /v1/segments, which fill and wipe the shared cache (also "
+                "HYPIC_ADMIN_KEY); with an API key set and no admin key, segment writes are refused");
+  c->add_option("--admin-key-file", o->admin_key_file, "File whose first line is the admin key");
+  c->add_option("--cors-origin", o->cors_origins,
+                "Browser Origin allowed to call the server (repeatable, or '*'); requests from any other "
+                "Origin get 403")
+      ->delimiter(',');
   c->callback([o] {
     guarded([&] {
 #ifndef HYPIC_HAVE_HTTPLIB
@@ -91,6 +127,14 @@ void register_serve(CLI::App& app) {
       so.sched.prefill_chunk = o->prefill_chunk;
       so.http_threads = o->http_threads;
       so.mask_padded_ids = o->mask_padded;
+      so.api_key = secret_option("--api-key", o->api_key, o->api_key_file, "HYPIC_API_KEY");
+      so.admin_key = secret_option("--admin-key", o->admin_key, o->admin_key_file, "HYPIC_ADMIN_KEY");
+      so.cors_origins = o->cors_origins;
+      if (so.api_key.empty() && o->host != "127.0.0.1" && o->host != "localhost" && o->host != "::1")
+        spdlog::warn(
+            "serving on {} without an API key: anyone who can reach the port can use the model and "
+            "the cache (--api-key, --admin-key)",
+            o->host);
       if (!(o->max_body_mib > 0)) throw std::invalid_argument("--max-body-mib must be positive");
       so.max_body_bytes = static_cast<size_t>(o->max_body_mib * 1048576.0);
       if (o->max_json_depth < 2) throw std::invalid_argument("--max-json-depth must be >= 2");

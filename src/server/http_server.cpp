@@ -10,6 +10,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <csignal>
@@ -459,11 +460,11 @@ struct HttpServer::Impl {
       return new httplib::ThreadPool(static_cast<size_t>(n));
     };
     svr.set_payload_max_length(opt.max_body_bytes);
-    svr.set_pre_routing_handler([](const httplib::Request&, httplib::Response&) {
+    svr.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
       t_ctx = ReqCtx{};
       t_ctx.active = true;
       t_ctx.start = Clock::now();
-      return httplib::Server::HandlerResponse::Unhandled;
+      return admit(req, res) ? httplib::Server::HandlerResponse::Unhandled : httplib::Server::HandlerResponse::Handled;
     });
     svr.set_error_handler([](const httplib::Request& req, httplib::Response& res) {
       if (!res.body.empty()) return;
@@ -584,6 +585,73 @@ struct HttpServer::Impl {
       if (!allowed("PATCH")) svr.Patch(rt.path, h);
       if (!allowed("DELETE")) svr.Delete(rt.path, h);
     }
+  }
+
+  // Origin and key checks before any route runs; false: `res` holds the refusal.
+  bool admit(const httplib::Request& req, httplib::Response& res) {
+    if (req.has_header("Origin")) {
+      const std::string origin = req.get_header_value("Origin");
+      const bool ok = std::any_of(opt.cors_origins.begin(), opt.cors_origins.end(),
+                                  [&](const std::string& o) { return o == "*" || o == origin; });
+      if (!ok) {
+        send_json(res, 403,
+                  error_body(403,
+                             "cross-origin request from " + origin + " refused; start the server with --cors-origin " +
+                                 origin + " to allow it",
+                             "invalid_request_error", "", "origin_not_allowed"));
+        return false;
+      }
+      res.set_header("Access-Control-Allow-Origin", origin);
+      res.set_header("Vary", "Origin");
+      if (req.method == "OPTIONS") {  // preflight
+        res.set_header("Access-Control-Allow-Methods", "GET, POST, DELETE, OPTIONS");
+        res.set_header("Access-Control-Allow-Headers", "Authorization, Content-Type");
+        res.set_header("Access-Control-Max-Age", "600");
+        res.status = 204;
+        return false;
+      }
+    }
+    const bool v1 = req.path.rfind("/v1/", 0) == 0;
+    const bool segment_write =
+        (req.method == "POST" || req.method == "DELETE") && req.path.rfind("/v1/segments", 0) == 0;
+    if (!v1 || (opt.api_key.empty() && !(segment_write && !opt.admin_key.empty()))) return true;
+    const std::string auth = req.get_header_value("Authorization");
+    const std::string given = auth.rfind("Bearer ", 0) == 0 ? auth.substr(7) : std::string();
+    const bool admin = !opt.admin_key.empty() && same_secret(given, opt.admin_key);
+    if (segment_write) {
+      if (admin) return true;
+      if (!opt.api_key.empty() && !same_secret(given, opt.api_key)) return refuse_key(res, given.empty());
+      send_json(res, 403,
+                error_body(403,
+                           opt.admin_key.empty()
+                               ? "adding or deleting segments needs the admin key, and this server has none "
+                                 "(start it with --admin-key)"
+                               : "adding or deleting segments needs the admin key",
+                           "permission_error", "", "admin_key_required"));
+      return false;
+    }
+    if (admin || same_secret(given, opt.api_key)) return true;
+    return refuse_key(res, given.empty());
+  }
+
+  static bool refuse_key(httplib::Response& res, bool missing) {
+    res.set_header("WWW-Authenticate", "Bearer");
+    send_json(res, 401,
+              error_body(401,
+                         missing ? "missing API key: send the header 'Authorization: Bearer <key>'"
+                                 : "incorrect API key provided",
+                         "invalid_request_error", "", "invalid_api_key"));
+    return false;
+  }
+
+  // Equal strings, in time that depends on their lengths only (no early exit on the first
+  // differing byte, which would let a client find a key byte by byte).
+  static bool same_secret(const std::string& a, const std::string& b) {
+    unsigned char d = a.size() != b.size() ? 1 : 0;
+    const size_t n = std::max(a.size(), b.size());
+    for (size_t i = 0; i < n; ++i)
+      d |= static_cast<unsigned char>((i < a.size() ? a[i] : 0) ^ (i < b.size() ? b[i] : 0));
+    return d == 0;
   }
 
   void log_request(const httplib::Request& req, const httplib::Response& res) {

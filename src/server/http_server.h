@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "pic/composer.h"
 #include "server/scheduler.h"
@@ -26,6 +27,14 @@ struct ServerOptions {
   int max_json_depth = 64;                   // deeper JSON gets 400
   int http_threads = 0;                      // 0: max_running + max_queue + 8
   bool mask_padded_ids = false;  // default of the request field: ids without a tokenizer entry never sampled
+  // Access control (docs/serving.md, "Security"). With api_key set, /v1/* needs
+  // "Authorization: Bearer <api_key or admin_key>"; with either key set, POST and DELETE of
+  // /v1/segments (which fill and wipe the shared cache) need the admin key. /health and /metrics
+  // stay open for probes and scrapers.
+  std::string api_key, admin_key;
+  // Browser Origins allowed to call the server ("*": any). A request carrying another Origin gets
+  // 403: without this, any web page a user visits could drive or wipe a local server.
+  std::vector<std::string> cors_origins;
 };
 
 class HttpServer {

@@ -812,3 +812,91 @@ TEST(Server, NotBuilt) {
   GTEST_SKIP() << "hypic was built without cpp-httplib";
 }
 #endif
+
+// --api-key / --admin-key: /v1/* needs a Bearer key (401, OpenAI-shaped, when missing or wrong),
+// segment writes need the admin key (403 with the API key), /health and /metrics stay open.
+TEST(Server, ApiKeyAndAdminKey) {
+  ServerOptions o;
+  o.api_key = "user-key-1";
+  o.admin_key = "admin-key-2";
+  TestServer s(o);
+  auto c = s.client();
+  auto with = [&](const std::string& key) { return httplib::Headers{{"Authorization", "Bearer " + key}}; };
+  auto h = c.Get("/health");
+  ASSERT_TRUE(h);
+  EXPECT_EQ(h->status, 200);
+  auto m = c.Get("/metrics");
+  ASSERT_TRUE(m);
+  EXPECT_EQ(m->status, 200);
+  for (const std::string key : {"", "user-key-", "user-key-1x", "admin-key-1", "Bearer"}) {
+    auto r = key.empty() ? c.Get("/v1/models") : c.Get("/v1/models", with(key));
+    ASSERT_TRUE(r);
+    expect_error({r->status, json::parse(r->body, nullptr, false)}, 401, "key '" + key + "'");
+    EXPECT_EQ(json::parse(r->body)["error"]["code"], "invalid_api_key");
+    EXPECT_EQ(r->get_header_value("WWW-Authenticate"), "Bearer");
+  }
+  auto ok = c.Get("/v1/models", with("user-key-1"));
+  ASSERT_TRUE(ok);
+  EXPECT_EQ(ok->status, 200);
+  auto gen = c.Post("/v1/completions", with("user-key-1"), greedy({{"prompt", "Hello"}, {"max_tokens", 2}}).dump(),
+                    "application/json");
+  ASSERT_TRUE(gen);
+  EXPECT_EQ(gen->status, 200) << gen->body;
+  const std::string seg = json{{"segments", json::array({{{"text", "A short document about rivers."}}})}}.dump();
+  auto denied = c.Post("/v1/segments", with("user-key-1"), seg, "application/json");
+  ASSERT_TRUE(denied);
+  expect_error({denied->status, json::parse(denied->body, nullptr, false)}, 403, "segment post with the user key");
+  auto wrong = c.Post("/v1/segments", with("nope"), seg, "application/json");
+  ASSERT_TRUE(wrong);
+  EXPECT_EQ(wrong->status, 401);
+  auto posted = c.Post("/v1/segments", with("admin-key-2"), seg, "application/json");
+  ASSERT_TRUE(posted);
+  EXPECT_EQ(posted->status, 200) << posted->body;
+  auto listed = c.Get("/v1/segments", with("user-key-1"));  // reading the cache is not a write
+  ASSERT_TRUE(listed);
+  EXPECT_EQ(listed->status, 200);
+  EXPECT_EQ(json::parse(listed->body)["data"].size(), 1u);
+  auto del_user = c.Delete("/v1/segments", with("user-key-1"));
+  ASSERT_TRUE(del_user);
+  EXPECT_EQ(del_user->status, 403);
+  auto del_admin = c.Delete("/v1/segments", with("admin-key-2"));
+  ASSERT_TRUE(del_admin);
+  EXPECT_EQ(del_admin->status, 200);
+  EXPECT_EQ(json::parse(c.Get("/v1/segments", with("admin-key-2"))->body)["data"].size(), 0u);
+}
+
+// A browser page on another origin cannot drive the server (the cross-origin text/plain POST of the
+// hardening issue), unless --cors-origin names it; clients without an Origin header are unaffected.
+TEST(Server, CrossOriginRequestsRefusedUnlessAllowed) {
+  const std::string body = greedy({{"prompt", "Hello"}, {"max_tokens", 2}}).dump();
+  {
+    TestServer s;
+    auto c = s.client();
+    auto r = c.Post("/v1/completions", httplib::Headers{{"Origin", "http://evil.example"}}, body, "text/plain");
+    ASSERT_TRUE(r);
+    expect_error({r->status, json::parse(r->body, nullptr, false)}, 403, "cross-origin post");
+    EXPECT_NE(r->body.find("--cors-origin"), std::string::npos) << r->body;
+    auto d = c.Delete("/v1/segments", httplib::Headers{{"Origin", "http://evil.example"}});
+    ASSERT_TRUE(d);
+    EXPECT_EQ(d->status, 403);
+    auto plain = c.Post("/v1/completions", body, "application/json");
+    ASSERT_TRUE(plain);
+    EXPECT_EQ(plain->status, 200) << plain->body;
+  }
+  ServerOptions o;
+  o.cors_origins = {"http://app.example"};
+  TestServer s(o);
+  auto c = s.client();
+  auto r = c.Post("/v1/completions", httplib::Headers{{"Origin", "http://app.example"}}, body, "application/json");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200) << r->body;
+  EXPECT_EQ(r->get_header_value("Access-Control-Allow-Origin"), "http://app.example");
+  auto pre = c.Options("/v1/completions",
+                       httplib::Headers{{"Origin", "http://app.example"}, {"Access-Control-Request-Method", "POST"}});
+  ASSERT_TRUE(pre);
+  EXPECT_EQ(pre->status, 204);
+  EXPECT_NE(pre->get_header_value("Access-Control-Allow-Headers").find("Authorization"), std::string::npos);
+  auto other = c.Post("/v1/completions", httplib::Headers{{"Origin", "http://evil.example"}}, body, "application/json");
+  ASSERT_TRUE(other);
+  EXPECT_EQ(other->status, 403);
+}
