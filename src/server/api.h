@@ -93,6 +93,9 @@ SegmentsSpec parse_segments(const nlohmann::json& body, const ModelFacts& m);
 // strings: that much text must be held back while streaming.
 size_t stop_holdback(const std::string& text, const std::vector<std::string>& stops);
 
+// Client-controlled text made safe for a log line: control bytes (a decoded %0A in a URL would
+// forge a line) and backslashes become \xNN / \\.
+std::string log_safe(const std::string& s);
 std::string hex64(uint64_t v);
 
 }  // namespace hypic::server

@@ -658,6 +658,7 @@ struct HttpServer::Impl {
     int status = res.status;
     const std::string ep = endpoint_label(req.path);
     std::shared_ptr<Job> job = t_ctx.job;
+    const std::string method = log_safe(req.method), path = log_safe(req.path);
     const double ms = t_ctx.active ? std::chrono::duration<double, std::milli>(Clock::now() - t_ctx.start).count() : 0;
     if (job && job->cancelled.load()) status = 499;
     metrics.count_request(ep, status);
@@ -667,16 +668,16 @@ struct HttpServer::Impl {
         spdlog::info(
             "{} {} {} status={} prompt_tokens={} cached_tokens={} completion_tokens={} ttft_ms={:.1f} total_ms={:.1f} "
             "mode={} segments={} finish={}",
-            job->id, req.method, req.path, status, job->gen.prompt_tokens, job->report.reused_tokens,
-            job->completion_tokens, job->ttft_ms, ms, pic_mode_name(job->gen.pic.mode), job->gen.segments.size(),
+            job->id, method, path, status, job->gen.prompt_tokens, job->report.reused_tokens, job->completion_tokens,
+            job->ttft_ms, ms, pic_mode_name(job->gen.pic.mode), job->gen.segments.size(),
             job->finish_reason.empty() ? "-" : job->finish_reason);
       else
-        spdlog::info("{} {} {} status={} segments={} built={} total_ms={:.1f}", job->id, req.method, req.path, status,
+        spdlog::info("{} {} {} status={} segments={} built={} total_ms={:.1f}", job->id, method, path, status,
                      job->segs.segments.size(), job->report.miss_segments, ms);
     } else if (status < 400 && (ep == "/metrics" || ep == "/health")) {
-      spdlog::debug("{} {} status={} total_ms={:.1f}", req.method, req.path, status, ms);  // scrapes and probes
+      spdlog::debug("{} {} status={} total_ms={:.1f}", method, path, status, ms);  // scrapes and probes
     } else {
-      spdlog::info("{} {} status={} total_ms={:.1f}", req.method, req.path, status, ms);
+      spdlog::info("{} {} status={} total_ms={:.1f}", method, path, status, ms);
     }
     t_ctx = ReqCtx{};
   }

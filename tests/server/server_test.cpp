@@ -1,6 +1,8 @@
 // End-to-end tests of the OpenAI-compatible server: an in-process HttpServer on an ephemeral
 // loopback port, driven with cpp-httplib's client, on the small test model.
 #include <gtest/gtest.h>
+#include <spdlog/sinks/ringbuffer_sink.h>
+#include <spdlog/spdlog.h>
 
 #ifdef HYPIC_HAVE_HTTPLIB
 #include <httplib.h>
@@ -899,4 +901,29 @@ TEST(Server, CrossOriginRequestsRefusedUnlessAllowed) {
   auto other = c.Post("/v1/completions", httplib::Headers{{"Origin", "http://evil.example"}}, body, "application/json");
   ASSERT_TRUE(other);
   EXPECT_EQ(other->status, 403);
+}
+
+// A decoded %0A (or any control byte) in a URL cannot forge a line in the server's log.
+TEST(Server, LogLinesEscapeControlCharacters) {
+  EXPECT_EQ(hypic::server::log_safe("/v1/x\n2026-12-01 forged\x1b[31m\\"), "/v1/x\\x0a2026-12-01 forged\\x1b[31m\\\\");
+  EXPECT_EQ(hypic::server::log_safe("/v1/models"), "/v1/models");
+  auto sink = std::make_shared<spdlog::sinks::ringbuffer_sink_mt>(64);
+  spdlog::default_logger()->sinks().push_back(sink);
+  {
+    TestServer s;
+    auto c = s.client();
+    auto r = c.Get("/v1/nothing%0A2026-12-01%20forged%20line");
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 404);
+  }
+  auto& sinks = spdlog::default_logger()->sinks();
+  sinks.erase(std::find(sinks.begin(), sinks.end(), sink));
+  bool seen = false;
+  for (const std::string& line : sink->last_formatted()) {
+    if (line.find("forged") == std::string::npos) continue;
+    seen = true;
+    EXPECT_NE(line.find("/v1/nothing\\x0a2026-12-01 forged line"), std::string::npos) << line;
+    EXPECT_EQ(line.find('\n'), line.size() - 1) << line;  // only the line's own end
+  }
+  EXPECT_TRUE(seen) << "the request was not logged";
 }
