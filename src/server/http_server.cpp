@@ -589,6 +589,10 @@ struct HttpServer::Impl {
 
   // Origin and key checks before any route runs; false: `res` holds the refusal.
   bool admit(const httplib::Request& req, httplib::Response& res) {
+    // Range headers are ignored (the API has no use for partial responses): cpp-httplib would
+    // otherwise answer a header of many overlapping ranges with a multipart copy of the response
+    // many times its size. The request object is the server's own, non-const one.
+    const_cast<httplib::Request&>(req).ranges.clear();
     if (req.has_header("Origin")) {
       const std::string origin = req.get_header_value("Origin");
       const bool ok = std::any_of(opt.cors_origins.begin(), opt.cors_origins.end(),

@@ -927,3 +927,21 @@ TEST(Server, LogLinesEscapeControlCharacters) {
   }
   EXPECT_TRUE(seen) << "the request was not logged";
 }
+
+// A Range header (here many overlapping ranges) is ignored: the full response, once, not a
+// multipart copy many times its size.
+TEST(Server, RangeHeadersIgnored) {
+  TestServer s;
+  auto c = s.client();
+  auto plain = c.Get("/v1/models");
+  ASSERT_TRUE(plain);
+  ASSERT_EQ(plain->status, 200);
+  std::string many = "bytes=0-";
+  for (int i = 0; i < 200; ++i) many += ",0-";
+  for (const std::string range : {many, std::string("bytes=0-3")}) {
+    auto r = c.Get("/v1/models", httplib::Headers{{"Range", range}});
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 200);
+    EXPECT_EQ(r->body, plain->body);
+  }
+}
