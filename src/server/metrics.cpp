@@ -118,6 +118,8 @@ std::string Metrics::render(const SegmentCacheStats& c) const {
   scalar(out, "hypic_queue_depth", "gauge", "Requests waiting for the engine", static_cast<double>(queue_depth.load()));
   scalar(out, "hypic_running_requests", "gauge", "Requests being prefilled or decoded",
          static_cast<double>(running.load()));
+  scalar(out, "hypic_kv_reserved_tokens", "gauge", "KV cache rows held by running requests (grows as they decode)",
+         static_cast<double>(kv_reserved_tokens.load()));
   scalar(out, "hypic_cancelled_requests_total", "counter", "Requests cancelled because the client went away",
          static_cast<double>(cancelled.load()));
   scalar(out, "hypic_prefill_steps_total", "counter", "Engine iterations that ran a prefill unit",

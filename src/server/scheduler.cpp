@@ -11,6 +11,11 @@
 namespace hypic::server {
 
 namespace {
+// Tokens of KV reserved ahead of decoding; more comes as the sequence grows.
+constexpr int64_t kDecodeReserve = 256;
+}  // namespace
+
+namespace {
 double ms_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
@@ -91,6 +96,7 @@ void Scheduler::stop() {
   running_.clear();
   metrics_.queue_depth = 0;
   metrics_.running = 0;
+  metrics_.kv_reserved_tokens = 0;
 }
 
 bool Scheduler::submit(const std::shared_ptr<Job>& job) {
@@ -142,6 +148,9 @@ void Scheduler::loop() {
     running_.erase(std::remove_if(running_.begin(), running_.end(), [](const auto& s) { return s->finished; }),
                    running_.end());
     metrics_.running = static_cast<int64_t>(running_.size());
+    int64_t kv = 0;
+    for (const auto& s : running_) kv += s->st.capacity;
+    metrics_.kv_reserved_tokens = kv;
   }
 }
 
@@ -246,7 +255,9 @@ bool Scheduler::prefill_unit(Seq& s) {
   GenSpec& g = j.gen;
   const auto& segs = g.segments;
   const int64_t ctx = model_.config().max_position_embeddings;
-  const int64_t want = g.prompt_tokens + std::max(g.max_tokens, 0);
+  // KV for the prompt and the first kDecodeReserve tokens; decoding grows it as tokens come
+  // (Model::reserve doubles), so a request without max_tokens does not hold a whole context.
+  const int64_t want = g.prompt_tokens + std::min<int64_t>(std::max(g.max_tokens, 0), kDecodeReserve);
   const int64_t cap = ctx > 0 ? std::min(want, ctx) : want;
   if (s.stage == Seq::Stage::Start) {
     const bool composed = segs.size() > 1 && (g.pic.mode == PicMode::Pic || g.pic.mode == PicMode::Naive);
@@ -345,7 +356,7 @@ void Scheduler::start_decode(Seq& s) {
   Job& j = *s.job;
   s.stage = Seq::Stage::Decode;
   const int64_t ctx = model_.config().max_position_embeddings;
-  int64_t want = s.st.n_past + std::max(j.gen.max_tokens, 0);
+  int64_t want = s.st.n_past + std::min<int64_t>(std::max(j.gen.max_tokens, 0), kDecodeReserve);
   if (ctx > 0) want = std::min(want, ctx);
   model_.reserve(s.st, std::max<int64_t>(want, 1));
   s.sampler = std::make_unique<Sampler>(j.gen.sampling);

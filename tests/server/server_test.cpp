@@ -945,3 +945,34 @@ TEST(Server, RangeHeadersIgnored) {
     EXPECT_EQ(r->body, plain->body);
   }
 }
+
+// A chat request without max_tokens runs until EOS or the context's end, but holds KV only for
+// what it has produced (plus a step), not for the whole context (4096 rows on this model).
+TEST(Server, KvReservedAsTokensComeNotForTheWholeContext) {
+  TestServer s;
+  auto c = s.client();
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/v1/chat/completions";
+  req.headers = {{"Content-Type", "application/json"}};
+  req.body = json{
+      {"messages", json::array({{{"role", "user"}, {"content", "Hello"}}})},
+      {"stream", true},
+      {"ignore_eos", true},
+      {"temperature",
+       0}}.dump();
+  int chunks = 0;
+  int64_t kv = -1;
+  req.content_receiver = [&](const char*, size_t, uint64_t, uint64_t) {
+    if (++chunks < 20) return true;
+    const std::string m = s.get_text("/metrics");
+    const std::string key = "\nhypic_kv_reserved_tokens ";
+    const size_t p = m.find(key);
+    if (p != std::string::npos) kv = std::stoll(m.substr(p + key.size()));
+    return false;  // disconnect: the request is cancelled
+  };
+  c.send(req);
+  ASSERT_GE(chunks, 20);
+  EXPECT_GT(kv, 0);
+  EXPECT_LE(kv, 1024) << "KV rows reserved by one short chat request";
+}
