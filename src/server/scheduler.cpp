@@ -103,12 +103,27 @@ bool Scheduler::submit(const std::shared_ptr<Job>& job) {
   {
     std::lock_guard<std::mutex> g(mu_);
     if (stopping_ || !thread_.joinable()) return false;
+    drop_cancelled_queued();  // clients that gave up while waiting do not hold queue places
     if (static_cast<int>(queue_.size()) >= opt_.max_queue) return false;
     queue_.push_back(job);
     metrics_.queue_depth = static_cast<int64_t>(queue_.size());
   }
   cv_.notify_all();
   return true;
+}
+
+// Caller holds mu_.
+void Scheduler::drop_cancelled_queued() {
+  for (auto it = queue_.begin(); it != queue_.end();) {
+    if ((*it)->cancelled.load()) {
+      fail(**it, 499, "the client closed the connection");
+      metrics_.cancelled++;
+      it = queue_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  metrics_.queue_depth = static_cast<int64_t>(queue_.size());
 }
 
 void Scheduler::fail(Job& j, int status, const std::string& msg) {
@@ -129,6 +144,7 @@ void Scheduler::loop() {
       std::unique_lock<std::mutex> lk(mu_);
       cv_.wait(lk, [&] { return stopping_ || !queue_.empty() || !running_.empty(); });
       if (stopping_) return;
+      drop_cancelled_queued();
       while (static_cast<int>(running_.size()) < opt_.max_running && !queue_.empty()) {
         auto s = std::make_unique<Seq>();
         s->job = std::move(queue_.front());

@@ -976,3 +976,39 @@ TEST(Server, KvReservedAsTokensComeNotForTheWholeContext) {
   EXPECT_GT(kv, 0);
   EXPECT_LE(kv, 1024) << "KV rows reserved by one short chat request";
 }
+
+// A client that gives up while its request is queued frees the queue place at once (not when the
+// request reaches the engine): the next request is queued, not refused with 429.
+TEST(Server, AbandonedQueuedRequestsLeaveTheQueue) {
+  ServerOptions o;
+  o.sched.max_running = 1;
+  o.sched.max_queue = 1;
+  TestServer s(o);
+  // The only running slot: a post of many documents, built one per engine iteration.
+  json docs = json::array();
+  for (int i = 0; i < 600; ++i)
+    docs.push_back({{"text", "Document " + std::to_string(i) + " tells of rivers, hills and the town of " +
+                                 std::to_string(i * 7919) + " where the market opens at dawn."}});
+  std::atomic<bool> occupant_done{false};
+  std::thread occupant([&] {
+    auto r = s.post("/v1/segments", json{{"segments", docs}});
+    EXPECT_EQ(r.first, 200);
+    occupant_done = true;
+  });
+  ASSERT_TRUE(wait_metric(s, "hypic_running_requests 1"));
+  {
+    httplib::Client impatient("127.0.0.1", s.port);
+    impatient.set_read_timeout(0, 200000);  // gives up after 0.2 s and closes the connection
+    auto r =
+        impatient.Post("/v1/completions", greedy({{"prompt", "Queued"}, {"max_tokens", 2}}).dump(), "application/json");
+    EXPECT_FALSE(r);
+  }
+  ASSERT_TRUE(wait_metric(s, "hypic_queue_depth 0"));
+  EXPECT_FALSE(occupant_done.load()) << "the queue place was freed only when the engine took the request";
+  std::pair<int, json> next;
+  std::thread waiter([&] { next = s.post("/v1/completions", greedy({{"prompt", "Next"}, {"max_tokens", 2}})); });
+  occupant.join();
+  waiter.join();
+  EXPECT_EQ(next.first, 200) << next.second.dump();
+  EXPECT_TRUE(wait_metric(s, "hypic_cancelled_requests_total 1"));
+}
