@@ -515,10 +515,44 @@ struct HttpServer::Impl {
       };
     };
 
+    // POST bodies are read here, up to --max-body-mib whatever their framing: cpp-httplib checks
+    // Content-Length but would read a chunked body of any size into memory. Past the limit the
+    // read stops and the answer is 413. The body then goes where the handlers read it (req.body of
+    // the server's own, non-const request).
+    auto with_body = [this, guarded](auto fn) {
+      return [this, handler = guarded(fn)](const httplib::Request& req, httplib::Response& res,
+                                           const httplib::ContentReader& read) {
+        std::string body;
+        bool too_large = false;
+        const bool ok = read([&](const char* data, size_t n) {
+          if (body.size() + n > opt.max_body_bytes) {
+            too_large = true;
+            return false;
+          }
+          body.append(data, n);
+          return true;
+        });
+        // cpp-httplib itself refuses a Content-Length over the limit (status 413, nothing read).
+        if (too_large || (!ok && res.status == 413)) {
+          send_json(res, 413,
+                    error_body(413, "the request body is larger than the server's limit of " +
+                                        std::to_string(opt.max_body_bytes) + " bytes (--max-body-mib)"));
+          res.set_header("Connection", "close");
+          return;
+        }
+        if (!ok) {
+          send_json(res, 400, error_body(400, "the request body could not be read"));
+          res.set_header("Connection", "close");
+          return;
+        }
+        const_cast<httplib::Request&>(req).body = std::move(body);
+        handler(req, res);
+      };
+    };
     svr.Post("/v1/completions",
-             guarded([this](const auto& q, auto& r) { handle_generate(q, r, Endpoint::Completions); }));
+             with_body([this](const auto& q, auto& r) { handle_generate(q, r, Endpoint::Completions); }));
     svr.Post("/v1/chat/completions",
-             guarded([this](const auto& q, auto& r) { handle_generate(q, r, Endpoint::Chat); }));
+             with_body([this](const auto& q, auto& r) { handle_generate(q, r, Endpoint::Chat); }));
     svr.Get("/v1/models", guarded([this](const auto&, auto& r) {
               send_json(r, 200,
                         json{{"object", "list"},
@@ -532,7 +566,7 @@ struct HttpServer::Impl {
     svr.Get("/metrics", guarded([this](const auto&, auto& r) {
               r.set_content(metrics.render(sched->cache_stats()), "text/plain; version=0.0.4; charset=utf-8");
             }));
-    svr.Post("/v1/segments", guarded([this](const auto& q, auto& r) { handle_segments_post(q, r); }));
+    svr.Post("/v1/segments", with_body([this](const auto& q, auto& r) { handle_segments_post(q, r); }));
     svr.Get("/v1/segments", guarded([this](const auto&, auto& r) {
               json data = json::array();
               for (auto& s : sched->list_segments()) data.push_back(segment_json(s));

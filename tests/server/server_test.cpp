@@ -1012,3 +1012,33 @@ TEST(Server, AbandonedQueuedRequestsLeaveTheQueue) {
   EXPECT_EQ(next.first, 200) << next.second.dump();
   EXPECT_TRUE(wait_metric(s, "hypic_cancelled_requests_total 1"));
 }
+
+// A chunked body (no Content-Length) is held to --max-body-mib too: the read stops at the limit
+// with 413 instead of taking the whole upload into memory; the server keeps serving.
+TEST(Server, ChunkedBodyOverTheLimitGets413) {
+  ServerOptions o;
+  o.max_body_bytes = size_t(1) << 20;
+  TestServer s(o);
+  auto c = s.client();
+  size_t sent = 0;
+  const std::string piece(64 << 10, 'a');
+  auto r = c.Post(
+      "/v1/completions",
+      [&](size_t, httplib::DataSink& sink) {
+        if (sent == 0) sink.write("{\"prompt\": \"", 12);
+        if (sent >= (size_t(64) << 20)) {  // 64 MiB at most, then end the body
+          sink.done();
+          return true;
+        }
+        if (!sink.write(piece.data(), piece.size())) return false;
+        sent += piece.size();
+        return true;
+      },
+      "application/json");
+  if (r) {  // the server may also close the connection before the client has finished uploading
+    expect_error({r->status, json::parse(r->body, nullptr, false)}, 413, "chunked body over the limit");
+  }
+  EXPECT_LT(sent, size_t(64) << 20) << "the server read the whole upload";
+  auto ok = s.post("/v1/completions", greedy({{"prompt", "Hello"}, {"max_tokens", 2}}));
+  EXPECT_EQ(ok.first, 200);
+}
