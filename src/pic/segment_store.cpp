@@ -261,7 +261,7 @@ void SegmentStore::scan() {
     const std::string name = de->d_name;
     const std::string path = dir_ + "/" + name;
     struct stat sb;
-    if (::stat(path.c_str(), &sb) != 0 || !S_ISREG(sb.st_mode)) continue;
+    if (::lstat(path.c_str(), &sb) != 0 || !S_ISREG(sb.st_mode)) continue;  // no links, FIFOs, devices
     uint64_t h;
     if (parse_name(name, h)) {
       const int64_t a = int64_t(sb.st_atim.tv_sec) * 1000000000 + sb.st_atim.tv_nsec;
@@ -313,19 +313,24 @@ std::shared_ptr<SegmentEntry> SegmentStore::load(const SegmentKey& key, const Va
     }
   } unpin{this, h};
 
-  Fd fd{::open(path.c_str(), O_RDONLY | O_CLOEXEC)};
+  // Not through symlinks, and without blocking: opening a FIFO planted under an entry's name would
+  // otherwise wait for a writer forever, with the engine thread in it.
+  Fd fd{::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK)};
   if (fd.fd < 0) {
     const int e = errno;
     if (e != ENOENT && e != ENOTDIR) spdlog::warn("segment store: cannot open {}: {}", path, errno_str(e));
     std::lock_guard<std::mutex> g(mu_);
     ++st_.disk_misses;
-    forget(h);  // deleted behind our back
+    forget(h);  // deleted behind our back, or not a file we may read
     return nullptr;
   }
   struct stat sb;
-  if (::fstat(fd.fd, &sb) != 0) {
+  const bool stat_ok = ::fstat(fd.fd, &sb) == 0;
+  if (!stat_ok || !S_ISREG(sb.st_mode)) {
+    if (stat_ok) spdlog::warn("segment store: ignoring {}: not a regular file", path);
     std::lock_guard<std::mutex> g(mu_);
     ++st_.disk_misses;
+    forget(h);
     return nullptr;
   }
   auto e = std::make_shared<SegmentEntry>();

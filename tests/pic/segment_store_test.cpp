@@ -13,6 +13,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <random>
 #include <thread>
 
@@ -533,3 +534,29 @@ TEST_F(Store, NoDamageIsEverUsedOrCrashes) {
 }
 
 }  // namespace
+
+// A FIFO or a symlink planted under an entry's name is not followed or waited on: the load is a
+// miss at once (a FIFO used to block the engine thread until some writer opened it).
+TEST_F(Store, FifoOrSymlinkUnderAnEntryNameIsAMissNotAHang) {
+  SegmentStore store(dir_.string(), be());
+  const std::string fifo = store.path_for(key_of(1));
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0644), 0);
+  auto f = std::async(std::launch::async, [&] { return store.load(key_of(1)); });
+  if (f.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+    ADD_FAILURE() << "load() blocked on a FIFO";
+    const int w = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);  // release it so the test can end
+    if (w >= 0) ::close(w);
+  }
+  EXPECT_EQ(f.get(), nullptr);
+  // A symlink to a valid entry file elsewhere is not followed either.
+  PicEngine eng(model(), kMem);
+  auto e = eng.build_entry(segs_[2], 8);
+  const fs::path other = dir_ / "elsewhere";
+  fs::create_directories(other);
+  {
+    SegmentStore side(other.string(), be());
+    ASSERT_TRUE(side.save(*e));
+    fs::create_symlink(side.path_for(e->key), store.path_for(e->key));
+  }
+  EXPECT_EQ(store.load(e->key), nullptr);
+}
