@@ -63,6 +63,7 @@ void register_serve(CLI::App& app) {
     double disk_budget_mib = 0;  // 0: unlimited
     std::string api_key, api_key_file, admin_key, admin_key_file;
     std::vector<std::string> cors_origins;
+    double watchdog_s = 600;
   };
   auto o = std::make_shared<Opts>();
   auto* c = app.add_subcommand("serve", "Serve the model over an OpenAI-compatible HTTP API");
@@ -103,6 +104,10 @@ void register_serve(CLI::App& app) {
                 "Browser Origin allowed to call the server (repeatable, or '*'); requests from any other "
                 "Origin get 403")
       ->delimiter(',');
+  c->add_option("--watchdog-s", o->watchdog_s,
+                "GET /health answers 503 once the engine has spent this long in one iteration while requests "
+                "wait (0: off)")
+      ->capture_default_str();
   c->callback([o] {
     guarded([&] {
 #ifndef HYPIC_HAVE_HTTPLIB
@@ -130,6 +135,8 @@ void register_serve(CLI::App& app) {
       so.api_key = secret_option("--api-key", o->api_key, o->api_key_file, "HYPIC_API_KEY");
       so.admin_key = secret_option("--admin-key", o->admin_key, o->admin_key_file, "HYPIC_ADMIN_KEY");
       so.cors_origins = o->cors_origins;
+      if (!(o->watchdog_s >= 0)) throw std::invalid_argument("--watchdog-s must be >= 0");
+      so.watchdog_s = o->watchdog_s;
       if (so.api_key.empty() && o->host != "127.0.0.1" && o->host != "localhost" && o->host != "::1")
         spdlog::warn(
             "serving on {} without an API key: anyone who can reach the port can use the model and "

@@ -562,7 +562,17 @@ struct HttpServer::Impl {
                                                         {"owned_by", "hypic"},
                                                         {"max_model_len", facts.context}}})}});
             }));
-    svr.Get("/health", guarded([](const auto&, auto& r) { send_json(r, 200, json{{"status", "ok"}}); }));
+    svr.Get("/health", guarded([this](const auto&, auto& r) {
+              const double stalled = sched->stalled_seconds();
+              if (opt.watchdog_s > 0 && stalled > opt.watchdog_s) {
+                char msg[160];
+                std::snprintf(msg, sizeof msg, "the engine has been in one iteration for %.1f s (watchdog %.1f s)",
+                              stalled, opt.watchdog_s);
+                send_json(r, 503, json{{"status", "stalled"}, {"message", msg}});
+                return;
+              }
+              send_json(r, 200, json{{"status", "ok"}});
+            }));
     svr.Get("/metrics", guarded([this](const auto&, auto& r) {
               r.set_content(metrics.render(sched->cache_stats()), "text/plain; version=0.0.4; charset=utf-8");
             }));

@@ -35,6 +35,9 @@ struct ServerOptions {
   // Browser Origins allowed to call the server ("*": any). A request carrying another Origin gets
   // 403: without this, any web page a user visits could drive or wipe a local server.
   std::vector<std::string> cors_origins;
+  // /health answers 503 once the engine has spent this long in one iteration while requests wait
+  // (a stuck engine must not look healthy to a load balancer); 0 disables the check.
+  double watchdog_s = 600;
 };
 
 class HttpServer {

@@ -138,12 +138,27 @@ void Scheduler::fail(Job& j, int status, const std::string& msg) {
   j.cv.notify_all();
 }
 
+void Scheduler::beat() {
+  beat_ns_ =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+double Scheduler::stalled_seconds() const {
+  if (!busy_.load()) return 0;
+  const int64_t now =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  return static_cast<double>(now - beat_ns_.load()) / 1e9;
+}
+
 void Scheduler::loop() {
   while (true) {
     {
       std::unique_lock<std::mutex> lk(mu_);
+      if (queue_.empty() && running_.empty()) busy_ = false;
       cv_.wait(lk, [&] { return stopping_ || !queue_.empty() || !running_.empty(); });
       if (stopping_) return;
+      beat();
+      busy_ = true;
       drop_cancelled_queued();
       while (static_cast<int>(running_.size()) < opt_.max_running && !queue_.empty()) {
         auto s = std::make_unique<Seq>();

@@ -106,6 +106,9 @@ class Scheduler {
   bool submit(const std::shared_ptr<Job>& job);
 
   SegmentCacheStats cache_stats() const { return engine_.cache().stats(); }
+  // Seconds the engine thread has spent in its current iteration while work is waiting; 0 when it
+  // is idle. /health turns a value past the watchdog limit into 503.
+  double stalled_seconds() const;
   // Entries this server put in (or found in) the segment cache and that are still there.
   std::vector<SegmentInfo> list_segments();
   bool erase_segment(const std::string& id);  // false: unknown id
@@ -113,6 +116,9 @@ class Scheduler {
 
  private:
   struct Seq;
+  std::atomic<int64_t> beat_ns_{0};  // steady clock at the start of the current iteration
+  std::atomic<bool> busy_{false};
+  void beat();
   void loop();
   void step();
   bool prefill_unit(Seq& s);  // true when the sequence is ready to decode (or finished)

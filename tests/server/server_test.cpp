@@ -1054,3 +1054,33 @@ TEST(Server, JsonBodyWithAFormContentType) {
   ASSERT_TRUE(r);
   EXPECT_EQ(r->status, 200) << r->body.substr(0, 300);
 }
+
+// The watchdog: while the engine sits in one iteration longer than --watchdog-s with work
+// waiting, /health answers 503 (here: a 1 ms limit against segment builds of ~1500 tokens each);
+// idle again, it answers 200.
+TEST(Server, HealthFailsWhileTheEngineIsStalled) {
+  ServerOptions o;
+  o.watchdog_s = 0.001;
+  TestServer s(o);
+  EXPECT_EQ(s.get("/health").first, 200);  // idle: never stalled
+  json docs = json::array();
+  for (int i = 0; i < 6; ++i) docs.push_back({{"text", std::to_string(i) + std::string(1500, 'a' + i)}});
+  std::atomic<bool> done{false};
+  std::thread poster([&] {
+    EXPECT_EQ(s.post("/v1/segments", json{{"segments", docs}}).first, 200);
+    done = true;
+  });
+  bool saw_503 = false;
+  while (!done && !saw_503) {
+    auto h = s.get("/health");
+    if (h.first == 503) {
+      saw_503 = true;
+      EXPECT_EQ(h.second["status"], "stalled") << h.second.dump();
+    }
+  }
+  poster.join();
+  EXPECT_TRUE(saw_503);
+  for (int i = 0; i < 200 && s.get("/health").first != 200; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_EQ(s.get("/health").first, 200);
+}
