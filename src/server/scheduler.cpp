@@ -197,9 +197,15 @@ void Scheduler::step() {
       metrics_.cancelled++;
       s->finished = true;
     }
-  // One prefill unit for the oldest job still prefilling.
-  for (auto& s : running_) {
+  // One prefill unit per iteration, taken in turn from the sequences still prefilling (round
+  // robin): a large segment post or a long prompt cannot hold back a short request that arrives
+  // after it, which waits for at most one unit of each other prefill.
+  const size_t n_run = running_.size();
+  for (size_t k = 0; k < n_run; ++k) {
+    const size_t i = (next_prefill_ + k) % n_run;
+    auto& s = running_[i];
     if (s->finished || s->stage == Seq::Stage::Decode) continue;
+    next_prefill_ = i + 1;
     metrics_.prefill_chunks++;
     try {
       if (prefill_unit(*s) && s->job->kind == Job::Kind::Generate) start_decode(*s);

@@ -118,6 +118,7 @@ class Scheduler {
   struct Seq;
   std::atomic<int64_t> beat_ns_{0};  // steady clock at the start of the current iteration
   std::atomic<bool> busy_{false};
+  size_t next_prefill_ = 0;  // where the round robin over prefilling sequences resumes
   void beat();
   void loop();
   void step();

@@ -1084,3 +1084,22 @@ TEST(Server, HealthFailsWhileTheEngineIsStalled) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   EXPECT_EQ(s.get("/health").first, 200);
 }
+
+// Prefill units are taken in turn: a short request arriving during a large segment post is
+// answered long before the post finishes (it used to wait for every one of the post's builds).
+TEST(Server, ShortRequestIsNotHeldBehindALargeSegmentPost) {
+  TestServer s;
+  json docs = json::array();
+  for (int i = 0; i < 400; ++i)
+    docs.push_back({{"text", "Document " + std::to_string(i) + " tells of rivers, hills and the town of " +
+                                 std::to_string(i * 7919) + " where the market opens at dawn."}});
+  std::thread poster([&] { EXPECT_EQ(s.post("/v1/segments", json{{"segments", docs}}).first, 200); });
+  ASSERT_TRUE(wait_metric(s, "hypic_running_requests 1"));
+  auto r = s.post("/v1/completions", greedy({{"prompt", "Hello"}, {"max_tokens", 2}}));
+  // How far the post had got when the short request was answered: its builds so far.
+  const size_t built_by_then = s.get("/v1/segments").second["data"].size();
+  poster.join();
+  EXPECT_EQ(r.first, 200) << r.second.dump();
+  EXPECT_LT(built_by_then, 200u) << "the short request waited for the segment post's builds";
+  EXPECT_EQ(s.get("/v1/segments").second["data"].size(), 400u);
+}
