@@ -28,16 +28,23 @@ int64_t shape_numel(const Shape& s) {
 Tensor::Tensor(std::shared_ptr<Storage> st, size_t offset_bytes, DType dt, Shape shape)
     : storage_(std::move(st)), offset_(offset_bytes), dtype_(dt), shape_(std::move(shape)) {}
 
-Tensor Tensor::empty(DType dt, Shape shape) {
+namespace {
+// 64-byte aligned host storage; `fill` < 0 leaves the bytes as they come.
+Tensor host_tensor(DType dt, Shape shape, int fill) {
   for (auto d : shape)
     if (d < 0) throw std::invalid_argument("negative dimension in shape " + shape_str(shape));
   size_t bytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dt);
   size_t alloc = (bytes + 63) / 64 * 64;
   void* p = std::aligned_alloc(64, alloc ? alloc : 64);
   if (!p) throw std::bad_alloc();
-  std::memset(p, 0, alloc ? alloc : 64);
+  if (fill >= 0) std::memset(p, fill, alloc ? alloc : 64);
   auto st = std::make_shared<Storage>(p, bytes, Device{}, [](void* q) { std::free(q); });
   return Tensor(std::move(st), 0, dt, std::move(shape));
+}
+}  // namespace
+
+Tensor Tensor::empty(DType dt, Shape shape) {
+  return host_tensor(dt, std::move(shape), 0);
 }
 
 bool Tensor::poison_uninitialized() {
@@ -53,15 +60,7 @@ bool Tensor::poison_uninitialized() {
 }
 
 Tensor Tensor::uninitialized(DType dt, Shape shape) {
-  for (auto d : shape)
-    if (d < 0) throw std::invalid_argument("negative dimension in shape " + shape_str(shape));
-  size_t bytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dt);
-  size_t alloc = (bytes + 63) / 64 * 64;
-  void* p = std::aligned_alloc(64, alloc ? alloc : 64);
-  if (!p) throw std::bad_alloc();
-  if (poison_uninitialized()) std::memset(p, 0xff, alloc ? alloc : 64);
-  auto st = std::make_shared<Storage>(p, bytes, Device{}, [](void* q) { std::free(q); });
-  return Tensor(std::move(st), 0, dt, std::move(shape));
+  return host_tensor(dt, std::move(shape), poison_uninitialized() ? 0xff : -1);
 }
 
 Tensor Tensor::borrow(void* data, DType dt, Shape shape, Device dev) {

@@ -193,20 +193,20 @@ struct CudaBackend::Impl {
 };
 
 namespace {
-// First line of every op: binds the device and, when profiling, brackets the op with events.
-// A phase inside an op, recorded at HYPIC_CUDA_PROFILE=2 only.
-class PhaseScope {
+// Events around a stretch of the stream, kept in the profile when `on` (and the profile is not
+// full).
+class EventSpan {
  public:
-  PhaseScope(CudaBackend::Impl& m, const char* name) : m_(m) {
-    if (!m.prof || m.prof->level < 2 || m.prof->recs.size() >= (size_t(1) << 22)) return;
+  EventSpan(CudaBackend::Impl& m, const char* name, bool phase, bool on) : m_(m) {
+    if (!on || m.prof->recs.size() >= (size_t(1) << 22)) return;
     rec_.op = name;
-    rec_.phase = true;
+    rec_.phase = phase;
     cudaEventCreate(&rec_.a);
     cudaEventCreate(&rec_.b);
     cudaEventRecord(rec_.a, m.stream);
     on_ = true;
   }
-  ~PhaseScope() {
+  ~EventSpan() {
     if (!on_) return;
     cudaEventRecord(rec_.b, m_.stream);
     m_.prof->recs.push_back(rec_);
@@ -218,29 +218,26 @@ class PhaseScope {
   bool on_ = false;
 };
 
+// A phase inside an op, recorded at HYPIC_CUDA_PROFILE=2 only.
+class PhaseScope {
+ public:
+  PhaseScope(CudaBackend::Impl& m, const char* name) : span_(m, name, true, m.prof && m.prof->level >= 2) {}
+
+ private:
+  EventSpan span_;
+};
+
+// First line of every op: binds the device and, when profiling, brackets the op with events.
 class OpScope {
  public:
-  OpScope(CudaBackend::Impl& m, const char* op) : m_(m) {
-    m.bind();
-    if (m.prof && m.depth++ == 0 && m.prof->recs.size() < (size_t(1) << 22)) {
-      rec_.op = op;
-      cudaEventCreate(&rec_.a);
-      cudaEventCreate(&rec_.b);
-      cudaEventRecord(rec_.a, m.stream);
-      on_ = true;
-    }
-  }
+  OpScope(CudaBackend::Impl& m, const char* op) : m_((m.bind(), m)), span_(m, op, false, m.prof && m.depth++ == 0) {}
   ~OpScope() {
     if (m_.prof) --m_.depth;
-    if (!on_) return;
-    cudaEventRecord(rec_.b, m_.stream);
-    m_.prof->recs.push_back(rec_);
   }
 
  private:
   CudaBackend::Impl& m_;
-  OpProfile::Rec rec_{};
-  bool on_ = false;
+  EventSpan span_;
 };
 }  // namespace
 
