@@ -1,7 +1,9 @@
 #include "backend/backend.h"
 
 #include <stdexcept>
+#include <vector>
 
+#include "backend/checks.h"
 #include "backend/cpu/cpu_backend.h"
 #ifdef HYPIC_HAVE_CUDA
 #include "backend/cuda/cuda_backend.h"
@@ -22,6 +24,84 @@ int cuda_index(const std::string& name) {
   return i;
 }
 }  // namespace
+
+// ---- reference implementations of the decode-step ops ---------------------------------------
+// Tables are read back to the host and every sequence goes through the span ops on views of its
+// own state: slow on a GPU (a round trip per call), exact, and the reference the fast kernels are
+// compared with.
+
+void Backend::write(Tensor& dst, const void* src, size_t bytes) {
+  if (!dst.defined() || bytes != dst.nbytes())
+    checks::fail("write", std::to_string(bytes) + " bytes for " + (dst.defined() ? dst.str() : "an undefined tensor"));
+  Tensor h = Tensor::borrow(const_cast<void*>(src), dst.dtype(), dst.shape());
+  copy(h, dst);
+}
+
+namespace {
+std::vector<int64_t> host_table(Backend& be, const Tensor& t) {
+  Tensor h = be.to_host(t);
+  const int64_t* p = h.data<int64_t>();
+  return std::vector<int64_t>(p, p + h.numel());
+}
+void* address(int64_t a) {
+  return reinterpret_cast<void*>(static_cast<intptr_t>(a));
+}
+}  // namespace
+
+void Backend::embedding(const Tensor& table, const Tensor& ids, Tensor& out) {
+  checks::need_def("embedding", "ids", ids, device().kind);
+  if (ids.dtype() != DType::I32 || ids.ndim() != 1) checks::fail("embedding", "ids " + ids.str() + ": expected i32[n]");
+  Tensor h = to_host(ids);
+  embedding(table, std::span<const int32_t>(h.data<int32_t>(), static_cast<size_t>(h.numel())), out);
+}
+
+void Backend::rope_neox(Tensor& x, const Tensor& positions, int rot_dim, double theta) {
+  checks::check_step_table("rope_neox", "positions", positions, x.ndim() > 0 ? x.dim(0) : 0, device().kind);
+  const auto pos = host_table(*this, positions);
+  rope_neox(x, std::span<const int64_t>(pos), rot_dim, theta);
+}
+
+void Backend::causal_conv1d_silu_step(const Tensor& x, const Tensor& w, const Tensor& states, Tensor& out) {
+  checks::check_conv1d_step(x, w, states, out, device().kind);
+  const auto tab = host_table(*this, states);
+  const int64_t C = x.dim(1), K = w.dim(1);
+  for (int64_t b = 0; b < x.dim(0); ++b) {
+    Tensor st = Tensor::borrow(address(tab[b]), DType::F32, {K - 1, C}, device());
+    Tensor o = out.slice_rows(b, b + 1);
+    causal_conv1d_silu(x.slice_rows(b, b + 1), w, st, o);
+  }
+}
+
+void Backend::gated_delta_rule_step(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                    const Tensor& beta, bool l2norm_qk, const Tensor& states, Tensor& out) {
+  checks::check_gated_delta_rule_step(q, k, v, g, beta, states, out, device().kind);
+  const auto tab = host_table(*this, states);
+  const int64_t Hv = v.dim(1), dk = q.dim(2), dv = v.dim(2);
+  for (int64_t b = 0; b < q.dim(0); ++b) {
+    Tensor st = Tensor::borrow(address(tab[b]), DType::F32, {Hv, dk, dv}, device());
+    Tensor o = out.slice_rows(b, b + 1);
+    gated_delta_rule(q.slice_rows(b, b + 1), k.slice_rows(b, b + 1), v.slice_rows(b, b + 1), g.slice_rows(b, b + 1),
+                     beta.slice_rows(b, b + 1), l2norm_qk, st, o);
+  }
+}
+
+void Backend::attention_step(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& caches,
+                             const Tensor& positions, float scale, Tensor& out) {
+  checks::check_attention_step(q, k, v, caches, positions, out, device().kind);
+  const auto tab = host_table(*this, caches);
+  const auto pos = host_table(*this, positions);
+  const int64_t B = q.dim(0), Hkv = k.dim(1), D = k.dim(2), Dv = v.dim(2);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t p = pos[b];
+    if (p < 0) checks::fail("attention_step", "negative position " + std::to_string(p));
+    Tensor kc = Tensor::borrow(address(tab[b]), DType::F32, {p + 1, Hkv, D}, device());
+    Tensor vc = Tensor::borrow(address(tab[B + b]), DType::F32, {p + 1, Hkv, Dv}, device());
+    Tensor kd = kc.slice_rows(p, p + 1), vd = vc.slice_rows(p, p + 1), o = out.slice_rows(b, b + 1);
+    copy(k.slice_rows(b, b + 1), kd);
+    copy(v.slice_rows(b, b + 1), vd);
+    attention(q.slice_rows(b, b + 1), kc, vc, p + 1, p, scale, o);
+  }
+}
 
 std::unique_ptr<Backend> make_backend(const std::string& name, int threads) {
   if (name == "cpu") return std::make_unique<cpu::CpuBackend>(threads);

@@ -9,6 +9,7 @@
 //    S_t = A_t S_{t-1} + B_t, output o_t = S_t^T q_t. Transition operators are [d_k, d_k].
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <stdexcept>
@@ -55,6 +56,24 @@ class Backend {
   // (the CPU always is; the GPU splits each f32 activation into three half-precision parts and runs
   // three products, and uses its f32 attention kernel), for conformance and quality checks.
   virtual void set_precise(bool exact) {}
+  virtual bool precise() const { return false; }
+
+  // Host bytes into an existing tensor of this backend (small per-step inputs: ids, tables).
+  virtual void write(Tensor& dst, const void* src, size_t bytes);
+
+  // ---- captured steps -----------------------------------------------------------------------
+  // A recorded sequence of this backend's work, run again with one launch. Everything it reads or
+  // writes keeps the addresses it had when recorded: inputs that change between replays go through
+  // device tensors (write()), never host values.
+  class Graph {
+   public:
+    virtual ~Graph() = default;
+    virtual void replay() = 0;
+  };
+  // Records the work fn enqueues instead of running it. Tensors fn allocates come from memory
+  // reserved for the graph for its lifetime. Returns null where this backend has no graphs, or
+  // where fn did something a graph cannot hold (a host round trip); fn's work has then not run.
+  virtual std::unique_ptr<Graph> capture(const std::function<void()>& fn) { return nullptr; }
 
   // ---- dense --------------------------------------------------------------------------------
   // y[M,N] = x[M,K] W[N,K]^T (+ y when accumulate).
@@ -108,6 +127,29 @@ class Backend {
   virtual void compose_state(const Tensor& T, const Tensor& S, const Tensor& B, float alpha, Tensor& out) = 0;
   // Sets every [n, n] matrix of t [H, n, n] to the identity.
   virtual void set_identity(Tensor& t) = 0;
+
+  // ---- decode steps: one call per mixer for a batch of sequences, one token each ---------------
+  // Row b of the activations belongs to sequence b. `states` (I64 on this device) holds, per
+  // sequence, the address of that sequence's state tensor for this layer (f32, laid out as the span
+  // ops above take it); `positions` (I64 [B]) each sequence's token position. No host value of the
+  // step enters these calls, so a step can be captured once and replayed for other sequences.
+  // The base class implements them by reading the tables back and calling the span ops per
+  // sequence (the reference the fast kernels are tested against).
+  // out[n, H] = table[ids[n], :]; ids I32 [n] on this device, already checked against the table.
+  virtual void embedding(const Tensor& table, const Tensor& ids, Tensor& out);
+  // rope_neox with one position per row of x from positions (I64 [T]).
+  virtual void rope_neox(Tensor& x, const Tensor& positions, int rot_dim, double theta);
+  // x, out [B, C]; states [B] -> conv states [K-1, C].
+  virtual void causal_conv1d_silu_step(const Tensor& x, const Tensor& w, const Tensor& states, Tensor& out);
+  // q, k [B, Hk, dk]; v, out [B, Hv, dv]; g, beta [B, Hv]; states [B] -> [Hv, dk, dv].
+  virtual void gated_delta_rule_step(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                     const Tensor& beta, bool l2norm_qk, const Tensor& states, Tensor& out);
+  // Writes k [B, Hkv, D] and v [B, Hkv, Dv] at row positions[b] of sequence b's caches, then
+  // out[b] = attention of q[b] ([B, Hq, D]) over that cache's rows 0..positions[b].
+  // caches [2B]: the B key caches' addresses, then the B value caches' ([rows, Hkv, D|Dv], f32,
+  // at least positions[b] + 1 rows).
+  virtual void attention_step(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& caches,
+                              const Tensor& positions, float scale, Tensor& out);
 
   // ---- mixture of experts -------------------------------------------------------------------
   // Softmax over router logits[T, E], top-k (renormalised when norm_topk), SwiGLU experts,

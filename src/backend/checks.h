@@ -81,6 +81,13 @@ void check_gated_delta_rule(const Tensor& q, const Tensor& k, const Tensor& v, c
                             const Tensor& state, const Tensor& out, const Tensor* transition, DeviceKind dev);
 void check_compose_state(const Tensor& T, const Tensor& S, const Tensor& B, const Tensor& out, DeviceKind dev);
 void check_set_identity(const Tensor& t, DeviceKind dev);
+// Decode-step tables: an I64 tensor of n entries (addresses or positions) on dev.
+void check_step_table(const char* op, const char* name, const Tensor& t, int64_t n, DeviceKind dev);
+void check_conv1d_step(const Tensor& x, const Tensor& w, const Tensor& states, const Tensor& out, DeviceKind dev);
+void check_gated_delta_rule_step(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                                 const Tensor& states, const Tensor& out, DeviceKind dev);
+void check_attention_step(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& caches,
+                          const Tensor& positions, const Tensor& out, DeviceKind dev);
 // Returns the experts' intermediate size.
 int64_t check_moe(const Tensor& x, const Tensor& router_logits, int top_k, const ExpertWeights& experts,
                   const Tensor& out, DeviceKind dev);

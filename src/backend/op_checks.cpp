@@ -242,4 +242,64 @@ int64_t check_moe(const Tensor& x, const Tensor& router_logits, int top_k, const
   return I;
 }
 
+void check_step_table(const char* op, const char* name, const Tensor& t, int64_t n, DeviceKind dev) {
+  need_def(op, name, t, dev);
+  if (t.dtype() != DType::I64 || t.ndim() != 1 || t.dim(0) != n)
+    fail(op, std::string(name) + " " + t.str() + ": expected i64[" + std::to_string(n) + "]");
+}
+
+void check_conv1d_step(const Tensor& x, const Tensor& w, const Tensor& states, const Tensor& out, DeviceKind dev) {
+  const char* op = "causal_conv1d_silu_step";
+  need_f32(op, "x", x, dev);
+  need_float(op, "w", w, dev);
+  need_f32(op, "out", out, dev);
+  need_ndim(op, "x", x, 2);
+  need_ndim(op, "w", w, 2);
+  if (w.dim(0) != x.dim(1) || w.dim(1) < 1)
+    fail(op, "w " + w.str() + ": expected [" + std::to_string(x.dim(1)) + ", K] for x " + x.str());
+  need_shape(op, "out", out, x.shape());
+  check_step_table(op, "states", states, x.dim(0), dev);
+}
+
+void check_gated_delta_rule_step(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                                 const Tensor& states, const Tensor& out, DeviceKind dev) {
+  const char* op = "gated_delta_rule_step";
+  for (auto [n, t] : {std::pair<const char*, const Tensor*>{"q", &q},
+                      {"k", &k},
+                      {"v", &v},
+                      {"g", &g},
+                      {"beta", &beta},
+                      {"out", &out}})
+    need_f32(op, n, *t, dev);
+  need_ndim(op, "q", q, 3);
+  need_ndim(op, "v", v, 3);
+  const int64_t B = q.dim(0), Hk = q.dim(1), Hv = v.dim(1);
+  need_shape(op, "k", k, q.shape());
+  if (v.dim(0) != B) fail(op, "v " + v.str() + ": expected " + std::to_string(B) + " rows as q " + q.str());
+  if (Hk == 0 || Hv % Hk != 0) fail(op, "value heads of v " + v.str() + " are not a multiple of key heads of q");
+  need_shape(op, "g", g, {B, Hv});
+  need_shape(op, "beta", beta, {B, Hv});
+  need_shape(op, "out", out, v.shape());
+  check_step_table(op, "states", states, B, dev);
+}
+
+void check_attention_step(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& caches,
+                          const Tensor& positions, const Tensor& out, DeviceKind dev) {
+  const char* op = "attention_step";
+  need_f32(op, "q", q, dev);
+  need_f32(op, "k", k, dev);
+  need_f32(op, "v", v, dev);
+  need_f32(op, "out", out, dev);
+  need_ndim(op, "q", q, 3);
+  need_ndim(op, "k", k, 3);
+  need_ndim(op, "v", v, 3);
+  const int64_t B = q.dim(0), Hq = q.dim(1), Hkv = k.dim(1);
+  if (k.dim(0) != B || v.dim(0) != B || v.dim(1) != Hkv || k.dim(2) != q.dim(2))
+    fail(op, "q " + q.str() + ", k " + k.str() + ", v " + v.str() + ": shapes do not match");
+  if (Hkv == 0 || Hq % Hkv != 0) fail(op, "query heads of q " + q.str() + " are not a multiple of key heads");
+  need_shape(op, "out", out, {B, Hq, v.dim(2)});
+  check_step_table(op, "caches", caches, 2 * B, dev);
+  check_step_table(op, "positions", positions, B, dev);
+}
+
 }  // namespace hypic::checks

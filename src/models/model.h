@@ -107,8 +107,20 @@ class Model {
   // Final norm + LM head over x [R, H] -> logits [R, V].
   Tensor logits(const Tensor& x);
 
+  // Decode steps (forward_batch with one token per sequence, forward of one token) run each mixer
+  // once over the batch from device tables of positions and state addresses; on a backend with
+  // graphs the step is recorded once per batch size and replayed (HYPIC_GRAPHS=0 or
+  // set_step_graphs(false): every step runs op by op). Results are the same either way.
+  void set_step_graphs(bool on) { step_graphs_ = on; }
+  bool step_graphs() const { return step_graphs_; }
+  // Batch sizes whose step is currently held as a replayable graph.
+  int64_t captured_steps() const;
+
  private:
   struct Impl;
+  struct StepRefs;
+  void layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> spans, const StepRefs* step);
+  Tensor decode_step(std::span<const BatchItem> items);
   ModelConfig cfg_;
   Backend& be_;
   std::unique_ptr<Impl> impl_;
@@ -117,6 +129,7 @@ class Model {
   size_t expert_bytes_ = 0;  // routed experts, all layers
   size_t embed_bytes_ = 0;   // the embedding table when it is not also the head
   uint64_t fingerprint_ = 0;
+  bool step_graphs_ = true;
 };
 
 }  // namespace hypic

@@ -6,10 +6,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <map>
 #include <random>
 #include <stdexcept>
 #include <thread>
+#include <utility>
 
 #include "io/safetensors.h"
 #include "models/model.h"
@@ -160,9 +163,25 @@ struct LayerWeights {
   MoeWeights moew;
 };
 
+// A decode step's device inputs for one batch size: token ids, then a table of positions [B] and,
+// per layer, the B addresses of each sequence's first state (conv or keys) and the B of its second
+// (recurrent state or values). The recorded graph (if any) reads only these.
+struct StepGraph {
+  Tensor ids, table, logits;
+  std::unique_ptr<Backend::Graph> graph;
+  int64_t runs = 0;
+  bool no_graph = false;  // the backend cannot record this step: always op by op
+};
+
+struct Model::StepRefs {
+  Tensor positions;  // I64 [B]
+  Tensor states;     // I64 [2B]: this layer's slice of the step table
+};
+
 struct Model::Impl {
   Tensor embed, final_norm, lm_head;
   std::vector<LayerWeights> layers;
+  std::map<std::pair<int64_t, bool>, StepGraph> steps;  // by (batch size, precise products)
   // Derived sizes.
   int64_t H, Hq, Hkv, D, Hk, Hv, dk, dv, C, K;
 };
@@ -324,6 +343,13 @@ Model::Model(ModelConfig cfg, const WeightSource& ws, Backend& be)
     }
   }
   fingerprint_ = XXH64_digest(fp);
+  if (const char* e = std::getenv("HYPIC_GRAPHS"); e && std::string(e) == "0") step_graphs_ = false;
+}
+
+int64_t Model::captured_steps() const {
+  int64_t n = 0;
+  for (const auto& [key, sg] : impl_->steps) n += sg.graph ? 1 : 0;
+  return n;
 }
 
 Model::~Model() = default;
@@ -402,10 +428,16 @@ void Model::layer_forward(int64_t layer, Tensor& x, LayerState& ls, int64_t pos0
 // over all rows (one GEMM per weight for the whole batch); only the token mixers (conv,
 // recurrence, KV writes, attention) run per span, each against its own state.
 void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> spans) {
+  layer_forward(layer, x, spans, nullptr);
+}
+
+// With `step`, x holds one token of each of B sequences and the mixers run once over the batch from
+// the step table (spans is empty); otherwise per span as above.
+void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> spans, const StepRefs* step) {
   auto& m = *impl_;
   auto& L = m.layers[static_cast<size_t>(layer)];
   const int64_t T = x.dim(0);
-  {
+  if (!step) {
     int64_t rows = 0;
     for (const auto& sp : spans) rows += sp.rows;
     if (rows != T)
@@ -449,7 +481,11 @@ void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> s
       be_.copy_cols(co, m.Hk * m.dk, k2);
       be_.copy_cols(co, 2 * m.Hk * m.dk, v2);
     };
-    if (!ordered) {
+    if (step) {
+      be_.causal_conv1d_silu_step(qkv, g.conv, step->states.slice_rows(0, T), conv_out);
+      split(0, T);
+      be_.gated_delta_rule_step(q, k, v, gdec, beta, true, step->states.slice_rows(T, 2 * T), o);
+    } else if (!ordered) {
       int64_t r0 = 0;
       for (const auto& sp : spans) {
         if (sp.rows == 0) continue;
@@ -460,7 +496,7 @@ void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> s
       split(0, T);
     }
     int64_t r0 = 0;
-    for (const auto& sp : spans) {
+    for (const auto& sp : step ? std::span<const LayerSpan>() : spans) {
       if (sp.rows == 0) {
         if (sp.after) (*sp.after)();
         continue;
@@ -494,19 +530,23 @@ void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> s
     Tensor qr = q.reshape({T * m.Hq, m.D}), kr = k.reshape({T * m.Hkv, m.D});
     be_.rms_norm(qr, at.q_norm, eps, true, qr);
     be_.rms_norm(kr, at.k_norm, eps, true, kr);
-    std::vector<int64_t> pos(static_cast<size_t>(T));
-    {
+    const int rot = static_cast<int>(cfg_.rotary_dim());
+    Tensor o = be_.alloc_uninit(DType::F32, {T, m.Hq, m.D});
+    const float scale = 1.0f / std::sqrt(static_cast<float>(m.D));
+    if (step) {
+      be_.rope_neox(q, step->positions, rot, cfg_.rope_theta);
+      be_.rope_neox(k, step->positions, rot, cfg_.rope_theta);
+      be_.attention_step(q, k, v, step->states, step->positions, scale, o);
+    } else {
+      std::vector<int64_t> pos(static_cast<size_t>(T));
       size_t i = 0;
       for (const auto& sp : spans)
         for (int64_t t = 0; t < sp.rows; ++t) pos[i++] = sp.pos0 + t;
+      be_.rope_neox(q, pos, rot, cfg_.rope_theta);
+      be_.rope_neox(k, pos, rot, cfg_.rope_theta);
     }
-    const int rot = static_cast<int>(cfg_.rotary_dim());
-    be_.rope_neox(q, pos, rot, cfg_.rope_theta);
-    be_.rope_neox(k, pos, rot, cfg_.rope_theta);
-    Tensor o = be_.alloc_uninit(DType::F32, {T, m.Hq, m.D});
-    const float scale = 1.0f / std::sqrt(static_cast<float>(m.D));
     int64_t r0 = 0;
-    for (const auto& sp : spans) {
+    for (const auto& sp : step ? std::span<const LayerSpan>() : spans) {
       if (sp.rows == 0) {
         if (sp.after) (*sp.after)();
         continue;
@@ -578,6 +618,7 @@ Tensor Model::forward_batch(std::span<const BatchItem> items) {
     reserve(*it.state, it.state->n_past + n);
     ids.insert(ids.end(), it.ids.begin(), it.ids.end());
   }
+  if (ids.size() == items.size()) return decode_step(items);
   Tensor x = embed(ids);
   std::vector<LayerSpan> spans(items.size());
   for (size_t l = 0; l < impl_->layers.size(); ++l) {
@@ -605,6 +646,10 @@ Tensor Model::forward(std::span<const int32_t> ids, SequenceState& st, const For
     throw std::length_error("sequence of " + std::to_string(st.n_past + T) + " tokens exceeds the model's context of " +
                             std::to_string(cfg_.max_position_embeddings));
   reserve(st, st.n_past + T);
+  if (T == 1 && !opt.all_logits) {
+    const BatchItem item{&st, ids};
+    return decode_step(std::span<const BatchItem>(&item, 1));
+  }
   // Prefill in bounded chunks: exact (every layer is causal and carries its state) and keeps
   // activation memory independent of prompt length.
   const int64_t kChunk = be_.prefill_chunk();
@@ -626,6 +671,72 @@ Tensor Model::forward(std::span<const int32_t> ids, SequenceState& st, const For
     }
   }
   return opt.all_logits ? all : last;
+}
+
+// One token for each sequence (states reserved by the caller). Host values enter only through
+// write()s of the step's ids and table; the layers read them on the device, so the same recorded
+// graph serves every later step of this batch size, whichever sequences fill it.
+Tensor Model::decode_step(std::span<const BatchItem> items) {
+  auto& m = *impl_;
+  const int64_t B = static_cast<int64_t>(items.size()), L = static_cast<int64_t>(m.layers.size());
+  std::vector<int32_t> ids(static_cast<size_t>(B));
+  std::vector<int64_t> tab(static_cast<size_t>(B * (1 + 2 * L)));
+  auto addr = [](const Tensor& t) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(t.raw())); };
+  for (int64_t b = 0; b < B; ++b) {
+    const auto& it = items[static_cast<size_t>(b)];
+    const int32_t id = it.ids[0];
+    if (id < 0 || id >= cfg_.vocab_size)
+      throw std::out_of_range("token id " + std::to_string(id) + " outside the vocabulary [0, " +
+                              std::to_string(cfg_.vocab_size) + ")");
+    if (it.state->n_past >= it.state->capacity) throw std::logic_error("decode_step: call Model::reserve first");
+    ids[static_cast<size_t>(b)] = id;
+    tab[static_cast<size_t>(b)] = it.state->n_past;
+    for (int64_t l = 0; l < L; ++l) {
+      const LayerState& ls = it.state->layers[static_cast<size_t>(l)];
+      const bool lin = m.layers[static_cast<size_t>(l)].kind == LayerKind::Linear;
+      const size_t o = static_cast<size_t>(B + l * 2 * B + b);
+      tab[o] = addr(lin ? ls.conv : ls.k);
+      tab[o + static_cast<size_t>(B)] = addr(lin ? ls.ssm : ls.v);
+    }
+  }
+  StepGraph& sg = m.steps[{B, be_.precise()}];
+  if (!sg.ids.defined()) {
+    sg.ids = be_.alloc(DType::I32, {B});
+    sg.table = be_.alloc(DType::I64, {static_cast<int64_t>(tab.size())});
+  }
+  be_.write(sg.ids, ids.data(), ids.size() * sizeof(int32_t));
+  be_.write(sg.table, tab.data(), tab.size() * sizeof(int64_t));
+  auto body = [&] {
+    Tensor x = be_.alloc_uninit(DType::F32, {B, m.H});
+    be_.embedding(m.embed, sg.ids, x);
+    StepRefs refs{sg.table.slice_rows(0, B), Tensor()};
+    for (int64_t l = 0; l < L; ++l) {
+      refs.states = sg.table.slice_rows(B + l * 2 * B, B + (l + 1) * 2 * B);
+      layer_forward(l, x, {}, &refs);
+    }
+    sg.logits = logits(x);
+  };
+  // The first step of a batch size runs op by op (it also warms caches a recording cannot fill:
+  // expert tables, rotary tables, scratch sizes); the second records the graph; later ones replay it.
+  if (step_graphs_ && sg.graph) {
+    sg.graph->replay();
+  } else if (step_graphs_ && !sg.no_graph && sg.runs > 0) {
+    sg.logits = Tensor();
+    sg.graph = be_.capture(body);
+    if (sg.graph)
+      sg.graph->replay();
+    else
+      sg.no_graph = true, body();
+  } else {
+    body();
+  }
+  ++sg.runs;
+  for (const auto& it : items) it.state->n_past += 1;
+  if (!sg.graph) return std::exchange(sg.logits, Tensor());
+  // The graph's logits are overwritten by its next replay: hand out a copy.
+  Tensor out = be_.alloc_uninit(DType::F32, sg.logits.shape());
+  be_.copy(sg.logits, out);
+  return out;
 }
 
 }  // namespace hypic

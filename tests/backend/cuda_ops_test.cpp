@@ -7,6 +7,7 @@
 // cuda).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -25,6 +26,12 @@ Tensor randn(Shape s, std::mt19937& rng, float scale = 1.0f) {
   Tensor t = Tensor::empty(DType::F32, std::move(s));
   std::normal_distribution<float> nd(0.f, scale);
   for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = nd(rng);
+  return t;
+}
+
+Tensor host_i64(const std::vector<int64_t>& v) {
+  Tensor t = Tensor::empty(DType::I64, {static_cast<int64_t>(v.size())});
+  std::copy(v.begin(), v.end(), t.data<int64_t>());
   return t;
 }
 
@@ -336,4 +343,146 @@ TEST_F(CudaOps, BadInputIsRejectedWithAClearError) {
   std::vector<int32_t> ids = {3, 99};
   Tensor tab = gpu->alloc(DType::F32, {10, 8}), e = gpu->alloc(DType::F32, {2, 8});
   EXPECT_NE(error_of([&] { gpu->embedding(tab, ids, e); }).find("out of range"), std::string::npos);
+}
+
+// Decode-step ops (one token per sequence, state addresses and positions in device tables) against
+// the CPU's span ops per sequence: ragged positions, each sequence its own state, the table order
+// not the allocation order.
+TEST_F(CudaOps, DecodeStepOpsMatchCpuPerSequence) {
+  const std::vector<int64_t> pos = {0, 5, 130, 1000, 77};
+  const int64_t B = static_cast<int64_t>(pos.size());
+  auto addr = [](const Tensor& t) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(t.raw())); };
+  auto table = [&](const std::vector<int64_t>& v) {
+    Tensor t = gpu->alloc(DType::I64, {static_cast<int64_t>(v.size())});
+    gpu->write(t, v.data(), v.size() * sizeof(int64_t));
+    return t;
+  };
+  Tensor dpos = table(pos);
+  {  // conv
+    const int64_t C = 72, K = 4;
+    Tensor x = randn({B, C}, rng), w = as(randn({C, K}, rng, 0.5f), DType::BF16);
+    std::vector<Tensor> sc, sg;
+    std::vector<int64_t> tab;
+    for (int64_t b = 0; b < B; ++b) {
+      sc.push_back(randn({K - 1, C}, rng));
+      sg.push_back(dev(sc.back()));
+      tab.push_back(addr(sg.back()));
+    }
+    Tensor oc = cpu->alloc(DType::F32, {B, C}), og = poisoned(DType::F32, {B, C});
+    for (int64_t b = 0; b < B; ++b) {
+      Tensor o = oc.slice_rows(b, b + 1);
+      cpu->causal_conv1d_silu(x.slice_rows(b, b + 1), w, sc[b], o);
+    }
+    gpu->causal_conv1d_silu_step(dev(x), dev(w), table(tab), og);
+    EXPECT_LE(err(og, oc), 1e-6);
+    for (int64_t b = 0; b < B; ++b) EXPECT_EQ(err(sg[b], sc[b]), 0.0) << "conv state " << b;
+  }
+  {  // gated delta rule
+    const int64_t Hk = 2, Hv = 4, dk = 128, dv = 96;
+    Tensor q = randn({B, Hk, dk}, rng), k = randn({B, Hk, dk}, rng), v = randn({B, Hv, dv}, rng);
+    Tensor g = randn({B, Hv}, rng, 0.3f), beta = randn({B, Hv}, rng);
+    for (int64_t i = 0; i < g.numel(); ++i) g.data<float>()[i] = -std::abs(g.data<float>()[i]);
+    for (int64_t i = 0; i < beta.numel(); ++i) beta.data<float>()[i] = 1.f / (1.f + std::exp(-beta.data<float>()[i]));
+    std::vector<Tensor> sc, sg;
+    std::vector<int64_t> tab(static_cast<size_t>(B));
+    for (int64_t b = 0; b < B; ++b) {
+      sc.push_back(randn({Hv, dk, dv}, rng, 0.5f));
+      sg.push_back(dev(sc.back()));
+    }
+    for (int64_t b = 0; b < B; ++b) tab[static_cast<size_t>(b)] = addr(sg[static_cast<size_t>(B - 1 - b)]);
+    Tensor oc = cpu->alloc(DType::F32, {B, Hv, dv}), og = poisoned(DType::F32, {B, Hv, dv});
+    for (int64_t b = 0; b < B; ++b) {
+      Tensor o = oc.slice_rows(b, b + 1);
+      cpu->gated_delta_rule(q.slice_rows(b, b + 1), k.slice_rows(b, b + 1), v.slice_rows(b, b + 1),
+                            g.slice_rows(b, b + 1), beta.slice_rows(b, b + 1), true, sc[B - 1 - b], o);
+    }
+    gpu->gated_delta_rule_step(dev(q), dev(k), dev(v), dev(g), dev(beta), true, table(tab), og);
+    EXPECT_LE(err(og, oc), 2e-5);
+    for (int64_t b = 0; b < B; ++b) EXPECT_LE(err(sg[b], sc[b]), 2e-5) << "ssm state " << b;
+  }
+  {  // rope at per-row positions, then attention over each sequence's cache
+    const int64_t Hq = 8, Hkv = 2, D = 128, Dv = 128, cap = 1024;
+    Tensor q = randn({B, Hq, D}, rng), k = randn({B, Hkv, D}, rng), v = randn({B, Hkv, Dv}, rng);
+    Tensor qc = q.clone(), kc = k.clone(), qg = dev(q), kg = dev(k);
+    cpu->rope_neox(qc, std::span<const int64_t>(pos), 64, 1e7);
+    cpu->rope_neox(kc, std::span<const int64_t>(pos), 64, 1e7);
+    gpu->rope_neox(qg, dpos, 64, 1e7);
+    gpu->rope_neox(kg, dpos, 64, 1e7);
+    EXPECT_LE(err(qg, qc), 1e-6);
+    EXPECT_LE(err(kg, kc), 1e-6);
+    std::vector<Tensor> kcache_c, vcache_c, kcache_g, vcache_g;
+    std::vector<int64_t> tab(static_cast<size_t>(2 * B));
+    for (int64_t b = 0; b < B; ++b) {
+      kcache_c.push_back(randn({cap, Hkv, D}, rng));
+      vcache_c.push_back(randn({cap, Hkv, Dv}, rng));
+      kcache_g.push_back(dev(kcache_c.back()));
+      vcache_g.push_back(dev(vcache_c.back()));
+      tab[static_cast<size_t>(b)] = addr(kcache_g.back());
+      tab[static_cast<size_t>(B + b)] = addr(vcache_g.back());
+    }
+    const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+    Tensor oc = cpu->alloc(DType::F32, {B, Hq, Dv}), og = poisoned(DType::F32, {B, Hq, Dv});
+    std::vector<int64_t> ctab(static_cast<size_t>(2 * B));
+    for (int64_t b = 0; b < B; ++b) ctab[b] = addr(kcache_c[b]), ctab[B + b] = addr(vcache_c[b]);
+    cpu->attention_step(qc, kc, v, host_i64(ctab), host_i64(pos), scale, oc);
+    gpu->attention_step(qg, kg, dev(v), table(tab), dpos, scale, og);
+    EXPECT_LE(err(og, oc), 1e-5);
+    for (int64_t b = 0; b < B; ++b) {
+      EXPECT_LE(err(kcache_g[b], kcache_c[b]), 1e-6) << "key cache " << b;  // rows written after rope
+      EXPECT_EQ(err(vcache_g[b], vcache_c[b]), 0.0) << "value cache " << b;
+    }
+  }
+}
+
+// A recorded graph replays the recorded work on new table contents: the step ops read their
+// inputs on the device, so a replay after write() equals running the ops again.
+TEST_F(CudaOps, CapturedStepReplaysOnNewInputs) {
+  const int64_t B = 3, C = 40, K = 4, H = 24, V = 50;
+  Tensor w = dev(as(randn({C, K}, rng, 0.5f), DType::BF16)), table_w = dev(randn({V, H}, rng));
+  Tensor proj = dev(as(randn({C, H}, rng, 0.2f), DType::BF16));
+  std::vector<Tensor> states_a, states_b;
+  for (int64_t b = 0; b < B; ++b) {
+    Tensor s = randn({K - 1, C}, rng);
+    states_a.push_back(dev(s));
+    states_b.push_back(dev(s));
+  }
+  auto addr = [](const Tensor& t) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(t.raw())); };
+  Tensor ids = gpu->alloc(DType::I32, {B}), tab = gpu->alloc(DType::I64, {B});
+  Tensor out;
+  auto body = [&] {
+    Tensor x = gpu->alloc_uninit(DType::F32, {B, H});
+    gpu->embedding(table_w, ids, x);
+    Tensor y = gpu->alloc_uninit(DType::F32, {B, C});
+    gpu->matmul(x, proj, y);
+    out = gpu->alloc_uninit(DType::F32, {B, C});
+    gpu->causal_conv1d_silu_step(y, w, tab, out);
+  };
+  auto set = [&](const std::vector<Tensor>& st, std::vector<int32_t> id) {
+    std::vector<int64_t> t;
+    for (const auto& s : st) t.push_back(addr(s));
+    gpu->write(tab, t.data(), t.size() * sizeof(int64_t));
+    gpu->write(ids, id.data(), id.size() * sizeof(int32_t));
+  };
+  // A warm-up outside the recording, on both state sets so that they stay equal.
+  set(states_a, {1, 2, 3});
+  body();
+  set(states_b, {1, 2, 3});
+  body();
+  auto graph = gpu->capture(body);
+  ASSERT_NE(graph, nullptr);
+  Tensor graph_out = out;
+  for (int step = 0; step < 3; ++step) {
+    const std::vector<int32_t> id = {int32_t(7 * step % V), int32_t((11 + step) % V), int32_t((40 + 3 * step) % V)};
+    set(states_a, id);
+    graph->replay();
+    Tensor got = gpu->to_host(graph_out);
+    set(states_b, id);
+    body();
+    EXPECT_EQ(err(got, gpu->to_host(out)), 0.0) << "step " << step;
+    for (int64_t b = 0; b < B; ++b) EXPECT_EQ(err(states_a[b], gpu->to_host(states_b[b])), 0.0) << step << " " << b;
+  }
+  // A host round trip cannot be recorded: no graph, and the backend keeps working.
+  EXPECT_EQ(gpu->capture([&] { (void)gpu->to_host(out); }), nullptr);
+  body();
+  EXPECT_TRUE(std::isfinite(gpu->to_host(out).data<float>()[0]));
 }

@@ -938,7 +938,7 @@ TEST(Server, RangeHeadersIgnored) {
   ASSERT_EQ(plain->status, 200);
   std::string many = "bytes=0-";
   for (int i = 0; i < 200; ++i) many += ",0-";
-  for (const std::string range : {many, std::string("bytes=0-3")}) {
+  for (const std::string& range : {many, std::string("bytes=0-3")}) {
     auto r = c.Get("/v1/models", httplib::Headers{{"Range", range}});
     ASSERT_TRUE(r);
     EXPECT_EQ(r->status, 200);

@@ -18,6 +18,9 @@ class CpuBackend : public Backend {
   std::string name() const override { return "cpu"; }
   int num_threads() const override { return pool_.size(); }
   ThreadPool& pool() { return pool_; }
+  // The decode-step overloads come from Backend (per-sequence calls of the span ops).
+  using Backend::embedding;
+  using Backend::rope_neox;
 
   Tensor alloc(DType dt, Shape shape) override;
   Tensor alloc_uninit(DType dt, Shape shape) override;

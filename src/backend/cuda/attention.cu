@@ -20,11 +20,19 @@ constexpr int kPer = kMaxD / 32;  // elements of a head vector per lane
 __global__ void __launch_bounds__(kWarps * 32)
     k_attention(const float* q, const float* k, const float* v, int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv,
                 int64_t kv_len, int64_t q_offset, float scale, int64_t chunk, float* out, float* part_ml,
-                float* part_acc) {
+                float* part_acc, const int64_t* caches, const int64_t* positions) {
   const int64_t t = blockIdx.x, h = blockIdx.y, sp = blockIdx.z;
   const int64_t g = h / (Hq / Hkv);
   const int lane = threadIdx.x % 32, w = threadIdx.x / 32;
-  const int64_t visible = min(kv_len, q_offset + t + 1);
+  int64_t visible = min(kv_len, q_offset + t + 1);
+  // Decode step over a batch: row t is sequence t's one token, at positions[t], over its own cache;
+  // the splits share out that sequence's keys (a fixed grid whatever the lengths: replayable).
+  if (caches) {
+    k = reinterpret_cast<const float*>(caches[t]);
+    v = reinterpret_cast<const float*>(caches[gridDim.x + t]);
+    visible = positions[t] + 1;
+    chunk = (visible + gridDim.z - 1) / gridDim.z;
+  }
   const int64_t j0 = sp * chunk, n = min(visible, j0 + chunk);
   float qr[kPer], acc[kPer];
   const float* qp = q + (t * Hq + h) * D;
@@ -165,10 +173,35 @@ void launch_attention(cudaStream_t s, const float* q, const float* k, const floa
   float* part_ml = part;
   float* part_acc = part ? part + 2 * T * Hq * splits : nullptr;
   k_attention<<<dim3(static_cast<unsigned>(T), static_cast<unsigned>(Hq), static_cast<unsigned>(splits)), kWarps * 32,
-                0, s>>>(q, k, v, Hq, Hkv, D, Dv, kv_len, q_offset, scale, chunk, out, part_ml, part_acc);
+                0, s>>>(q, k, v, Hq, Hkv, D, Dv, kv_len, q_offset, scale, chunk, out, part_ml, part_acc, nullptr,
+                        nullptr);
   CUDA_LAUNCH_CHECK("k_attention");
   if (splits > 1) {
     k_attention_merge<<<dim3(static_cast<unsigned>(T), static_cast<unsigned>(Hq)), 128, 0, s>>>(part_ml, part_acc, Hq,
+                                                                                                Dv, splits, out);
+    CUDA_LAUNCH_CHECK("k_attention_merge");
+  }
+}
+
+int attention_step_splits(int64_t B, int64_t Hq) {
+  return static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(64, (1024 + B * Hq - 1) / std::max<int64_t>(1, B * Hq))));
+}
+
+void launch_attention_step(cudaStream_t s, const float* q, const int64_t* caches, const int64_t* positions, int64_t B,
+                           int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv, float scale, float* out, float* part) {
+  if (B == 0) return;
+  if (D > kMaxD || Dv > kMaxD)
+    throw std::invalid_argument("attention_step: head dims up to " + std::to_string(kMaxD) + " on cuda, got " +
+                                std::to_string(D) + "/" + std::to_string(Dv));
+  const int splits = attention_step_splits(B, Hq);
+  float* part_ml = part;
+  float* part_acc = part + 2 * B * Hq * splits;
+  k_attention<<<dim3(static_cast<unsigned>(B), static_cast<unsigned>(Hq), static_cast<unsigned>(splits)), kWarps * 32,
+                0, s>>>(q, nullptr, nullptr, Hq, Hkv, D, Dv, 0, 0, scale, 0, out, part_ml, part_acc, caches, positions);
+  CUDA_LAUNCH_CHECK("k_attention(step)");
+  if (splits > 1) {
+    k_attention_merge<<<dim3(static_cast<unsigned>(B), static_cast<unsigned>(Hq)), 128, 0, s>>>(part_ml, part_acc, Hq,
                                                                                                 Dv, splits, out);
     CUDA_LAUNCH_CHECK("k_attention_merge");
   }

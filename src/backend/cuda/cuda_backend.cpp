@@ -25,6 +25,18 @@ namespace {
 
 constexpr DeviceKind kDev = DeviceKind::CUDA;
 
+// Memory of one captured graph: blocks handed out while it was recorded, reused only by later
+// allocations of the same recording (a graph replays its work in recorded order), freed with it.
+struct GraphPool {
+  std::map<size_t, std::vector<void*>> free;
+  std::vector<void*> blocks;
+  size_t bytes = 0;
+  ~GraphPool() {
+    for (void* p : blocks) cudaFree(p);  // synchronises: the graph's last replay is done
+  }
+  void put(void* p, size_t r) { free[r].push_back(p); }
+};
+
 // Caching device allocator. Blocks are rounded (powers of two up to 1 MiB, then 2 MiB steps) and
 // kept per rounded size when freed. One stream orders all work, so a block freed by the host can be
 // handed out again at once: every later use is enqueued after every earlier one.
@@ -47,6 +59,32 @@ class DeviceAllocator {
     while (top < bytes / 2) top <<= 1;  // top <= bytes < 2 top... or bytes just above 1 MiB
     const size_t step = std::max<size_t>(top / 8, size_t(1) << 17);
     return (bytes + step - 1) / step * step;
+  }
+
+  // While a graph is recorded, blocks come from (and return to) its pool.
+  void set_pool(std::shared_ptr<GraphPool> p) {
+    std::lock_guard<std::mutex> lk(mu_);
+    pool_ = std::move(p);
+  }
+  std::shared_ptr<GraphPool> pool() const {
+    std::lock_guard<std::mutex> lk(mu_);
+    return pool_;
+  }
+  void* get_from(GraphPool& gp, size_t bytes) {
+    const size_t r = round(bytes);
+    if (auto it = gp.free.find(r); it != gp.free.end() && !it->second.empty()) {
+      void* p = it->second.back();
+      it->second.pop_back();
+      return p;
+    }
+    void* p = nullptr;
+    const cudaError_t e = cudaMalloc(&p, r);
+    if (e != cudaSuccess)
+      throw std::runtime_error("cudaMalloc of " + std::to_string(r) +
+                               " bytes for a captured graph failed: " + cudaGetErrorString(e));
+    gp.blocks.push_back(p);
+    gp.bytes += r;
+    return p;
   }
 
   void* get(size_t bytes) {
@@ -109,6 +147,7 @@ class DeviceAllocator {
   mutable std::mutex mu_;
   std::map<size_t, std::vector<void*>> free_;
   size_t in_use_ = 0, cached_ = 0, peak_ = 0;
+  std::shared_ptr<GraphPool> pool_;
 };
 
 cudaDataType_t cuda_type(DType d) {
@@ -169,6 +208,7 @@ struct CudaBackend::Impl {
   std::shared_ptr<DeviceAllocator> mem;
   // Reused scratch for activations converted to a weight's dtype (stream order makes reuse safe).
   Tensor half_x;
+  Tensor blas_ws;
   bool exact_half = false;
   // HYPIC_CUDA_GDN=token keeps every span on the token-recurrence kernel (benchmarks, bisecting).
   bool gdn_token_only = false;
@@ -190,6 +230,9 @@ struct CudaBackend::Impl {
   // inv_freq tables per (rot_dim, theta), uploaded once.
   std::map<std::pair<int, double>, Tensor> inv_freq;
   int depth = 0;  // nesting of OpScopes (an op calling ops is profiled as one)
+  // While a graph is recorded: tensors made before it that it uses (scratch), kept alive with it.
+  std::vector<Tensor>* capture_keep = nullptr;
+  bool capturing() const { return capture_keep != nullptr; }
 };
 
 namespace {
@@ -198,7 +241,7 @@ namespace {
 class EventSpan {
  public:
   EventSpan(CudaBackend::Impl& m, const char* name, bool phase, bool on) : m_(m) {
-    if (!on || m.prof->recs.size() >= (size_t(1) << 22)) return;
+    if (!on || m.capturing() || m.prof->recs.size() >= (size_t(1) << 22)) return;
     rec_.op = name;
     rec_.phase = phase;
     cudaEventCreate(&rec_.a);
@@ -267,6 +310,9 @@ CudaBackend::CudaBackend(int device) : impl_(std::make_unique<Impl>()) {
   // Plain f32 products stay f32: conformance with f32 references needs it (no TF32).
   CUBLAS_CHECK(cublasSetMathMode(m.blas, CUBLAS_PEDANTIC_MATH));
   m.mem = std::make_shared<DeviceAllocator>(device);
+  // A workspace of our own: cuBLAS then allocates nothing while a graph is recorded.
+  m.blas_ws = alloc_uninit(DType::U8, {32 << 20});
+  CUBLAS_CHECK(cublasSetWorkspace(m.blas, m.blas_ws.raw(), m.blas_ws.nbytes()));
   if (const char* e = std::getenv("HYPIC_CUDA_PROFILE"); e && *e && std::string(e) != "0")
     m.prof = std::make_unique<OpProfile>(), m.prof->level = std::atoi(e) >= 2 ? 2 : 1;
   if (const char* e = std::getenv("HYPIC_CUDA_GDN"); e && std::string(e) == "token") m.gdn_token_only = true;
@@ -277,6 +323,8 @@ CudaBackend::~CudaBackend() {
   if (m.stream) cudaStreamSynchronize(m.stream);
   m.half_x = Tensor();
   m.inv_freq.clear();
+  if (m.blas) cublasSetWorkspace(m.blas, nullptr, 0);
+  m.blas_ws = Tensor();
   m.expert_tables.clear();
   if (m.blas) cublasDestroy(m.blas);
   if (m.stream) cudaStreamDestroy(m.stream);
@@ -310,9 +358,16 @@ Tensor CudaBackend::alloc_uninit(DType dt, Shape shape) {
     if (d < 0) throw std::invalid_argument("alloc: negative dimension in shape " + shape_str(shape));
   const size_t bytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dt);
   auto mem = impl_->mem;
-  void* p = mem->get(std::max<size_t>(bytes, 1));
-  auto st =
-      std::make_shared<Storage>(p, bytes, device(), [mem, bytes](void* q) { mem->put(q, std::max<size_t>(bytes, 1)); });
+  std::shared_ptr<Storage> st;
+  const size_t nb = std::max<size_t>(bytes, 1);
+  if (auto gp = mem->pool()) {
+    void* p = mem->get_from(*gp, nb);
+    st = std::make_shared<Storage>(p, bytes, device(), [gp, nb](void* q) { gp->put(q, DeviceAllocator::round(nb)); });
+  } else {
+    void* p = mem->get(nb);
+    st = std::make_shared<Storage>(p, bytes, device(), [mem, nb](void* q) { mem->put(q, nb); });
+  }
+  void* p = st->data();
   if (bytes && Tensor::poison_uninitialized()) CUDA_CHECK(cudaMemsetAsync(p, 0xff, bytes, impl_->stream));
   return Tensor(std::move(st), 0, dt, std::move(shape));
 }
@@ -370,6 +425,82 @@ void CudaBackend::fill(Tensor& t, float value) {
 void CudaBackend::set_precise(bool exact) {
   impl_->exact_half = exact;
 }
+bool CudaBackend::precise() const {
+  return impl_->exact_half;
+}
+
+void CudaBackend::write(Tensor& dst, const void* src, size_t bytes) {
+  OpScope scope_(*impl_, "write");
+  if (!dst.defined() || dst.device().kind != kDev || bytes != dst.nbytes())
+    fail("write", std::to_string(bytes) + " bytes for " + (dst.defined() ? dst.str() : "an undefined tensor"));
+  // From pageable memory: returns once the bytes are staged, so src may change right after.
+  if (bytes) CUDA_CHECK(cudaMemcpyAsync(dst.raw(), src, bytes, cudaMemcpyHostToDevice, impl_->stream));
+}
+
+namespace {
+class CudaGraph : public Backend::Graph {
+ public:
+  CudaGraph(CudaBackend::Impl& m, cudaGraphExec_t exec, std::shared_ptr<GraphPool> pool, std::vector<Tensor> keep)
+      : m_(m), exec_(exec), pool_(std::move(pool)), keep_(std::move(keep)) {}
+  ~CudaGraph() override {
+    cudaStreamSynchronize(m_.stream);
+    cudaGraphExecDestroy(exec_);
+  }
+  void replay() override {
+    m_.bind();
+    CUDA_CHECK(cudaGraphLaunch(exec_, m_.stream));
+  }
+
+ private:
+  CudaBackend::Impl& m_;
+  cudaGraphExec_t exec_;
+  std::shared_ptr<GraphPool> pool_;  // after exec_ in destruction order: freed once the graph is gone
+  std::vector<Tensor> keep_;
+};
+}  // namespace
+
+std::unique_ptr<Backend::Graph> CudaBackend::capture(const std::function<void()>& fn) {
+  auto& m = *impl_;
+  m.bind();
+  if (m.capturing()) throw std::logic_error("capture: a graph is already being recorded");
+  auto pool = std::make_shared<GraphPool>();
+  std::vector<Tensor> keep;
+  if (m.half_x.defined()) keep.push_back(m.half_x);
+  m.mem->set_pool(pool);
+  m.capture_keep = &keep;
+  auto finish = [&] {
+    m.capture_keep = nullptr;
+    m.mem->set_pool(nullptr);
+  };
+  CUDA_CHECK(cudaStreamBeginCapture(m.stream, cudaStreamCaptureModeRelaxed));
+  cudaGraph_t g = nullptr;
+  try {
+    fn();
+  } catch (...) {
+    // A sync (host round trip) inside fn fails under capture: end it, clear the error, no graph.
+    (void)cudaStreamEndCapture(m.stream, &g);
+    if (g) cudaGraphDestroy(g);
+    (void)cudaGetLastError();
+    finish();
+    return nullptr;
+  }
+  const cudaError_t e = cudaStreamEndCapture(m.stream, &g);
+  finish();
+  if (e != cudaSuccess || !g) {
+    (void)cudaGetLastError();
+    if (g) cudaGraphDestroy(g);
+    return nullptr;
+  }
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t ie = cudaGraphInstantiate(&exec, g, 0);
+  cudaGraphDestroy(g);
+  if (ie != cudaSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  if (m.half_x.defined()) keep.push_back(m.half_x);
+  return std::make_unique<CudaGraph>(m, exec, std::move(pool), std::move(keep));
+}
 
 void CudaBackend::synchronize() {
   impl_->bind();
@@ -403,8 +534,10 @@ void CudaBackend::matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accum
     return;
   }
   const int64_t need = M * K * (m.exact_half ? 3 : 1);
-  if (!m.half_x.defined() || m.half_x.numel() < need || m.half_x.dtype() != w.dtype())
+  if (!m.half_x.defined() || m.half_x.numel() < need || m.half_x.dtype() != w.dtype()) {
+    if (m.capturing() && m.half_x.defined()) m.capture_keep->push_back(m.half_x);  // recorded work uses it
     m.half_x = alloc_uninit(w.dtype(), {std::max<int64_t>(need, m.half_x.defined() ? m.half_x.numel() : 0)});
+  }
   char* hi = static_cast<char*>(m.half_x.raw());
   char* mid = hi + static_cast<size_t>(M * K) * dtype_size(w.dtype());
   char* lo = mid + static_cast<size_t>(M * K) * dtype_size(w.dtype());
@@ -433,6 +566,19 @@ void CudaBackend::embedding(const Tensor& table, std::span<const int32_t> ids, T
   if (n == 0) return;
   Tensor d = upload(ids.data(), DType::I32, n);
   launch_embedding(impl_->stream, table.raw(), table.dtype(), d.data<int32_t>(), n, H, out.data<float>());
+}
+
+void CudaBackend::embedding(const Tensor& table, const Tensor& ids, Tensor& out) {
+  OpScope scope_(*impl_, "embedding");
+  need_float("embedding", "table", table, kDev);
+  need_f32("embedding", "out", out, kDev);
+  need_def("embedding", "ids", ids, kDev);
+  if (ids.dtype() != DType::I32 || ids.ndim() != 1 || table.ndim() != 2)
+    fail("embedding", "ids " + ids.str() + " and table " + table.str() + ": expected i32[n] and [V, H]");
+  need_shape("embedding", "out", out, {ids.dim(0), table.dim(1)});
+  if (ids.dim(0) == 0) return;
+  launch_embedding(impl_->stream, table.raw(), table.dtype(), ids.data<int32_t>(), ids.dim(0), table.dim(1),
+                   out.data<float>());
 }
 
 // ---- elementwise and norms -------------------------------------------------------------------
@@ -489,17 +635,14 @@ void CudaBackend::set_cols(const Tensor& src, int64_t col, Tensor& dst) {
 
 // ---- positions -------------------------------------------------------------------------------
 
-void CudaBackend::rope_neox(Tensor& x, std::span<const int64_t> positions, int rot_dim, double theta) {
-  OpScope scope_(*impl_, "rope_neox");
-  check_rope(x, positions.size(), rot_dim, theta, kDev);
-  const int64_t T = x.dim(0), H = x.dim(1), D = x.dim(2);
-  if (T == 0) return;
-  const int half = rot_dim / 2;
+const float* CudaBackend::inv_freq(int rot_dim, double theta) {
   auto& m = *impl_;
   auto key = std::make_pair(rot_dim, theta);
   auto it = m.inv_freq.find(key);
   if (it == m.inv_freq.end()) {
+    if (m.capturing()) throw std::logic_error("rope_neox: first use of a rotary table while recording a graph");
     // As transformers (and the CPU backend): 1 / theta ** (2i / rot) in f32.
+    const int half = rot_dim / 2;
     std::vector<float> f(static_cast<size_t>(half));
     const float th = static_cast<float>(theta);
     for (int i = 0; i < half; ++i) {
@@ -508,8 +651,27 @@ void CudaBackend::rope_neox(Tensor& x, std::span<const int64_t> positions, int r
     }
     it = m.inv_freq.emplace(key, upload(f.data(), DType::F32, half)).first;
   }
+  return it->second.data<float>();
+}
+
+void CudaBackend::rope_neox(Tensor& x, std::span<const int64_t> positions, int rot_dim, double theta) {
+  OpScope scope_(*impl_, "rope_neox");
+  check_rope(x, positions.size(), rot_dim, theta, kDev);
+  const int64_t T = x.dim(0), H = x.dim(1), D = x.dim(2);
+  if (T == 0) return;
+  const float* f = inv_freq(rot_dim, theta);
   Tensor pos = upload(positions.data(), DType::I64, T);
-  launch_rope_neox(m.stream, x.data<float>(), T, H, D, pos.data<int64_t>(), it->second.data<float>(), half);
+  launch_rope_neox(impl_->stream, x.data<float>(), T, H, D, pos.data<int64_t>(), f, rot_dim / 2);
+}
+
+void CudaBackend::rope_neox(Tensor& x, const Tensor& positions, int rot_dim, double theta) {
+  OpScope scope_(*impl_, "rope_neox");
+  const int64_t T = x.ndim() > 0 ? x.dim(0) : 0;
+  check_rope(x, static_cast<size_t>(T), rot_dim, theta, kDev);
+  check_step_table("rope_neox", "positions", positions, T, kDev);
+  if (T == 0) return;
+  launch_rope_neox(impl_->stream, x.data<float>(), T, x.dim(1), x.dim(2), positions.data<int64_t>(),
+                   inv_freq(rot_dim, theta), rot_dim / 2);
 }
 
 // ---- attention -------------------------------------------------------------------------------
@@ -581,6 +743,37 @@ void CudaBackend::gated_delta_rule(const Tensor& q, const Tensor& k, const Tenso
   }
   launch_gated_delta_rule(impl_->stream, q.data<float>(), k.data<float>(), v.data<float>(), g.data<float>(),
                           beta.data<float>(), l2norm_qk, T, Hk, Hv, dk, dv, state.data<float>(), out.data<float>(), tr);
+}
+
+// ---- decode steps ----------------------------------------------------------------------------
+
+void CudaBackend::causal_conv1d_silu_step(const Tensor& x, const Tensor& w, const Tensor& states, Tensor& out) {
+  OpScope scope_(*impl_, "causal_conv1d_silu");
+  check_conv1d_step(x, w, states, out, kDev);
+  launch_conv1d_step(impl_->stream, x.data<float>(), w.raw(), w.dtype(), states.data<int64_t>(), out.data<float>(),
+                     x.dim(0), x.dim(1), w.dim(1));
+}
+
+void CudaBackend::gated_delta_rule_step(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                        const Tensor& beta, bool l2norm_qk, const Tensor& states, Tensor& out) {
+  OpScope scope_(*impl_, "gated_delta_rule");
+  check_gated_delta_rule_step(q, k, v, g, beta, states, out, kDev);
+  launch_gated_delta_rule_step(impl_->stream, q.data<float>(), k.data<float>(), v.data<float>(), g.data<float>(),
+                               beta.data<float>(), l2norm_qk, q.dim(0), q.dim(1), v.dim(1), q.dim(2), v.dim(2),
+                               states.data<int64_t>(), out.data<float>());
+}
+
+void CudaBackend::attention_step(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& caches,
+                                 const Tensor& positions, float scale, Tensor& out) {
+  OpScope scope_(*impl_, "attention");
+  check_attention_step(q, k, v, caches, positions, out, kDev);
+  const int64_t B = q.dim(0), Hq = q.dim(1), Hkv = k.dim(1), D = q.dim(2), Dv = v.dim(2);
+  if (B == 0) return;
+  launch_kv_write(impl_->stream, k.data<float>(), v.data<float>(), caches.data<int64_t>(), positions.data<int64_t>(), B,
+                  Hkv, D, Dv);
+  Tensor part = alloc_uninit(DType::F32, {attention_step_part_floats(B, Hq, Dv)});
+  launch_attention_step(impl_->stream, q.data<float>(), caches.data<int64_t>(), positions.data<int64_t>(), B, Hq, Hkv,
+                        D, Dv, scale, out.data<float>(), part.data<float>());
 }
 
 // ---- segment summaries -----------------------------------------------------------------------

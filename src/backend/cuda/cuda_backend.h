@@ -39,9 +39,15 @@ class CudaBackend : public Backend {
   int64_t prefill_chunk() const override { return 8192; }  // fewer launches per token; memory is plenty
   int64_t peak_memory_bytes() const override { return static_cast<int64_t>(peak_bytes()); }
   void set_precise(bool exact) override;
+  bool precise() const override;
+  void write(Tensor& dst, const void* src, size_t bytes) override;
+  // CUDA graphs: the stream is captured (relaxed mode), allocations inside come from a pool the
+  // graph owns, and a host round trip inside (a sync) abandons the capture (null).
+  std::unique_ptr<Graph> capture(const std::function<void()>& fn) override;
 
   void matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate = false) override;
   void embedding(const Tensor& table, std::span<const int32_t> ids, Tensor& out) override;
+  void embedding(const Tensor& table, const Tensor& ids, Tensor& out) override;
 
   void rms_norm(const Tensor& x, const Tensor& w, float eps, bool one_plus_w, Tensor& out) override;
   void rms_norm_gated(const Tensor& x, const Tensor& z, const Tensor& w, float eps, Tensor& out) override;
@@ -52,6 +58,7 @@ class CudaBackend : public Backend {
   void set_cols(const Tensor& src, int64_t col, Tensor& dst) override;
 
   void rope_neox(Tensor& x, std::span<const int64_t> positions, int rot_dim, double theta) override;
+  void rope_neox(Tensor& x, const Tensor& positions, int rot_dim, double theta) override;
 
   void attention(const Tensor& q, const Tensor& k, const Tensor& v, int64_t kv_len, int64_t q_offset, float scale,
                  Tensor& out) override;
@@ -61,6 +68,12 @@ class CudaBackend : public Backend {
                  Tensor& beta) override;
   void gated_delta_rule(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
                         bool l2norm_qk, Tensor& state, Tensor& out, Tensor* transition = nullptr) override;
+
+  void causal_conv1d_silu_step(const Tensor& x, const Tensor& w, const Tensor& states, Tensor& out) override;
+  void gated_delta_rule_step(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                             bool l2norm_qk, const Tensor& states, Tensor& out) override;
+  void attention_step(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& caches, const Tensor& positions,
+                      float scale, Tensor& out) override;
 
   void compose_state(const Tensor& T, const Tensor& S, const Tensor& B, float alpha, Tensor& out) override;
   void set_identity(Tensor& t) override;
@@ -78,6 +91,7 @@ class CudaBackend : public Backend {
  private:
   std::unique_ptr<Impl> impl_;
   Tensor upload(const void* host, DType dt, int64_t n);  // small host array -> device tensor
+  const float* inv_freq(int rot_dim, double theta);
   const void* const* expert_table(const ExpertWeights& experts, int64_t H, int64_t I);
   void batched_matmul(const Tensor& x, const std::vector<const Tensor*>& w, int64_t M, Tensor& y);
 };

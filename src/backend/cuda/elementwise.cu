@@ -210,6 +210,34 @@ __global__ void k_conv1d_state(const float* x, float* state, int64_t T, int64_t 
     }
 }
 
+// Decode step: one token per sequence, each with its own state (addresses in `states`). A thread
+// owns one channel of one sequence, so it may shift that channel's state in place after reading it.
+__global__ void k_conv1d_step(const float* x, const void* w, DType wdt, const int64_t* states, float* out, int64_t B,
+                              int64_t C, int64_t K) {
+  const int64_t n = B * C, P = K - 1;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t b = i / C, c = i % C;
+    float* st = reinterpret_cast<float*>(states[b]);
+    const float xv = x[i];
+    float acc = 0.f;
+    for (int64_t j = 0; j < P; ++j) acc += ldw(w, wdt, c * K + j) * st[j * C + c];
+    acc += ldw(w, wdt, c * K + P) * xv;
+    out[i] = silu(acc);
+    for (int64_t j = 0; j + 1 < P; ++j) st[j * C + c] = st[(j + 1) * C + c];
+    if (P > 0) st[(P - 1) * C + c] = xv;
+  }
+}
+
+// Row positions[b] of sequence b's key and value caches <- k[b], v[b].
+__global__ void k_kv_write(const float* k, const float* v, const int64_t* caches, const int64_t* positions, int64_t B,
+                           int64_t nk, int64_t nv) {
+  const int64_t b = blockIdx.x, p = positions[b];
+  float* kc = reinterpret_cast<float*>(caches[b]) + p * nk;
+  float* vc = reinterpret_cast<float*>(caches[B + b]) + p * nv;
+  for (int64_t i = threadIdx.x; i < nk; i += blockDim.x) kc[i] = k[b * nk + i];
+  for (int64_t i = threadIdx.x; i < nv; i += blockDim.x) vc[i] = v[b * nv + i];
+}
+
 __global__ void k_set_identity(float* t, int64_t H, int64_t n) {
   const int64_t total = H * n * n;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
@@ -355,6 +383,21 @@ void launch_causal_conv1d_silu(cudaStream_t s, const float* x, const void* w, DT
     k_conv1d_state<<<blocks_for(C), kThreads, 0, s>>>(x, state, T, C, K);
     CUDA_LAUNCH_CHECK("k_conv1d_state");
   }
+}
+
+void launch_conv1d_step(cudaStream_t s, const float* x, const void* w, DType wdt, const int64_t* states, float* out,
+                        int64_t B, int64_t C, int64_t K) {
+  if (B == 0 || C == 0) return;
+  k_conv1d_step<<<blocks_for(B * C), kThreads, 0, s>>>(x, w, wdt, states, out, B, C, K);
+  CUDA_LAUNCH_CHECK("k_conv1d_step");
+}
+
+void launch_kv_write(cudaStream_t s, const float* k, const float* v, const int64_t* caches, const int64_t* positions,
+                     int64_t B, int64_t Hkv, int64_t D, int64_t Dv) {
+  if (B == 0) return;
+  k_kv_write<<<static_cast<unsigned>(B), row_threads(Hkv * std::max(D, Dv)), 0, s>>>(k, v, caches, positions, B,
+                                                                                     Hkv * D, Hkv * Dv);
+  CUDA_LAUNCH_CHECK("k_kv_write");
 }
 
 void launch_set_identity(cudaStream_t s, float* t, int64_t H, int64_t n) {

@@ -25,7 +25,18 @@ template <int P>
 __global__ void __launch_bounds__(kCols* P)
     k_gdn(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
           const float* __restrict__ g, const float* __restrict__ beta, bool l2norm, int64_t T, int64_t Hk, int64_t Hv,
-          int dk, int dv, float* state, float* out, float* transition) {
+          int dk, int dv, float* state, float* out, float* transition, const int64_t* states) {
+  // Decode step over a batch: sequence blockIdx.z has one token and its own state.
+  if (states) {
+    const int64_t b = blockIdx.z;
+    state = reinterpret_cast<float*>(states[b]);
+    q += b * Hk * dk;
+    k += b * Hk * dk;
+    v += b * Hv * dv;
+    g += b * Hv;
+    beta += b * Hv;
+    out += b * Hv * dv;
+  }
   extern __shared__ float smem[];
   float* qs = smem;             // [kTile][dk]
   float* ks = qs + kTile * dk;  // [kTile][dk]
@@ -130,13 +141,14 @@ __global__ void __launch_bounds__(kCols* P)
 
 template <int P>
 void run(cudaStream_t st, const float* q, const float* k, const float* v, const float* g, const float* beta,
-         bool l2norm, int64_t T, int64_t Hk, int64_t Hv, int dk, int dv, float* state, float* out, float* tr) {
+         bool l2norm, int64_t T, int64_t Hk, int64_t Hv, int dk, int dv, float* state, float* out, float* tr,
+         const int64_t* states = nullptr, int64_t B = 1) {
   const int ncols = dv + (tr ? dk : 0);
   const size_t smem = static_cast<size_t>(kTile * (2 * dk + 2 + kCols)) * sizeof(float);
   if (smem > 48 * 1024)
     CUDA_CHECK(cudaFuncSetAttribute(k_gdn<P>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  dim3 grid(static_cast<unsigned>((ncols + kCols - 1) / kCols), static_cast<unsigned>(Hv));
-  k_gdn<P><<<grid, kCols * P, smem, st>>>(q, k, v, g, beta, l2norm, T, Hk, Hv, dk, dv, state, out, tr);
+  dim3 grid(static_cast<unsigned>((ncols + kCols - 1) / kCols), static_cast<unsigned>(Hv), static_cast<unsigned>(B));
+  k_gdn<P><<<grid, kCols * P, smem, st>>>(q, k, v, g, beta, l2norm, T, Hk, Hv, dk, dv, state, out, tr, states);
   CUDA_LAUNCH_CHECK("k_gdn");
 }
 
@@ -159,6 +171,24 @@ void launch_gated_delta_rule(cudaStream_t s, const float* q, const float* k, con
     run<8>(s, q, k, v, g, beta, l2norm_qk, T, Hk, Hv, idk, idv, state, out, transition);
   else
     throw std::invalid_argument("gated_delta_rule: key head dim " + std::to_string(dk) +
+                                " above 256 is not supported on cuda");
+}
+
+void launch_gated_delta_rule_step(cudaStream_t s, const float* q, const float* k, const float* v, const float* g,
+                                  const float* beta, bool l2norm_qk, int64_t B, int64_t Hk, int64_t Hv, int64_t dk,
+                                  int64_t dv, const int64_t* states, float* out) {
+  if (B == 0 || Hv == 0 || dk == 0 || dv == 0) return;
+  const int idk = static_cast<int>(dk), idv = static_cast<int>(dv);
+  if (dk <= 32)
+    run<1>(s, q, k, v, g, beta, l2norm_qk, 1, Hk, Hv, idk, idv, nullptr, out, nullptr, states, B);
+  else if (dk <= 64)
+    run<2>(s, q, k, v, g, beta, l2norm_qk, 1, Hk, Hv, idk, idv, nullptr, out, nullptr, states, B);
+  else if (dk <= 128)
+    run<4>(s, q, k, v, g, beta, l2norm_qk, 1, Hk, Hv, idk, idv, nullptr, out, nullptr, states, B);
+  else if (dk <= 256)
+    run<8>(s, q, k, v, g, beta, l2norm_qk, 1, Hk, Hv, idk, idv, nullptr, out, nullptr, states, B);
+  else
+    throw std::invalid_argument("gated_delta_rule_step: key head dim " + std::to_string(dk) +
                                 " above 256 is not supported on cuda");
 }
 

@@ -103,4 +103,22 @@ void launch_gated_delta_rule_chunked(cudaStream_t s, const float* q, const float
                                      const float* beta, bool l2norm_qk, int64_t T, int64_t Hk, int64_t Hv, int64_t dk,
                                      int64_t dv, float* state, float* out, float* transition, float* workspace);
 
+// ---- decode steps: one token per sequence, per-sequence state addresses in device tables ------
+// (I64 arrays of B addresses; the key and value caches' tables are [2B]: keys, then values)
+void launch_conv1d_step(cudaStream_t s, const float* x, const void* w, DType wdt, const int64_t* states, float* out,
+                        int64_t B, int64_t C, int64_t K);
+void launch_gated_delta_rule_step(cudaStream_t s, const float* q, const float* k, const float* v, const float* g,
+                                  const float* beta, bool l2norm_qk, int64_t B, int64_t Hk, int64_t Hv, int64_t dk,
+                                  int64_t dv, const int64_t* states, float* out);
+void launch_kv_write(cudaStream_t s, const float* k, const float* v, const int64_t* caches, const int64_t* positions,
+                     int64_t B, int64_t Hkv, int64_t D, int64_t Dv);
+// Key splits per sequence of a step: fixed by B and Hq alone (never by the lengths), so a
+// captured step stays valid as the sequences grow.
+int attention_step_splits(int64_t B, int64_t Hq);
+inline int64_t attention_step_part_floats(int64_t B, int64_t Hq, int64_t Dv) {
+  return B * Hq * attention_step_splits(B, Hq) * (Dv + 2);
+}
+void launch_attention_step(cudaStream_t s, const float* q, const int64_t* caches, const int64_t* positions, int64_t B,
+                           int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv, float scale, float* out, float* part);
+
 }  // namespace hypic::cuda
