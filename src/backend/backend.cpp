@@ -30,6 +30,18 @@ int cuda_index(const std::string& name) {
 // own state: slow on a GPU (a round trip per call), exact, and the reference the fast kernels are
 // compared with.
 
+void Backend::matmul_many(const Tensor& x, std::initializer_list<Tensor> w, std::initializer_list<Tensor> y) {
+  if (w.size() != y.size())
+    checks::fail("matmul_many", std::to_string(w.size()) + " weights for " + std::to_string(y.size()) + " outputs");
+  auto wi = w.begin();
+  for (Tensor out : y) matmul(x, *wi++, out);
+}
+
+void Backend::add_rms_norm(Tensor& x, const Tensor& d, const Tensor& w, float eps, bool one_plus_w, Tensor& out) {
+  add(x, d, x);
+  rms_norm(x, w, eps, one_plus_w, out);
+}
+
 void Backend::write(Tensor& dst, const void* src, size_t bytes) {
   if (!dst.defined() || bytes != dst.nbytes())
     checks::fail("write", std::to_string(bytes) + " bytes for " + (dst.defined() ? dst.str() : "an undefined tensor"));

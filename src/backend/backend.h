@@ -10,6 +10,7 @@
 #pragma once
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <span>
 #include <stdexcept>
@@ -78,6 +79,8 @@ class Backend {
   // ---- dense --------------------------------------------------------------------------------
   // y[M,N] = x[M,K] W[N,K]^T (+ y when accumulate).
   virtual void matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate = false) = 0;
+  // Several products of one x: y_i = x w_i^T (one launch on the GPU for decode-sized x).
+  virtual void matmul_many(const Tensor& x, std::initializer_list<Tensor> w, std::initializer_list<Tensor> y);
   // out[n, H] = table[ids[n], :] converted to f32.
   virtual void embedding(const Tensor& table, std::span<const int32_t> ids, Tensor& out) = 0;
 
@@ -87,6 +90,8 @@ class Backend {
   // out = rms_norm(x) * w * silu(z)   (plain w, as in the gated output norm of GDN)
   virtual void rms_norm_gated(const Tensor& x, const Tensor& z, const Tensor& w, float eps, Tensor& out) = 0;
   virtual void add(const Tensor& a, const Tensor& b, Tensor& out) = 0;           // out = a + b
+  // x += d, then out = rms_norm(x) (the residual add and the next norm of a decoder layer).
+  virtual void add_rms_norm(Tensor& x, const Tensor& d, const Tensor& w, float eps, bool one_plus_w, Tensor& out);
   virtual void silu_mul(const Tensor& gate, const Tensor& up, Tensor& out) = 0;  // silu(gate) * up
   // x * sigmoid(gate); gate is x's shape, or [rows, 1] (one gate per row, broadcast).
   virtual void sigmoid_mul(const Tensor& x, const Tensor& gate, Tensor& out) = 0;

@@ -141,8 +141,7 @@ struct MlpWeights {
 static void swiglu_forward(Backend& be, const Tensor& x, const MlpWeights& w, Tensor& out) {
   const int64_t T = x.dim(0), I = w.gate.dim(0);
   Tensor gt = be.alloc_uninit(DType::F32, {T, I}), up = be.alloc_uninit(DType::F32, {T, I});
-  be.matmul(x, w.gate, gt);
-  be.matmul(x, w.up, up);
+  be.matmul_many(x, {w.gate, w.up}, {gt, up});
   be.silu_mul(gt, up, gt);
   be.matmul(gt, w.down, out);
 }
@@ -455,10 +454,7 @@ void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> s
     Tensor z = be_.alloc_uninit(DType::F32, {T, m.Hv * m.dv});
     Tensor b = be_.alloc_uninit(DType::F32, {T, m.Hv});
     Tensor a = be_.alloc_uninit(DType::F32, {T, m.Hv});
-    be_.matmul(xn, g.in_qkv, qkv);
-    be_.matmul(xn, g.in_z, z);
-    be_.matmul(xn, g.in_b, b);
-    be_.matmul(xn, g.in_a, a);
+    be_.matmul_many(xn, {g.in_qkv, g.in_z, g.in_b, g.in_a}, {qkv, z, b, a});
     Tensor conv_out = be_.alloc_uninit(DType::F32, {T, m.C});
     Tensor q = be_.alloc_uninit(DType::F32, {T, m.Hk, m.dk});
     Tensor k = be_.alloc_uninit(DType::F32, {T, m.Hk, m.dk});
@@ -523,10 +519,7 @@ void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> s
     Tensor k = be_.alloc_uninit(DType::F32, {T, m.Hkv, m.D});
     Tensor v = be_.alloc_uninit(DType::F32, {T, m.Hkv, m.D});
     Tensor q2 = q.reshape({T, m.Hq * m.D}), k2 = k.reshape({T, m.Hkv * m.D}), v2 = v.reshape({T, m.Hkv * m.D});
-    be_.matmul(xn, at.q, q2);
-    be_.matmul(xn, at.gate, gate);
-    be_.matmul(xn, at.k, k2);
-    be_.matmul(xn, at.v, v2);
+    be_.matmul_many(xn, {at.q, at.gate, at.k, at.v}, {q2, gate, k2, v2});
     Tensor qr = q.reshape({T * m.Hq, m.D}), kr = k.reshape({T * m.Hkv, m.D});
     be_.rms_norm(qr, at.q_norm, eps, true, qr);
     be_.rms_norm(kr, at.k_norm, eps, true, kr);
@@ -566,21 +559,21 @@ void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> s
     be_.sigmoid_mul(o2, gate, o2);
     be_.matmul(o2, at.o, mix);
   }
-  be_.add(x, mix, x);
-
-  be_.rms_norm(x, L.post_norm, eps, true, xn);
+  be_.add_rms_norm(x, mix, L.post_norm, eps, true, xn);
   if (!L.moe) {
     swiglu_forward(be_, xn, L.mlp, mix);
   } else {
     auto& mo = L.moew;
     Tensor logits = be_.alloc_uninit(DType::F32, {T, cfg_.num_experts});
-    be_.matmul(xn, mo.router, logits);
+    Tensor sg = mo.has_shared ? be_.alloc_uninit(DType::F32, {T, 1}) : Tensor();
+    if (mo.has_shared)
+      be_.matmul_many(xn, {mo.router, mo.shared_gate}, {logits, sg});
+    else
+      be_.matmul(xn, mo.router, logits);
     be_.moe_experts(xn, logits, static_cast<int>(cfg_.num_experts_per_tok), cfg_.norm_topk_prob, mo.experts, mix);
     if (mo.has_shared) {
       Tensor sh = be_.alloc_uninit(DType::F32, {T, m.H});
       swiglu_forward(be_, xn, mo.shared, sh);
-      Tensor sg = be_.alloc_uninit(DType::F32, {T, 1});
-      be_.matmul(xn, mo.shared_gate, sg);
       be_.sigmoid_mul(sh, sg, sh);  // gate [T, 1] broadcasts over the row
       be_.add(mix, sh, mix);
     }

@@ -486,3 +486,34 @@ TEST_F(CudaOps, CapturedStepReplaysOnNewInputs) {
   body();
   EXPECT_TRUE(std::isfinite(gpu->to_host(out).data<float>()[0]));
 }
+
+// Several products of one x in one launch (decode-sized x) and in a loop (larger x, mixed dtypes),
+// and the fused residual add + norm, against the CPU.
+TEST_F(CudaOps, MatmulManyAndAddRmsNorm) {
+  for (int64_t M : {1, 5, 8, 20})
+    for (bool mixed : {false, true}) {
+      const int64_t K = 264;
+      Tensor x = randn({M, K}, rng);
+      const std::vector<int64_t> Ns = {40, 7, 1, 300};
+      std::vector<Tensor> wh, wd, yc, yg;
+      for (size_t i = 0; i < Ns.size(); ++i) {
+        wh.push_back(as(randn({Ns[i], K}, rng, 0.1f), mixed && i == 2 ? DType::F32 : DType::BF16));
+        wd.push_back(dev(wh.back()));
+        yc.push_back(cpu->alloc(DType::F32, {M, Ns[i]}));
+        yg.push_back(poisoned(DType::F32, {M, Ns[i]}));
+      }
+      cpu->matmul_many(x, {wh[0], wh[1], wh[2], wh[3]}, {yc[0], yc[1], yc[2], yc[3]});
+      gpu->matmul_many(dev(x), {wd[0], wd[1], wd[2], wd[3]}, {yg[0], yg[1], yg[2], yg[3]});
+      for (size_t i = 0; i < Ns.size(); ++i)
+        EXPECT_LE(err(yg[i], yc[i]), M <= 8 ? 1e-5 : 1e-2) << "M=" << M << " product " << i << " mixed=" << mixed;
+    }
+  for (int64_t R : {1, 3, 17}) {
+    const int64_t D = 1000;
+    Tensor x = randn({R, D}, rng), d = randn({R, D}, rng), w = as(randn({D}, rng, 0.1f), DType::BF16);
+    Tensor xc = x.clone(), xg = dev(x), oc = cpu->alloc(DType::F32, {R, D}), og = poisoned(DType::F32, {R, D});
+    cpu->add_rms_norm(xc, d, w, 1e-6f, true, oc);
+    gpu->add_rms_norm(xg, dev(d), dev(w), 1e-6f, true, og);
+    EXPECT_LE(err(xg, xc), 1e-6) << "R=" << R;
+    EXPECT_LE(err(og, oc), 1e-5) << "R=" << R;
+  }
+}

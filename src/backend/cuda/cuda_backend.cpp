@@ -559,6 +559,39 @@ void CudaBackend::matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accum
   }
 }
 
+void CudaBackend::matmul_many(const Tensor& x, std::initializer_list<Tensor> w, std::initializer_list<Tensor> y) {
+  OpScope scope_(*impl_, "matmul");
+  if (w.size() != y.size())
+    fail("matmul_many", std::to_string(w.size()) + " weights for " + std::to_string(y.size()) + " outputs");
+  // Decode-sized x with weights of one dtype: all products in one launch of the few-row kernel.
+  bool one = w.size() <= static_cast<size_t>(kGemvMaxOutputs) && w.size() > 0 && x.defined() && x.ndim() == 2 &&
+             x.dtype() == DType::F32 && x.device().kind == kDev;
+  GemvOutputs o;
+  if (one) {
+    auto yi = y.begin();
+    for (const Tensor& wt : w) {
+      const Tensor& yt = *yi++;
+      check_matmul(x, wt, yt, kDev);
+      if (wt.dtype() != w.begin()->dtype() || !gemv_supported(wt.dtype(), x.dim(0), x.dim(1), wt.raw(), x.data<float>()))
+        one = false;
+      o.w[o.count] = wt.raw();
+      o.y[o.count] = yt.data<float>();
+      o.end[o.count] = (o.count ? o.end[o.count - 1] : 0) + wt.dim(0);
+      ++o.count;
+    }
+  }
+  if (!one) {
+    auto wi = w.begin();
+    for (Tensor out : y) matmul(x, *wi++, out);
+    return;
+  }
+  if (x.dim(1) == 0) {
+    for (Tensor out : y) launch_fill(impl_->stream, out.data<float>(), out.numel(), 0.f);
+    return;
+  }
+  launch_gemv_many(impl_->stream, o, w.begin()->dtype(), x.data<float>(), x.dim(0), x.dim(1), false);
+}
+
 void CudaBackend::embedding(const Tensor& table, std::span<const int32_t> ids, Tensor& out) {
   OpScope scope_(*impl_, "embedding");
   check_embedding(table, ids, out, kDev);
@@ -602,6 +635,13 @@ void CudaBackend::add(const Tensor& a, const Tensor& b, Tensor& out) {
   OpScope scope_(*impl_, "add");
   check_binary("add", "a", a, "b", b, out, kDev);
   launch_binary(impl_->stream, BinOp::Add, a.data<float>(), b.data<float>(), out.data<float>(), a.numel());
+}
+void CudaBackend::add_rms_norm(Tensor& x, const Tensor& d, const Tensor& w, float eps, bool one_plus_w, Tensor& out) {
+  OpScope scope_(*impl_, "add_rms_norm");
+  check_binary("add_rms_norm", "x", x, "d", d, x, kDev);
+  check_rms_norm(x, nullptr, w, out, kDev);
+  launch_add_rms_norm(impl_->stream, x.data<float>(), d.data<float>(), w.raw(), w.dtype(), eps, one_plus_w,
+                      out.data<float>(), rows_of(x), last_dim(x));
 }
 void CudaBackend::silu_mul(const Tensor& gate, const Tensor& up, Tensor& out) {
   OpScope scope_(*impl_, "silu_mul");

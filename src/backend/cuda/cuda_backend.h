@@ -46,12 +46,14 @@ class CudaBackend : public Backend {
   std::unique_ptr<Graph> capture(const std::function<void()>& fn) override;
 
   void matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate = false) override;
+  void matmul_many(const Tensor& x, std::initializer_list<Tensor> w, std::initializer_list<Tensor> y) override;
   void embedding(const Tensor& table, std::span<const int32_t> ids, Tensor& out) override;
   void embedding(const Tensor& table, const Tensor& ids, Tensor& out) override;
 
   void rms_norm(const Tensor& x, const Tensor& w, float eps, bool one_plus_w, Tensor& out) override;
   void rms_norm_gated(const Tensor& x, const Tensor& z, const Tensor& w, float eps, Tensor& out) override;
   void add(const Tensor& a, const Tensor& b, Tensor& out) override;
+  void add_rms_norm(Tensor& x, const Tensor& d, const Tensor& w, float eps, bool one_plus_w, Tensor& out) override;
   void silu_mul(const Tensor& gate, const Tensor& up, Tensor& out) override;
   void sigmoid_mul(const Tensor& x, const Tensor& gate, Tensor& out) override;
   void copy_cols(const Tensor& src, int64_t col, Tensor& dst) override;

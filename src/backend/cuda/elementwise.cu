@@ -120,6 +120,27 @@ __global__ void k_rms_norm(const float* x, const void* w, DType wdt, float eps, 
   }
 }
 
+// x += d, out = rms_norm(x): each thread rereads only the elements it wrote itself.
+__global__ void k_add_rms_norm(float* x, const float* d, const void* w, DType wdt, float eps, bool one_plus_w,
+                               float* out, int64_t D) {
+  float* xr = x + blockIdx.x * D;
+  const float* dr = d + blockIdx.x * D;
+  float* o = out + blockIdx.x * D;
+  float ss = 0.f;
+  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
+    const float v = xr[i] + dr[i];
+    xr[i] = v;
+    ss += v * v;
+  }
+  ss = block_sum(ss);
+  const float inv = 1.0f / sqrtf(ss / static_cast<float>(D) + eps);
+  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
+    float wv = ldw(w, wdt, i);
+    if (one_plus_w) wv = 1.0f + wv;
+    o[i] = (xr[i] * inv) * wv;
+  }
+}
+
 __global__ void k_rms_norm_gated(const float* x, const float* z, const void* w, DType wdt, float eps, float* out,
                                  int64_t D) {
   const float* xr = x + blockIdx.x * D;
@@ -315,6 +336,13 @@ void launch_rms_norm(cudaStream_t s, const float* x, const void* w, DType wdt, f
   if (R == 0) return;
   k_rms_norm<<<static_cast<unsigned>(R), row_threads(D), 0, s>>>(x, w, wdt, eps, one_plus_w, out, D);
   CUDA_LAUNCH_CHECK("k_rms_norm");
+}
+
+void launch_add_rms_norm(cudaStream_t s, float* x, const float* d, const void* w, DType wdt, float eps, bool one_plus_w,
+                         float* out, int64_t R, int64_t D) {
+  if (R == 0) return;
+  k_add_rms_norm<<<static_cast<unsigned>(R), row_threads(D), 0, s>>>(x, d, w, wdt, eps, one_plus_w, out, D);
+  CUDA_LAUNCH_CHECK("k_add_rms_norm");
 }
 
 void launch_rms_norm_gated(cudaStream_t s, const float* x, const float* z, const void* w, DType wdt, float eps,

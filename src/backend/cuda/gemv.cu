@@ -55,12 +55,26 @@ __device__ __forceinline__ float silu(float x) {
 }
 
 template <typename WT, int M>
-__global__ void __launch_bounds__(kThreads) k_gemv(const WT* __restrict__ w, const float* __restrict__ x,
-                                                   float* __restrict__ y, int64_t N, int64_t K, bool accumulate) {
-  const int64_t n = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+__global__ void __launch_bounds__(kThreads) k_gemv(GemvOutputs o, const float* __restrict__ x, int64_t K,
+                                                   bool accumulate) {
+  int64_t n = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  if (n >= N) return;
-  const WT* wr = w + n * K;
+  int64_t total = o.end[0];
+#pragma unroll
+  for (int i = 1; i < kGemvMaxOutputs; ++i)
+    if (i < o.count) total = o.end[i];
+  if (n >= total) return;
+  // The product this row belongs to (several products of one x share the launch).
+  // (Constant indices only: a runtime index into the parameter struct would copy it to local memory.)
+  const void* wp = o.w[0];
+  float* y = o.y[0];
+  int64_t start = 0, stop = o.end[0];
+#pragma unroll
+  for (int i = 1; i < kGemvMaxOutputs; ++i)
+    if (i < o.count && n >= o.end[i - 1]) wp = o.w[i], y = o.y[i], start = o.end[i - 1], stop = o.end[i];
+  const int64_t N = stop - start;
+  n -= start;
+  const WT* wr = static_cast<const WT*>(wp) + n * K;
   float acc[M];
 #pragma unroll
   for (int m = 0; m < M; ++m) acc[m] = 0.f;
@@ -146,12 +160,12 @@ __global__ void k_moe_order(const int32_t* sel, const int32_t* rank, const int32
 }
 
 template <typename WT>
-void gemv_t(cudaStream_t s, const WT* w, const float* x, float* y, int64_t M, int64_t N, int64_t K, bool acc) {
-  const unsigned blocks = static_cast<unsigned>((N + kWarps - 1) / kWarps);
+void gemv_t(cudaStream_t s, const GemvOutputs& o, const float* x, int64_t M, int64_t K, bool acc) {
+  const unsigned blocks = static_cast<unsigned>((o.end[o.count - 1] + kWarps - 1) / kWarps);
   switch (M) {
-#define HYPIC_GEMV_CASE(m)                                         \
-  case m:                                                          \
-    k_gemv<WT, m><<<blocks, kThreads, 0, s>>>(w, x, y, N, K, acc); \
+#define HYPIC_GEMV_CASE(m)                                      \
+  case m:                                                       \
+    k_gemv<WT, m><<<blocks, kThreads, 0, s>>>(o, x, K, acc);    \
     break;
     HYPIC_GEMV_CASE(1)
     HYPIC_GEMV_CASE(2)
@@ -195,13 +209,23 @@ bool gemv_supported(DType wdt, int64_t M, int64_t K, const void* w, const float*
 
 void launch_gemv(cudaStream_t s, const void* w, DType wdt, const float* x, float* y, int64_t M, int64_t N, int64_t K,
                  bool accumulate) {
-  if (M == 0 || N == 0) return;
+  GemvOutputs o;
+  o.w[0] = w;
+  o.y[0] = y;
+  o.end[0] = N;
+  o.count = 1;
+  launch_gemv_many(s, o, wdt, x, M, K, accumulate);
+}
+
+void launch_gemv_many(cudaStream_t s, const GemvOutputs& o, DType wdt, const float* x, int64_t M, int64_t K,
+                      bool accumulate) {
+  if (M == 0 || o.count == 0 || o.end[o.count - 1] == 0) return;
   if (wdt == DType::BF16)
-    gemv_t(s, static_cast<const __nv_bfloat16*>(w), x, y, M, N, K, accumulate);
+    gemv_t<__nv_bfloat16>(s, o, x, M, K, accumulate);
   else if (wdt == DType::F16)
-    gemv_t(s, static_cast<const __half*>(w), x, y, M, N, K, accumulate);
+    gemv_t<__half>(s, o, x, M, K, accumulate);
   else
-    gemv_t(s, static_cast<const float*>(w), x, y, M, N, K, accumulate);
+    gemv_t<float>(s, o, x, M, K, accumulate);
 }
 
 void launch_moe_order(cudaStream_t s, const int32_t* sel, const int32_t* rank, const int32_t* counts, int64_t E,

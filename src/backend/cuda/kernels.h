@@ -19,6 +19,8 @@ void launch_embedding(cudaStream_t s, const void* table, DType dt, const int32_t
                       float* out);
 void launch_rms_norm(cudaStream_t s, const float* x, const void* w, DType wdt, float eps, bool one_plus_w, float* out,
                      int64_t R, int64_t D);
+void launch_add_rms_norm(cudaStream_t s, float* x, const float* d, const void* w, DType wdt, float eps, bool one_plus_w,
+                         float* out, int64_t R, int64_t D);
 void launch_rms_norm_gated(cudaStream_t s, const float* x, const float* z, const void* w, DType wdt, float eps,
                            float* out, int64_t R, int64_t D);
 enum class BinOp { Add, SiluMul, SigmoidMul };
@@ -58,6 +60,17 @@ constexpr int64_t kMoeGemvMaxSlots = 256;  // T * top_k up to this: the few-slot
 bool gemv_supported(DType wdt, int64_t M, int64_t K, const void* w, const float* x);
 void launch_gemv(cudaStream_t s, const void* w, DType wdt, const float* x, float* y, int64_t M, int64_t N, int64_t K,
                  bool accumulate);
+// Up to kGemvMaxOutputs products of the same x in one launch: y[p][M, N_p] = x W_p^T, where
+// N_p = end[p] - end[p-1] (weights of one dtype, each meeting gemv_supported).
+constexpr int kGemvMaxOutputs = 4;
+struct GemvOutputs {
+  const void* w[kGemvMaxOutputs] = {};
+  float* y[kGemvMaxOutputs] = {};
+  int64_t end[kGemvMaxOutputs] = {};
+  int count = 0;
+};
+void launch_gemv_many(cudaStream_t s, const GemvOutputs& o, DType wdt, const float* x, int64_t M, int64_t K,
+                      bool accumulate);
 // MoE for few slots, with no host round trip: order [n] lists the slots grouped by expert (from
 // the routing's ranks and counts); then h[slot] = silu(gate_e x_t) * (up_e x_t) and
 // ys[slot] = down_e h[slot] for every slot, reading the expert's weights through pointer tables
