@@ -14,6 +14,8 @@ mkdir -p "$stage/bin" "$stage/lib" "$out"
 grep -qx '/.device/' .git/info/exclude 2>/dev/null || echo '/.device/' >> .git/info/exclude
 
 bins=("$build/hypic")
+# The load generator (cpp-httplib is compiled into it), for `hypic serve --backend cuda` runs there.
+[ -x "$build/tools/loadtest/hypic_loadtest" ] && bins+=("$build/tools/loadtest/hypic_loadtest")
 for t in "$build"/tests/cuda_*_test; do [ -x "$t" ] && bins+=("$t"); done
 for b in "${bins[@]}"; do
   cp "$b" "$stage/bin/"

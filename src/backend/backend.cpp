@@ -1,5 +1,6 @@
 #include "backend/backend.h"
 
+#include <algorithm>
 #include <stdexcept>
 #include <vector>
 
@@ -113,6 +114,23 @@ void Backend::attention_step(const Tensor& q, const Tensor& k, const Tensor& v, 
     copy(v.slice_rows(b, b + 1), vd);
     attention(q.slice_rows(b, b + 1), kc, vc, p + 1, p, scale, o);
   }
+}
+
+void Backend::argmax_rows(const Tensor& x, Tensor& ids) {
+  checks::need_f32("argmax_rows", "x", x, device().kind);
+  checks::need_def("argmax_rows", "ids", ids, device().kind);
+  checks::need_ndim("argmax_rows", "x", x, 2);
+  if (ids.dtype() != DType::I32 || ids.ndim() != 1 || ids.dim(0) != x.dim(0))
+    checks::fail("argmax_rows", "ids " + ids.str() + ": expected i32[" + std::to_string(x.dim(0)) + "]");
+  if (x.dim(1) == 0) checks::fail("argmax_rows", "x " + x.str() + " has empty rows");
+  Tensor h = to_host(x);
+  std::vector<int32_t> out(static_cast<size_t>(x.dim(0)));
+  const int64_t V = x.dim(1);
+  for (int64_t r = 0; r < x.dim(0); ++r) {
+    const float* p = h.data<float>() + r * V;
+    out[static_cast<size_t>(r)] = static_cast<int32_t>(std::max_element(p, p + V) - p);
+  }
+  write(ids, out.data(), out.size() * sizeof(int32_t));
 }
 
 std::unique_ptr<Backend> make_backend(const std::string& name, int threads) {

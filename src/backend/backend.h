@@ -89,7 +89,7 @@ class Backend {
   virtual void rms_norm(const Tensor& x, const Tensor& w, float eps, bool one_plus_w, Tensor& out) = 0;
   // out = rms_norm(x) * w * silu(z)   (plain w, as in the gated output norm of GDN)
   virtual void rms_norm_gated(const Tensor& x, const Tensor& z, const Tensor& w, float eps, Tensor& out) = 0;
-  virtual void add(const Tensor& a, const Tensor& b, Tensor& out) = 0;           // out = a + b
+  virtual void add(const Tensor& a, const Tensor& b, Tensor& out) = 0;  // out = a + b
   // x += d, then out = rms_norm(x) (the residual add and the next norm of a decoder layer).
   virtual void add_rms_norm(Tensor& x, const Tensor& d, const Tensor& w, float eps, bool one_plus_w, Tensor& out);
   virtual void silu_mul(const Tensor& gate, const Tensor& up, Tensor& out) = 0;  // silu(gate) * up
@@ -155,6 +155,11 @@ class Backend {
   // at least positions[b] + 1 rows).
   virtual void attention_step(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& caches,
                               const Tensor& positions, float scale, Tensor& out);
+
+  // ---- token selection ----------------------------------------------------------------------
+  // ids[r] = argmax of row r of x [R, V] (f32), ties to the lowest id as torch.argmax: greedy
+  // decoding without the logits leaving the device. ids: I32 [R] on this device.
+  virtual void argmax_rows(const Tensor& x, Tensor& ids);
 
   // ---- mixture of experts -------------------------------------------------------------------
   // Softmax over router logits[T, E], top-k (renormalised when norm_topk), SwiGLU experts,

@@ -323,18 +323,21 @@ void register_bench(CLI::App& app) {
         for (int r = 0; r < o.repeats + 1; ++r) {
           std::vector<SequenceState> st;
           for (int b = 0; b < B; ++b) st.push_back(m.clone_state(ctx));
+          Tensor picked = m.backend().alloc(DType::I32, {B});
           m.backend().synchronize();
           auto t0 = Clock::now();
           for (int i = 0; i < o.tokens; ++i) {
             if (B == 1) {
               Tensor lg = m.forward(std::span<const int32_t>(ids.data() + o.context + i, 1), st[0]);
-              m.backend().to_host(lg);  // a real decode step reads its logits
+              m.backend().argmax_rows(lg, picked);  // a real (greedy) step reads back its token
+              m.backend().to_host(picked);
             } else {
               std::vector<BatchItem> items;
               for (int b = 0; b < B; ++b)
                 items.push_back({&st[static_cast<size_t>(b)],
                                  std::span<const int32_t>(ids.data() + o.context + int64_t(i) * B + b, 1)});
-              m.backend().to_host(m.forward_batch(items));
+              m.backend().argmax_rows(m.forward_batch(items), picked);
+              m.backend().to_host(picked);
             }
           }
           if (r > 0) times.push_back(secs(t0, Clock::now()));

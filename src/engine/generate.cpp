@@ -54,18 +54,28 @@ GenerateResult decode_from(Model& model, const Tokenizer* tok, const GenerateReq
   std::vector<float> masked;
   auto t0 = Clock::now();
   res.finish_reason = "length";
+  // Greedy without log-probs or masks: the argmax runs where the logits are, and only the id
+  // comes back (a row of logits is ~1 MB for real vocabularies).
+  const bool device_greedy = req.sampling.temperature == 0.f && req.logprobs < 0 && req.masked_ids.empty();
+  Tensor picked = device_greedy ? be.alloc(DType::I32, {1}) : Tensor();
   for (int step = 0; step < req.max_tokens; ++step) {
-    Tensor host = be.to_host(logits);
-    std::span<const float> row(host.data<float>(), static_cast<size_t>(host.numel()));
-    if (!req.masked_ids.empty()) {
-      masked.assign(row.begin(), row.end());
-      mask_ids(masked, req.masked_ids);
-      row = masked;
+    int32_t id = 0;
+    if (device_greedy) {
+      be.argmax_rows(logits, picked);
+      id = be.to_host(picked).data<int32_t>()[0];
+    } else {
+      Tensor host = be.to_host(logits);
+      std::span<const float> row(host.data<float>(), static_cast<size_t>(host.numel()));
+      if (!req.masked_ids.empty()) {
+        masked.assign(row.begin(), row.end());
+        mask_ids(masked, req.masked_ids);
+        row = masked;
+      }
+      id = sampler.sample(row);
+      if (req.logprobs >= 0) res.logprobs.push_back(token_logprob(row, id, req.logprobs));
     }
-    const int32_t id = sampler.sample(row);
     if (step == 0) res.ttft_ms = ms_since(t0);
     res.ids.push_back(id);
-    if (req.logprobs >= 0) res.logprobs.push_back(token_logprob(row, id, req.logprobs));
     bool is_eos = false;
     for (auto e : req.eos_ids) is_eos |= (e == id);
     // An end-of-sequence token ends the text and is not part of it (as in the server's output).

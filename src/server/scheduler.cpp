@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <stdexcept>
+#include <utility>
 
 #include "engine/generate.h"
 #include "tokenizer/tokenizer.h"
@@ -50,6 +51,7 @@ struct Scheduler::Seq {
   size_t emitted = 0;  // bytes of text released to the handler
   int generated = 0;
   int32_t next_id = 0;
+  int32_t picked = -1;  // the token chosen on the device (greedy rows), or -1
   bool finished = false;
 };
 
@@ -221,7 +223,27 @@ void Scheduler::step() {
     }
     break;
   }
-  // Sample the next token of every decoding sequence, then advance them together.
+  // Sample the next token of every decoding sequence, then advance them together. Greedy rows
+  // without log-probs or masks are picked on the device, and their ids come back in one read.
+  {
+    std::vector<Seq*> greedy;
+    for (auto& s : running_)
+      if (!s->finished && s->stage == Seq::Stage::Decode && device_greedy(*s)) greedy.push_back(s.get());
+    if (!greedy.empty()) {
+      try {
+        Backend& be = model_.backend();
+        Tensor ids = be.alloc_uninit(DType::I32, {static_cast<int64_t>(greedy.size())});
+        for (size_t i = 0; i < greedy.size(); ++i) {
+          Tensor one = ids.slice_rows(static_cast<int64_t>(i), static_cast<int64_t>(i) + 1);
+          be.argmax_rows(greedy[i]->logits, one);
+        }
+        Tensor h = be.to_host(ids);
+        for (size_t i = 0; i < greedy.size(); ++i) greedy[i]->picked = h.data<int32_t>()[i];
+      } catch (const std::exception&) {
+        for (Seq* s : greedy) s->picked = -1;  // decode_sample reads the logits instead
+      }
+    }
+  }
   std::vector<Seq*> cont;
   for (auto& s : running_) {
     if (s->finished || s->stage != Seq::Stage::Decode) continue;
@@ -401,22 +423,31 @@ void Scheduler::start_decode(Seq& s) {
   if (j.gen.max_tokens <= 0) finish(s, "length");
 }
 
+bool Scheduler::device_greedy(const Seq& s) const {
+  const GenSpec& g = s.job->gen;
+  return g.sampling.temperature == 0.f && g.logprobs < 0 && !(g.mask_padded_ids && !padded_ids_.empty()) &&
+         s.logits.defined();
+}
+
 void Scheduler::decode_sample(Seq& s) {
   Job& j = *s.job;
   const GenSpec& g = j.gen;
   Backend& be = model_.backend();
-  Tensor host = be.to_host(s.logits);
-  std::span<const float> row(host.data<float>(), static_cast<size_t>(host.numel()));
-  if (g.mask_padded_ids && !padded_ids_.empty()) {
-    s.masked.assign(row.begin(), row.end());
-    mask_ids(s.masked, padded_ids_);
-    row = s.masked;
-  }
-  // Any id of the row may come out (a padded row included): it decodes to no text, never to an error.
-  const int32_t id = s.sampler->sample(row);
   TokenOut t;
+  int32_t id = std::exchange(s.picked, -1);
+  if (id < 0) {
+    Tensor host = be.to_host(s.logits);
+    std::span<const float> row(host.data<float>(), static_cast<size_t>(host.numel()));
+    if (g.mask_padded_ids && !padded_ids_.empty()) {
+      s.masked.assign(row.begin(), row.end());
+      mask_ids(s.masked, padded_ids_);
+      row = s.masked;
+    }
+    // Any id of the row may come out (a padded row included): it decodes to no text, never to an error.
+    id = s.sampler->sample(row);
+    if (g.logprobs >= 0) t.logprob = token_logprob(row, id, g.logprobs);
+  }
   t.id = id;
-  if (g.logprobs >= 0) t.logprob = token_logprob(row, id, g.logprobs);
   ++s.generated;
   bool is_eos = false;
   for (auto e : g.eos_ids) is_eos |= (e == id);

@@ -124,9 +124,10 @@ class Scheduler {
   void step();
   bool prefill_unit(Seq& s);  // true when the sequence is ready to decode (or finished)
   void start_decode(Seq& s);
-  void decode_sample(Seq& s);  // samples from s.logits, emits; may finish the job
-  // Advances each sequence by its next token. One Model::forward per sequence for now; a
-  // batched Model call (all rows through the weights at once) replaces this function.
+  void decode_sample(Seq& s);              // samples from s.logits (or takes s.picked), emits; may finish the job
+  bool device_greedy(const Seq& s) const;  // greedy, no log-probs, no mask: argmax on the device
+  // Advances each sequence by its next token: one Model::forward_batch over all of them (a
+  // replayed graph per batch size on the GPU), or one forward each when the batch call fails.
   void decode_step(std::vector<Seq*>& seqs);
   void finish(Seq& s, const std::string& reason);
   void fail(Job& j, int status, const std::string& msg);

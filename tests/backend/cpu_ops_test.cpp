@@ -671,3 +671,44 @@ TEST_F(CpuOps, MoeExpertsWithTies) {
   EXPECT_EQ(error_of([&] { be->moe_experts(x, logits, 8, true, few, out); }),
             "moe_experts: top_k 8 out of range for 7 experts");
 }
+
+// ---- decode-step tables and token selection ------------------------------------------------------
+// The step ops' reference implementations read per-sequence state addresses from a table: each
+// sequence's state advances as its own span call would advance it, in table order.
+TEST_F(CpuOps, StepOpsFollowTheTable) {
+  const int64_t C = 6, K = 3;
+  Tensor w = randn({C, K}, 3), x = randn({2, C}, 4);
+  Tensor s0 = randn({K - 1, C}, 5), s1 = randn({K - 1, C}, 6);
+  Tensor r0 = s0.clone(), r1 = s1.clone();
+  Tensor tab = Tensor::empty(DType::I64, {2});
+  tab.data<int64_t>()[0] = static_cast<int64_t>(reinterpret_cast<intptr_t>(s1.raw()));  // row 0 -> s1
+  tab.data<int64_t>()[1] = static_cast<int64_t>(reinterpret_cast<intptr_t>(s0.raw()));
+  Tensor out = be->alloc(DType::F32, {2, C}), want0 = be->alloc(DType::F32, {1, C}),
+         want1 = be->alloc(DType::F32, {1, C});
+  be->causal_conv1d_silu_step(x, w, tab, out);
+  be->causal_conv1d_silu(x.slice_rows(0, 1), w, r1, want0);
+  be->causal_conv1d_silu(x.slice_rows(1, 2), w, r0, want1);
+  EXPECT_EQ(vals(out.slice_rows(0, 1)), vals(want0));
+  EXPECT_EQ(vals(out.slice_rows(1, 2)), vals(want1));
+  EXPECT_EQ(vals(s0), vals(r0));
+  EXPECT_EQ(vals(s1), vals(r1));
+  Tensor short_tab = Tensor::empty(DType::I64, {1});
+  EXPECT_NE(error_of([&] {
+              be->causal_conv1d_silu_step(x, w, short_tab, out);
+            }).find("causal_conv1d_silu_step: states i64[1]: expected i64[2]"),
+            std::string::npos);
+}
+
+TEST_F(CpuOps, ArgmaxRowsTiesToTheLowestId) {
+  Tensor x = Tensor::empty(DType::F32, {3, 4});
+  const float v[12] = {1, 5, 5, 2, -3, -1, -2, -1, 0, 0, 0, 7};
+  std::copy(v, v + 12, x.data<float>());
+  Tensor ids = be->alloc(DType::I32, {3});
+  be->argmax_rows(x, ids);
+  EXPECT_EQ(ids.data<int32_t>()[0], 1);
+  EXPECT_EQ(ids.data<int32_t>()[1], 1);
+  EXPECT_EQ(ids.data<int32_t>()[2], 3);
+  Tensor wrong = be->alloc(DType::I32, {2});
+  EXPECT_NE(error_of([&] { be->argmax_rows(x, wrong); }).find("argmax_rows: ids i32[2]: expected i32[3]"),
+            std::string::npos);
+}

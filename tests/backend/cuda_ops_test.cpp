@@ -517,3 +517,25 @@ TEST_F(CudaOps, MatmulManyAndAddRmsNorm) {
     EXPECT_LE(err(og, oc), 1e-5) << "R=" << R;
   }
 }
+
+// Greedy token choice on the device: the CPU's ids, ties to the lowest id, rows of any length.
+TEST_F(CudaOps, ArgmaxRowsMatchesCpu) {
+  for (int64_t V : {1, 7, 1000, 248320}) {
+    const int64_t R = 5;
+    Tensor x = randn({R, V}, rng);
+    if (V > 10) {  // a tie at two ids of row 1, and the row's maximum at its last id in row 2
+      x.data<float>()[V + 3] = 100.f;
+      x.data<float>()[V + V - 2] = 100.f;
+      x.data<float>()[2 * V + V - 1] = 50.f;
+    }
+    Tensor ic = cpu->alloc(DType::I32, {R}), ig = gpu->alloc(DType::I32, {R});
+    cpu->argmax_rows(x, ic);
+    gpu->argmax_rows(dev(x), ig);
+    Tensor h = gpu->to_host(ig);
+    for (int64_t r = 0; r < R; ++r) EXPECT_EQ(h.data<int32_t>()[r], ic.data<int32_t>()[r]) << "V=" << V << " row " << r;
+    if (V > 10) {
+      EXPECT_EQ(h.data<int32_t>()[1], 3);
+      EXPECT_EQ(h.data<int32_t>()[2], V - 1);
+    }
+  }
+}

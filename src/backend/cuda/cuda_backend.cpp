@@ -572,7 +572,8 @@ void CudaBackend::matmul_many(const Tensor& x, std::initializer_list<Tensor> w, 
     for (const Tensor& wt : w) {
       const Tensor& yt = *yi++;
       check_matmul(x, wt, yt, kDev);
-      if (wt.dtype() != w.begin()->dtype() || !gemv_supported(wt.dtype(), x.dim(0), x.dim(1), wt.raw(), x.data<float>()))
+      if (wt.dtype() != w.begin()->dtype() ||
+          !gemv_supported(wt.dtype(), x.dim(0), x.dim(1), wt.raw(), x.data<float>()))
         one = false;
       o.w[o.count] = wt.raw();
       o.y[o.count] = yt.data<float>();
@@ -814,6 +815,17 @@ void CudaBackend::attention_step(const Tensor& q, const Tensor& k, const Tensor&
   Tensor part = alloc_uninit(DType::F32, {attention_step_part_floats(B, Hq, Dv)});
   launch_attention_step(impl_->stream, q.data<float>(), caches.data<int64_t>(), positions.data<int64_t>(), B, Hq, Hkv,
                         D, Dv, scale, out.data<float>(), part.data<float>());
+}
+
+void CudaBackend::argmax_rows(const Tensor& x, Tensor& ids) {
+  OpScope scope_(*impl_, "argmax_rows");
+  need_f32("argmax_rows", "x", x, kDev);
+  need_def("argmax_rows", "ids", ids, kDev);
+  need_ndim("argmax_rows", "x", x, 2);
+  if (ids.dtype() != DType::I32 || ids.ndim() != 1 || ids.dim(0) != x.dim(0))
+    fail("argmax_rows", "ids " + ids.str() + ": expected i32[" + std::to_string(x.dim(0)) + "]");
+  if (x.dim(1) == 0) fail("argmax_rows", "x " + x.str() + " has empty rows");
+  launch_argmax_rows(impl_->stream, x.data<float>(), x.dim(0), x.dim(1), ids.data<int32_t>());
 }
 
 // ---- segment summaries -----------------------------------------------------------------------

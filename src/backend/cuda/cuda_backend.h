@@ -77,6 +77,8 @@ class CudaBackend : public Backend {
   void attention_step(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& caches, const Tensor& positions,
                       float scale, Tensor& out) override;
 
+  void argmax_rows(const Tensor& x, Tensor& ids) override;
+
   void compose_state(const Tensor& T, const Tensor& S, const Tensor& B, float alpha, Tensor& out) override;
   void set_identity(Tensor& t) override;
 

@@ -259,6 +259,35 @@ __global__ void k_kv_write(const float* k, const float* v, const int64_t* caches
   for (int64_t i = threadIdx.x; i < nv; i += blockDim.x) vc[i] = v[b * nv + i];
 }
 
+// One block per row: each thread keeps its first maximum, then the block keeps the lowest id among
+// the threads' (torch.argmax's tie rule).
+__global__ void k_argmax_rows(const float* x, int64_t V, int32_t* ids) {
+  const float* r = x + blockIdx.x * V;
+  float best = -INFINITY;
+  int64_t at = -1;
+  for (int64_t i = threadIdx.x; i < V; i += blockDim.x)
+    if (at < 0 || r[i] > best) best = r[i], at = i;
+  __shared__ float sv[32];
+  __shared__ int64_t si[32];
+  const int lane = threadIdx.x % 32, w = threadIdx.x / 32;
+  auto better = [](float v, int64_t i, float bv, int64_t bi) {
+    return bi < 0 || (i >= 0 && (v > bv || (v == bv && i < bi)));
+  };
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float v = __shfl_xor_sync(0xffffffffu, best, o);
+    const int64_t i = __shfl_xor_sync(0xffffffffu, at, o);
+    if (better(v, i, best, at)) best = v, at = i;
+  }
+  if (lane == 0) sv[w] = best, si[w] = at;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int k = 1; k < static_cast<int>(blockDim.x / 32); ++k)
+      if (better(sv[k], si[k], best, at)) best = sv[k], at = si[k];
+    ids[blockIdx.x] = static_cast<int32_t>(at < 0 ? 0 : at);
+  }
+}
+
 __global__ void k_set_identity(float* t, int64_t H, int64_t n) {
   const int64_t total = H * n * n;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
@@ -426,6 +455,12 @@ void launch_kv_write(cudaStream_t s, const float* k, const float* v, const int64
   k_kv_write<<<static_cast<unsigned>(B), row_threads(Hkv * std::max(D, Dv)), 0, s>>>(k, v, caches, positions, B,
                                                                                      Hkv * D, Hkv * Dv);
   CUDA_LAUNCH_CHECK("k_kv_write");
+}
+
+void launch_argmax_rows(cudaStream_t s, const float* x, int64_t R, int64_t V, int32_t* ids) {
+  if (R == 0) return;
+  k_argmax_rows<<<static_cast<unsigned>(R), 1024, 0, s>>>(x, V, ids);
+  CUDA_LAUNCH_CHECK("k_argmax_rows");
 }
 
 void launch_set_identity(cudaStream_t s, float* t, int64_t H, int64_t n) {

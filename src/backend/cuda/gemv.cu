@@ -55,8 +55,8 @@ __device__ __forceinline__ float silu(float x) {
 }
 
 template <typename WT, int M>
-__global__ void __launch_bounds__(kThreads) k_gemv(GemvOutputs o, const float* __restrict__ x, int64_t K,
-                                                   bool accumulate) {
+__global__ void __launch_bounds__(kThreads)
+    k_gemv(GemvOutputs o, const float* __restrict__ x, int64_t K, bool accumulate) {
   int64_t n = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   int64_t total = o.end[0];
@@ -163,9 +163,9 @@ template <typename WT>
 void gemv_t(cudaStream_t s, const GemvOutputs& o, const float* x, int64_t M, int64_t K, bool acc) {
   const unsigned blocks = static_cast<unsigned>((o.end[o.count - 1] + kWarps - 1) / kWarps);
   switch (M) {
-#define HYPIC_GEMV_CASE(m)                                      \
-  case m:                                                       \
-    k_gemv<WT, m><<<blocks, kThreads, 0, s>>>(o, x, K, acc);    \
+#define HYPIC_GEMV_CASE(m)                                   \
+  case m:                                                    \
+    k_gemv<WT, m><<<blocks, kThreads, 0, s>>>(o, x, K, acc); \
     break;
     HYPIC_GEMV_CASE(1)
     HYPIC_GEMV_CASE(2)
