@@ -265,11 +265,15 @@ std::string PicEngine::check_entry(const SegmentEntry& e) const {
   return "";
 }
 
+std::shared_ptr<const SegmentEntry> PicEngine::lookup(const SegmentKey& key) {
+  return cache_.store() ? cache_.find_or_load(key, [this](const SegmentEntry& e) { return check_entry(e); })
+                        : cache_.find(key);
+}
+
 std::shared_ptr<const SegmentEntry> PicEngine::get_or_build(const std::vector<int32_t>& ids, int seam, int tail,
                                                             CacheReport& rep) {
   SegmentKey key{model_.fingerprint(), seam, tail, ids};
-  if (auto hit = cache_.store() ? cache_.find_or_load(key, [this](const SegmentEntry& e) { return check_entry(e); })
-                                : cache_.find(key)) {
+  if (auto hit = lookup(key)) {
     ++rep.hit_segments;
     return hit;
   }
@@ -278,18 +282,69 @@ std::shared_ptr<const SegmentEntry> PicEngine::get_or_build(const std::vector<in
   return cache_.insert(build_entry(ids, seam, tail));
 }
 
-PrefillResult PicEngine::prefill(const std::vector<std::vector<int32_t>>& segs, const PicOptions& opt) {
-  check_segments(model_, segs);
+std::pair<int, int> seam_widths(size_t i, const PicOptions& opt) {
+  if (i == 0 || opt.mode == PicMode::Naive) return {0, 0};
+  return {opt.seam, opt.tail_seam};
+}
+
+size_t PicPlan::next_missing() const {
+  for (size_t i = 0; i < parts.size(); ++i)
+    if (parts[i].missing()) return i;
+  return parts.size();
+}
+
+namespace {
+void check_options(const PicOptions& opt) {
   if (opt.seam < 0) throw std::invalid_argument("seam must be >= 0, got " + std::to_string(opt.seam));
   if (opt.tail_seam < 0) throw std::invalid_argument("tail seam must be >= 0, got " + std::to_string(opt.tail_seam));
+}
+}  // namespace
+
+PicPlan PicEngine::plan(const std::vector<std::vector<int32_t>>& segs, const PicOptions& opt) {
+  check_segments(model_, segs);
+  check_options(opt);
+  if (opt.mode != PicMode::Pic && opt.mode != PicMode::Naive)
+    throw std::invalid_argument(std::string("a PIC plan is for the pic and naive modes, not ") +
+                                pic_mode_name(opt.mode));
+  PicPlan p;
+  p.opt = opt;
+  int64_t pos = 0;
+  for (size_t i = 0; i + 1 < segs.size(); ++i) {
+    const auto [seam, tail] = seam_widths(i, opt);
+    PicPart part;
+    part.key = SegmentKey{model_.fingerprint(), seam, tail, segs[i]};
+    part.pos = pos;
+    part.len = static_cast<int64_t>(segs[i].size());
+    part.head = std::min<int64_t>(seam, part.len);
+    part.tail = std::min<int64_t>(tail, part.len - part.head);
+    if (part.has_body()) part.entry = lookup(part.key);
+    pos += part.len;
+    p.parts.push_back(std::move(part));
+  }
+  return p;
+}
+
+void PicEngine::build(PicPlan& plan, size_t i) {
+  PicPart& part = plan.parts.at(i);
+  if (!part.missing()) return;
+  part.entry = cache_.insert(build_entry(part.key.ids, part.key.seam, part.key.tail));
+  part.built = true;
+}
+
+PrefillResult PicEngine::prefill(const std::vector<std::vector<int32_t>>& segs, const PicOptions& opt) {
+  check_segments(model_, segs);
+  check_options(opt);
   switch (opt.mode) {
     case PicMode::Full:
       return prefill_full(segs, opt.skip_question);
     case PicMode::Prefix:
       return prefill_prefix(segs, opt.skip_question);
     case PicMode::Pic:
-    case PicMode::Naive:
-      return prefill_composed(segs, opt);
+    case PicMode::Naive: {
+      PicPlan p = plan(segs, opt);
+      for (size_t i = p.next_missing(); i < p.parts.size(); i = p.next_missing()) build(p, i);
+      return compose(segs, p);
+    }
   }
   throw std::logic_error("bad mode");
 }
@@ -360,11 +415,17 @@ size_t PicEngine::cached_prefix_segments(const std::vector<std::vector<int32_t>>
   return snap ? snap->bounds.size() : 0;
 }
 
-PrefillResult PicEngine::prefill_composed(const std::vector<std::vector<int32_t>>& segs, const PicOptions& opt) {
+PrefillResult PicEngine::compose(const std::vector<std::vector<int32_t>>& segs, const PicPlan& plan) {
   Model& m = model_;
   Backend& be = m.backend();
   const auto& cfg = m.config();
+  const PicOptions& opt = plan.opt;
   const bool naive = opt.mode == PicMode::Naive;
+  if (segs.empty() || plan.parts.size() + 1 != segs.size())
+    throw std::invalid_argument("compose: a plan of " + std::to_string(plan.parts.size()) +
+                                " context segments for a prompt of " + std::to_string(segs.size()) + " segments");
+  if (const size_t i = plan.next_missing(); i < plan.parts.size())
+    throw std::logic_error("compose: segment " + std::to_string(i) + " has no entry yet (PicEngine::build)");
   int64_t total = 0;
   for (auto& s : segs) total += static_cast<int64_t>(s.size());
   PrefillResult r;
@@ -402,27 +463,30 @@ PrefillResult PicEngine::prefill_composed(const std::vector<std::vector<int32_t>
       be.copy(snap.layers[static_cast<size_t>(l)].conv, ls.conv);
     }
 
-  // Entries for every context segment (built in isolation when missing), and the rows this
-  // request computes: the seams of the segments after the snapshot, then the question.
+  // The plan's entries, and the rows this request computes: the seams of the segments after the
+  // snapshot, then the question.
   struct Part {
-    std::shared_ptr<const SegmentEntry> e;
-    int64_t pos, len, head, tail;  // cached body: [head, len - tail)
-    bool restored;                 // covered by the snapshot: seam rows come from it
+    std::shared_ptr<const SegmentEntry> e;  // null: no body, the whole segment is its seam
+    int64_t pos, len, head, tail;           // cached body: [head, len - tail)
+    bool restored;                          // covered by the snapshot: seam rows come from it
   };
   std::vector<Part> parts;
   std::vector<int32_t> rows;
   int64_t pos = 0, seam_rows = 0;
   for (size_t i = 0; i < n_ctx; ++i) {
+    const PicPart& pp = plan.parts[i];
     const auto& ids = segs[i];
     const int64_t L = static_cast<int64_t>(ids.size());
-    // The first segment sits at its true position 0: reused whole, no seam needed.
-    const int seam = (i == 0 || naive) ? 0 : opt.seam;
-    const int tail = (i == 0 || naive) ? 0 : opt.tail_seam;
-    const int hits_before = r.report.hit_segments;
-    auto e = get_or_build(ids, seam, tail, r.report);
-    const bool hit = r.report.hit_segments > hits_before;
-    const int64_t head = std::min<int64_t>(seam, L);
-    const int64_t tl = std::min<int64_t>(tail, L - head);
+    if (pp.key.ids != ids || pp.pos != pos)
+      throw std::invalid_argument("compose: the plan was made for another prompt (segment " + std::to_string(i) + ")");
+    const int64_t head = pp.head, tl = pp.tail;
+    const bool hit = pp.entry && !pp.built;
+    if (pp.built) {
+      ++r.report.miss_segments;
+      r.report.computed_tokens += L;  // its isolated prefill
+    } else if (hit) {
+      ++r.report.hit_segments;
+    }
     const bool restored = i < first;
     // Only entries that were already cached count as reused; one built for this request was
     // computed. Seam rows are reused from the snapshot, computed otherwise.
@@ -436,7 +500,7 @@ PrefillResult PicEngine::prefill_composed(const std::vector<std::vector<int32_t>
       rows.insert(rows.end(), ids.end() - tl, ids.end());
     }
     seam_rows += head + tl;
-    parts.push_back({std::move(e), pos, L, head, tl, restored});
+    parts.push_back({pp.entry, pos, L, head, tl, restored});
     pos += L;
   }
   const bool with_q = !opt.skip_question;
@@ -487,7 +551,8 @@ PrefillResult PicEngine::prefill_composed(const std::vector<std::vector<int32_t>
     int64_t snap_row = 0;  // next seam row of the snapshot (full layers)
     for (size_t i = 0; i < parts.size(); ++i) {
       const Part& p = parts[i];
-      const LayerSummary& sum = p.e->layers[static_cast<size_t>(l)];
+      static const LayerSummary kNoBody;
+      const LayerSummary& sum = p.e ? p.e->layers[static_cast<size_t>(l)] : kNoBody;
       if (linear) {
         if (p.restored) continue;  // its effect is in the restored state
         // Seam tokens have advanced the running state from the prefix state (conv warmed by the

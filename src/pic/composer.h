@@ -20,6 +20,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "models/model.h"
@@ -50,6 +51,32 @@ struct CacheReport {
   int64_t prefix_tokens = 0;    // of reused_tokens: from an exact-prefix snapshot (prefix, pic, naive)
 };
 
+// One PIC request (pic and naive modes) as every caller runs it (CLI, eval, the server): each
+// context segment's part with its cache key, position and seams, the entry found or built for it,
+// and what is still missing. PicEngine::plan() looks every entry up once (memory, then disk),
+// build() makes one missing entry in isolation, compose() prefills from a complete plan; its
+// report follows from the plan (a segment built for this request is a miss and computed).
+struct PicPart {
+  SegmentKey key;                                // ids, seam and tail under this model
+  int64_t pos = 0, len = 0, head = 0, tail = 0;  // cached body: [head, len - tail)
+  std::shared_ptr<const SegmentEntry> entry;     // pinned; null while missing, and without a body
+  bool built = false;                            // made for this request (not a cache hit)
+  // A segment no longer than its seams is recomputed whole in context: nothing of it is worth
+  // caching, so it has no entry (and costs no memory or isolated prefill).
+  bool has_body() const { return head + tail < len; }
+  bool missing() const { return has_body() && !entry; }
+};
+
+struct PicPlan {
+  PicOptions opt;
+  std::vector<PicPart> parts;   // the context segments (all but the last, the question)
+  size_t next_missing() const;  // the first part still without its entry, or parts.size()
+};
+
+// The seams of context segment i (head, tail): the first segment sits at its true position 0 and
+// is reused whole; naive composes without seams.
+std::pair<int, int> seam_widths(size_t i, const PicOptions& opt);
+
 struct PrefillResult {
   SequenceState state;  // ready for decoding (n_past = prompt length)
   Tensor logits;        // last row, on the backend
@@ -62,6 +89,11 @@ class PicEngine {
   ~PicEngine();
   // segments: token ids of each segment, in prompt order; none may be empty.
   PrefillResult prefill(const std::vector<std::vector<int32_t>>& segments, const PicOptions& opt);
+  // pic / naive in steps (the server interleaves the builds with other requests' work):
+  PicPlan plan(const std::vector<std::vector<int32_t>>& segments, const PicOptions& opt);
+  void build(PicPlan& plan, size_t part);  // the part's entry, prefilled in isolation and cached
+  // Every part with a body must have its entry (throws otherwise). opt.skip_question is the plan's.
+  PrefillResult compose(const std::vector<std::vector<int32_t>>& segments, const PicPlan& plan);
   SegmentCache& cache() { return cache_; }
   // pic / naive: how many leading context segments an exact-prefix snapshot covers for this
   // request now (their seams are not recomputed; their bodies' K/V still come from the entries);
@@ -87,7 +119,7 @@ class PicEngine {
  private:
   PrefillResult prefill_full(const std::vector<std::vector<int32_t>>& segs, bool skip_question);
   PrefillResult prefill_prefix(const std::vector<std::vector<int32_t>>& segs, bool skip_question);
-  PrefillResult prefill_composed(const std::vector<std::vector<int32_t>>& segs, const PicOptions& opt);
+  std::shared_ptr<const SegmentEntry> lookup(const SegmentKey& key);  // memory, then disk (verified)
 
   Model& model_;
   SegmentCache cache_;

@@ -35,10 +35,9 @@ struct Scheduler::Seq {
   std::shared_ptr<Job> job;
   enum class Stage { Start, Warm, Compose, Chunked, Decode } stage = Stage::Start;
   // prefill progress
-  size_t warm_next = 0;
-  std::vector<std::shared_ptr<const SegmentEntry>> pins;  // keeps this request's entries resident
+  size_t warm_next = 0;           // segment posts: the next segment to look up or build
+  std::unique_ptr<PicPlan> plan;  // pic / naive: entries found or built so far (pinned)
   int hits = 0, misses = 0;
-  int64_t built_reused = 0, built_computed = 0;
   std::vector<int32_t> flat;
   size_t flat_done = 0;
   // decoding
@@ -358,49 +357,36 @@ bool Scheduler::prefill_unit(Seq& s) {
     return true;
   }
   if (s.stage == Seq::Stage::Warm) {
-    // Every context segment is looked up; a missing one is built in isolation (one per
-    // iteration) and pinned, so the composition below finds them all.
-    const bool naive = g.pic.mode == PicMode::Naive;
-    bool built_one = false;
-    while (s.warm_next + 1 < segs.size() && !built_one) {
-      const size_t i = s.warm_next++;
-      const int seam = (i == 0 || naive) ? 0 : g.pic.seam;
-      bool built = false;
-      s.pins.push_back(get_or_build(segs[i], seam, built));
-      if (built) {
-        const int64_t L = static_cast<int64_t>(segs[i].size());
-        ++s.misses;
-        s.built_reused += L - std::min<int64_t>(seam, L);
-        s.built_computed += L;
-        built_one = true;
-      } else {
-        ++s.hits;
-      }
+    // The request's plan looks every context segment up once; a missing entry is built in
+    // isolation (one per iteration, so other requests' work interleaves) and pinned by the plan.
+    if (!s.plan) {
+      s.plan = std::make_unique<PicPlan>(engine_.plan(segs, g.pic));
+      for (const auto& p : s.plan->parts)
+        if (p.entry) remember(p.entry);
     }
-    if (s.warm_next + 1 < segs.size() || built_one) return false;
+    if (const size_t i = s.plan->next_missing(); i < s.plan->parts.size()) {
+      engine_.build(*s.plan, i);
+      remember(s.plan->parts[i].entry);
+      return false;
+    }
     s.stage = Seq::Stage::Compose;
   }
   if (s.stage == Seq::Stage::Compose) {
-    // Composition of the context (all hits now). The engine runs the seams and the question in
-    // one pass; a question longer than a prefill chunk is left out and prefilled in chunks after.
-    PicOptions po = g.pic;
-    po.skip_question = segs.back().size() > static_cast<size_t>(opt_.prefill_chunk);
-    PrefillResult r = engine_.prefill(segs, po);
+    // Composition of the context from the plan's entries. The engine runs the seams and the
+    // question in one pass; a question longer than a prefill chunk is left out and prefilled in
+    // chunks after.
+    s.plan->opt.skip_question = segs.back().size() > static_cast<size_t>(opt_.prefill_chunk);
+    const bool skip_question = s.plan->opt.skip_question;
+    PrefillResult r = engine_.compose(segs, *s.plan);
+    s.plan.reset();
     s.st = std::move(r.state);
     model_.reserve(s.st, std::max<int64_t>(cap, 1));
-    s.pins.clear();
-    // The composition saw every segment as a hit; segments built for this request count as
-    // computed, not reused.
-    CacheReport rep = r.report;
-    rep.reused_tokens = std::max<int64_t>(0, rep.reused_tokens - s.built_reused);
-    rep.computed_tokens += s.built_computed;
-    rep.miss_segments += s.misses;
-    rep.hit_segments = std::max(0, rep.hit_segments - s.misses);
+    const CacheReport& rep = r.report;
     {
       std::lock_guard<std::mutex> lk(j.mu);
       j.report = rep;
     }
-    if (!po.skip_question) {
+    if (!skip_question) {
       s.logits = r.logits;
       return true;
     }

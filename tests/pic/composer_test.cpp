@@ -244,6 +244,57 @@ TEST_P(Pic, BothEndsSeamsKeepExactnessProperties) {
   EXPECT_EQ(head_only, run(fresh, segs_, {PicMode::Pic, 8}));
 }
 
+// The request plan in steps (what the server does: plan, one build per iteration, compose) gives
+// the one-call prefill's answer and report. A segment no longer than its seam is recomputed whole
+// in context: it gets no entry, no isolated prefill and no cache memory, and the warm answer is
+// still the cold one.
+TEST_P(Pic, PlanInStepsEqualsOneCallAndShortSegmentsHaveNoEntry) {
+  const std::vector<int32_t> shorty(segs_[2].begin(), segs_[2].begin() + 5);
+  const std::vector<std::vector<int32_t>> s = {segs_[0], shorty, segs_[1], segs_[4]};
+  const PicOptions o{PicMode::Pic, 8};
+  PicEngine a(*lm_->model, 64 << 20), b(*lm_->model, 64 << 20);
+  CacheReport ra, rb;
+  auto cold = run(a, s, o, nullptr, &ra);
+  EXPECT_EQ(ra.miss_segments, 2);
+  EXPECT_EQ(ra.hit_segments, 0);
+  EXPECT_EQ(a.cache().stats().inserts, 2u) << "no entry for the 5-token segment under an 8-token seam";
+
+  PicPlan plan = b.plan(s, o);
+  ASSERT_EQ(plan.parts.size(), 3u);
+  EXPECT_FALSE(plan.parts[1].has_body());
+  EXPECT_EQ(plan.parts[1].entry, nullptr);
+  EXPECT_EQ(plan.parts[2].pos, static_cast<int64_t>(segs_[0].size() + shorty.size()));
+  EXPECT_EQ(plan.next_missing(), 0u);
+  try {
+    b.compose(s, plan);
+    ADD_FAILURE() << "composed a plan with missing entries";
+  } catch (const std::logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("segment 0 has no entry"), std::string::npos) << e.what();
+  }
+  b.build(plan, 0);
+  EXPECT_EQ(plan.next_missing(), 2u);
+  b.build(plan, 2);
+  EXPECT_EQ(plan.next_missing(), plan.parts.size());
+  PrefillResult r = b.compose(s, plan);
+  rb = r.report;
+  EXPECT_EQ(max_abs(cold, host_logprobs(*lm_->backend, r.logits)), 0.0);
+  EXPECT_EQ(ra.miss_segments, rb.miss_segments);
+  EXPECT_EQ(ra.computed_tokens, rb.computed_tokens);
+  EXPECT_EQ(ra.reused_tokens, rb.reused_tokens);
+
+  // Warm, in another order around the short segment: both entries hit, the answer of a cold run.
+  const std::vector<std::vector<int32_t>> s2 = {segs_[0], segs_[1], shorty, segs_[4]};
+  PicEngine c(*lm_->model, 64 << 20);
+  auto cold2 = run(c, s2, o);
+  CacheReport rw;
+  auto warm2 = run(a, s2, o, nullptr, &rw);
+  EXPECT_EQ(rw.hit_segments, 2);
+  EXPECT_EQ(rw.miss_segments, 0);
+  EXPECT_EQ(max_abs(cold2, warm2), 0.0);
+  EXPECT_THROW(b.plan(s, {PicMode::Full}), std::invalid_argument);
+  EXPECT_THROW(b.compose({segs_[0], segs_[4]}, plan), std::invalid_argument);
+}
+
 INSTANTIATE_TEST_SUITE_P(Models, Pic, ::testing::Values("qwen3_5_dense", "qwen3_5_moe", "qwen3_next"),
                          [](const auto& i) { return i.param; });
 
