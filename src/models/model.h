@@ -47,15 +47,25 @@ struct ForwardOptions {
   bool all_logits = false;  // logits for every input row instead of only the last
 };
 
+// What a linear layer does to a sequence's state right after one span's token mixer (also after
+// an empty span), as data rather than a callback, so that work holding it can be recorded and
+// replayed: PIC composes a cached segment body into the running state there, between one seam and
+// the next, and keeps the state after the context as an exact-prefix snapshot. In order:
+struct SpanAfter {
+  const Tensor* T = nullptr;     // S <- T S + B ([Hv, dk, dk], [Hv, dk, dv]); T null: S <- S + B
+  const Tensor* B = nullptr;     //   (B null: the recurrent state is left alone)
+  const Tensor* conv = nullptr;  // conv state <- conv (the cached body's conv tail)
+  LayerState* keep = nullptr;    // copies of the recurrent and conv state are stored here
+  bool any() const { return B || conv || keep; }
+};
+
 // One sequence's share of a layer call: its state, the position of its first row, its rows.
 struct LayerSpan {
   LayerState* state;
   int64_t pos0;
   int64_t rows;
   Tensor* transition = nullptr;  // linear layers: receives T_C of this span when set
-  // Runs right after this span's token mixer (also for an empty span): PIC composes a cached
-  // segment body into the running state here, between one seam and the next.
-  const std::function<void()>* after = nullptr;
+  SpanAfter after;               // linear layers: applied right after this span's mixer
 };
 
 // One sequence in a batched forward: new tokens appended to its state.
@@ -106,6 +116,8 @@ class Model {
   void layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> spans);
   // Final norm + LM head over x [R, H] -> logits [R, V].
   Tensor logits(const Tensor& x);
+  // Applies `a` to a linear layer's state (what layer_forward does after a span's mixer).
+  void apply_after(LayerState& ls, const SpanAfter& a);
 
   // Decode steps (forward_batch with one token per sequence, forward of one token) run each mixer
   // once over the batch from device tables of positions and state addresses; on a backend with

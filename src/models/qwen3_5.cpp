@@ -463,11 +463,11 @@ void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> s
     Tensor beta = be_.alloc_uninit(DType::F32, {T, m.Hv});
     Tensor o = be_.alloc_uninit(DType::F32, {T, m.Hv, m.dv});
     be_.gdn_gates(a, b, g.A_log, g.dt_bias, gdec, beta);
-    // q, k and v are column blocks of the conv output. Without callbacks between spans (decode
+    // q, k and v are column blocks of the conv output. Without `after` work between spans (decode
     // batches, plain prefill) every span's conv runs first and the blocks are split once for all
-    // rows: 3 copies per layer instead of 3 per sequence. A callback may change the next span's
+    // rows: 3 copies per layer instead of 3 per sequence. `after` work may change the next span's
     // starting state (PIC composition), so then each span runs conv, split, recurrence in turn.
-    const bool ordered = std::any_of(spans.begin(), spans.end(), [](const LayerSpan& sp) { return sp.after; });
+    const bool ordered = std::any_of(spans.begin(), spans.end(), [](const LayerSpan& sp) { return sp.after.any(); });
     auto split = [&](int64_t r0, int64_t r1) {
       Tensor co = conv_out.slice_rows(r0, r1);
       Tensor q2 = q.slice_rows(r0, r1).reshape({r1 - r0, m.Hk * m.dk}),
@@ -494,7 +494,7 @@ void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> s
     int64_t r0 = 0;
     for (const auto& sp : step ? std::span<const LayerSpan>() : spans) {
       if (sp.rows == 0) {
-        if (sp.after) (*sp.after)();
+        if (sp.after.any()) apply_after(*sp.state, sp.after);
         continue;
       }
       const int64_t r1 = r0 + sp.rows;
@@ -506,7 +506,7 @@ void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> s
       Tensor os = o.slice_rows(r0, r1);
       be_.gated_delta_rule(q.slice_rows(r0, r1), k.slice_rows(r0, r1), v.slice_rows(r0, r1), gdec.slice_rows(r0, r1),
                            beta.slice_rows(r0, r1), true, sp.state->ssm, os, sp.transition);
-      if (sp.after) (*sp.after)();
+      if (sp.after.any()) apply_after(*sp.state, sp.after);
       r0 = r1;
     }
     Tensor o2 = o.reshape({T * m.Hv, m.dv});
@@ -541,7 +541,7 @@ void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> s
     int64_t r0 = 0;
     for (const auto& sp : step ? std::span<const LayerSpan>() : spans) {
       if (sp.rows == 0) {
-        if (sp.after) (*sp.after)();
+        if (sp.after.any()) apply_after(*sp.state, sp.after);
         continue;
       }
       const int64_t r1 = r0 + sp.rows;
@@ -552,7 +552,7 @@ void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> s
       be_.copy(v.slice_rows(r0, r1), vd);
       Tensor os = o.slice_rows(r0, r1);
       be_.attention(q.slice_rows(r0, r1), ls.k, ls.v, sp.pos0 + sp.rows, sp.pos0, scale, os);
-      if (sp.after) (*sp.after)();
+      if (sp.after.any()) apply_after(*sp.state, sp.after);
       r0 = r1;
     }
     Tensor o2 = o.reshape({T, m.Hq * m.D});
@@ -579,6 +579,26 @@ void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> s
     }
   }
   be_.add(x, mix, x);
+}
+
+void Model::apply_after(LayerState& ls, const SpanAfter& a) {
+  if (a.B) {
+    if (a.T) {
+      // compose_state's output may not alias its input state.
+      Tensor next = be_.alloc(DType::F32, ls.ssm.shape());
+      be_.compose_state(*a.T, ls.ssm, *a.B, 1.f, next);
+      ls.ssm = next;
+    } else {
+      be_.add(ls.ssm, *a.B, ls.ssm);
+    }
+  }
+  if (a.conv) be_.copy(*a.conv, ls.conv);
+  if (a.keep) {
+    a.keep->ssm = be_.alloc_uninit(DType::F32, ls.ssm.shape());
+    a.keep->conv = be_.alloc_uninit(DType::F32, ls.conv.shape());
+    be_.copy(ls.ssm, a.keep->ssm);
+    be_.copy(ls.conv, a.keep->conv);
+  }
 }
 
 double Model::step_weight_bytes(int64_t batch) const {

@@ -166,11 +166,9 @@ std::shared_ptr<SegmentEntry> PicEngine::build_entry(const std::vector<int32_t>&
   SequenceState st = m.new_state(L);  // zero state at position 0: the segment in isolation
   Tensor x = m.embed(ids);
   // One pass per layer over the whole segment as three spans on one state: head | body | tail.
-  // Hooks between the spans snapshot what the cache keeps: the state after the head, then the
-  // body's transition (chained by the kernel in the same pass), its zero-start state
-  // S_body = S_end - T_body S_head (linearity), and the conv state at the end of the body.
-  Tensor s_head;
-  std::function<void()> after_head, after_body;
+  // The state is kept after the head and after the body; the cache stores the body's transition
+  // (chained by the kernel in the same pass), its zero-start state S_body = S_end - T_body S_head
+  // (linearity), and the conv state at the end of the body.
   for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
     auto& ls = st.layers[static_cast<size_t>(l)];
     auto& out = e->layers[static_cast<size_t>(l)];
@@ -178,20 +176,19 @@ std::shared_ptr<SegmentEntry> PicEngine::build_entry(const std::vector<int32_t>&
       const auto& sh = ls.ssm.shape();  // [Hv, dk, dv]
       out.T = be.alloc(DType::F32, {sh[0], sh[1], sh[1]});
       out.S = be.alloc(DType::F32, sh);
-      s_head = be.alloc(DType::F32, sh);
-      after_head = [&] { be.copy(ls.ssm, s_head); };
-      after_body = [&] {
-        if (head < body_end)
-          be.compose_state(out.T, s_head, ls.ssm, -1.f, out.S);
-        else
-          be.set_identity(out.T);  // empty body: T = I, S = 0
-        out.conv_tail = be.alloc(DType::F32, ls.conv.shape());
-        be.copy(ls.conv, out.conv_tail);
-      };
-      const LayerSpan spans[3] = {{&ls, 0, head, nullptr, &after_head},
-                                  {&ls, head, body_end - head, &out.T, &after_body},
-                                  {&ls, body_end, tl, nullptr, nullptr}};
+      LayerState at_head, at_body;
+      SpanAfter keep_head, keep_body;
+      keep_head.keep = &at_head;
+      keep_body.keep = &at_body;
+      const LayerSpan spans[3] = {{&ls, 0, head, nullptr, keep_head},
+                                  {&ls, head, body_end - head, &out.T, keep_body},
+                                  {&ls, body_end, tl, nullptr, {}}};
       m.layer_forward(l, x, spans);
+      if (head < body_end)
+        be.compose_state(out.T, at_head.ssm, at_body.ssm, -1.f, out.S);
+      else
+        be.set_identity(out.T);  // empty body: T = I, S = 0
+      out.conv_tail = at_body.conv;
     } else {
       m.layer_forward(l, x, ls, 0);
       const auto& ks = ls.k.shape();
@@ -521,7 +518,6 @@ PrefillResult PicEngine::compose(const std::vector<std::vector<int32_t>>& segs, 
   const bool per_segment = be.name() == "cpu";
   Tensor x;
   if (!rows.empty()) x = m.embed(rows);
-  std::vector<std::function<void()>> hooks(parts.size());
   std::vector<LayerSpan> spans;
   std::vector<std::pair<size_t, int64_t>> groups;  // (end of the group's spans, its rows)
   // The snapshot of this context for the next request that starts with these segments (the next
@@ -529,7 +525,6 @@ PrefillResult PicEngine::compose(const std::vector<std::vector<int32_t>>& segs, 
   // full layers' seam rows. Kept when this request composed any segment itself.
   const bool keep = first < n_ctx;
   SequenceState end;
-  std::function<void()> capture;
   if (keep) {
     end.layers.resize(st.layers.size());
     end.n_past = pos;
@@ -537,15 +532,6 @@ PrefillResult PicEngine::compose(const std::vector<std::vector<int32_t>>& segs, 
   for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
     LayerState& ls = st.layers[static_cast<size_t>(l)];
     const bool linear = cfg.layer_types[static_cast<size_t>(l)] == LayerKind::Linear;
-    if (keep && linear) {
-      LayerState& e = end.layers[static_cast<size_t>(l)];
-      capture = [&be, &ls, &e] {
-        e.ssm = be.alloc(DType::F32, ls.ssm.shape());
-        e.conv = be.alloc(DType::F32, ls.conv.shape());
-        be.copy(ls.ssm, e.ssm);
-        be.copy(ls.conv, e.conv);
-      };
-    }
     spans.clear();
     groups.clear();
     int64_t snap_row = 0;  // next seam row of the snapshot (full layers)
@@ -553,22 +539,17 @@ PrefillResult PicEngine::compose(const std::vector<std::vector<int32_t>>& segs, 
       const Part& p = parts[i];
       static const LayerSummary kNoBody;
       const LayerSummary& sum = p.e ? p.e->layers[static_cast<size_t>(l)] : kNoBody;
+      SpanAfter after;
       if (linear) {
         if (p.restored) continue;  // its effect is in the restored state
         // Seam tokens have advanced the running state from the prefix state (conv warmed by the
-        // previous segment's tail); now S <- T_body S + S_body and the conv tail moves on.
-        hooks[i] = [&be, &ls, &sum, &p, naive] {
-          // No cached body: the running conv state already holds the true inputs before the tail.
-          if (p.head + p.tail >= p.len) return;
-          if (naive) {
-            be.add(ls.ssm, sum.S, ls.ssm);
-          } else {
-            Tensor next = be.alloc(DType::F32, ls.ssm.shape());
-            be.compose_state(sum.T, ls.ssm, sum.S, 1.f, next);
-            ls.ssm = next;
-          }
-          be.copy(sum.conv_tail, ls.conv);
-        };
+        // previous segment's tail); now S <- T_body S + S_body and the conv tail moves on. Without
+        // a cached body the running conv state already holds the true inputs before the tail.
+        if (p.head + p.tail < p.len) {
+          after.T = naive ? nullptr : &sum.T;
+          after.B = &sum.S;
+          after.conv = &sum.conv_tail;
+        }
       } else {
         if (p.head + p.tail < p.len) {
           // Splice the body's K/V; keys were stored at relative positions and RoPE angles add, so
@@ -595,28 +576,30 @@ PrefillResult PicEngine::compose(const std::vector<std::vector<int32_t>>& segs, 
           continue;
         }
       }
-      spans.push_back(LayerSpan{&ls, p.pos, p.head, nullptr, linear ? &hooks[i] : nullptr});
+      spans.push_back(LayerSpan{&ls, p.pos, p.head, nullptr, after});
       // Both-ends seam: the segment's last tokens are recomputed too, after its body.
-      if (p.tail > 0) spans.push_back(LayerSpan{&ls, p.pos + p.len - p.tail, p.tail, nullptr, nullptr});
+      if (p.tail > 0) spans.push_back(LayerSpan{&ls, p.pos + p.len - p.tail, p.tail, nullptr, {}});
       groups.emplace_back(spans.size(), p.head + p.tail);
     }
     if (keep && linear) {
-      spans.push_back(LayerSpan{&ls, pos, 0, nullptr, &capture});
+      SpanAfter snap_after;
+      snap_after.keep = &end.layers[static_cast<size_t>(l)];
+      spans.push_back(LayerSpan{&ls, pos, 0, nullptr, snap_after});
       groups.emplace_back(spans.size(), 0);
     }
     if (with_q) {
-      spans.push_back(LayerSpan{&ls, pos, Q, nullptr, nullptr});
+      spans.push_back(LayerSpan{&ls, pos, Q, nullptr, {}});
       groups.emplace_back(spans.size(), Q);
     }
     if (!per_segment && x.defined()) {
-      groups.assign(1, {spans.size(), x.dim(0)});  // one call: hooks run inside, in span order
+      groups.assign(1, {spans.size(), x.dim(0)});  // one call: each span's `after` applied in order
     }
     size_t s0 = 0;
     int64_t r0 = 0;
     for (const auto& [s1, n] : groups) {
       if (n == 0) {
         for (size_t i = s0; i < s1; ++i)
-          if (spans[i].after) (*spans[i].after)();
+          if (spans[i].after.any()) m.apply_after(*spans[i].state, spans[i].after);
       } else {
         Tensor xg = x.slice_rows(r0, r0 + n);
         m.layer_forward(l, xg, std::span<const LayerSpan>(spans.data() + s0, s1 - s0));
