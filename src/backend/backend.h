@@ -58,6 +58,11 @@ class Backend {
   // three products, and uses its f32 attention kernel), for conformance and quality checks.
   virtual void set_precise(bool exact) {}
   virtual bool precise() const { return false; }
+  // Products whose every row comes out the same whatever other rows share the call (one kernel
+  // and one accumulation order at any row count). PIC composes all seams in one call under it and
+  // still continues a reused exact prefix bit for bit. Returns whether the mode is now as asked
+  // (false: this backend has no such mode).
+  virtual bool set_row_independent(bool on) { return !on; }
 
   // Host bytes into an existing tensor of this backend (small per-step inputs: ids, tables).
   virtual void write(Tensor& dst, const void* src, size_t bytes);

@@ -508,14 +508,22 @@ PrefillResult PicEngine::compose(const std::vector<std::vector<int32_t>>& segs, 
   }
 
   // One pass over the layers; in each layer the token mixers walk the segments in order, and each
-  // segment's cached body is composed in right after its seam (LayerSpan::after). On the CPU each
-  // segment's seam rows, and the question, go through the layer as a call of their own: a GEMM's
-  // result for a row depends on the rows computed with it (OpenBLAS picks kernels and blocking by
-  // M), so this keeps every segment's numbers independent of the segments around it and of where
-  // the composition started, and a reused exact prefix continues bitwise as composing it again.
-  // Other backends run all rows in one call (a launch per op and group would cost more than the
-  // rows); there a reused prefix matches composing again to rounding.
-  const bool per_segment = be.name() == "cpu";
+  // segment's cached body is composed in right after its seam (LayerSpan::after), all rows in one
+  // call per layer. A reused exact prefix must continue bit for bit as composing it again, so a
+  // row's numbers may not depend on the rows computed with it: the CPU's products run
+  // row-independent meanwhile (an OpenBLAS GEMM picks kernels and blocking by M). A backend without
+  // that mode on the CPU would run each segment's seam rows, and the question, as calls of their
+  // own; the GPU runs one call (a launch per op and group would cost more than the rows), and
+  // there a reused prefix matches composing again to rounding.
+  struct RowIndependent {
+    Backend& be;
+    bool on;
+    RowIndependent(Backend& b, bool want) : be(b), on(want && b.set_row_independent(true)) {}
+    ~RowIndependent() {
+      if (on) be.set_row_independent(false);
+    }
+  } row_independent(be, n_ctx > 0);  // without context segments there is no prefix to continue
+  const bool per_segment = be.name() == "cpu" && !row_independent.on;
   Tensor x;
   if (!rows.empty()) x = m.embed(rows);
   std::vector<LayerSpan> spans;

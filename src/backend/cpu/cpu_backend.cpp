@@ -199,7 +199,9 @@ float* scratch(std::vector<float>& v, size_t n) {
 // Fused convert + dot GEMV for decode (M < 8): each output row of W is read once, converted in
 // registers and dotted with all M input rows; W (bf16/f16) is never materialised as f32.
 // ================================================================================================
-template <typename W, int MM>
+// Fixed: one accumulation order whatever MM is (row-independent products); otherwise blocks of
+// one or two rows use more accumulators to cover FMA latency.
+template <typename W, int MM, bool Fixed = false>
 void gemv_rows(const float* x, int64_t K, const typename W::T* w, int64_t N, int64_t n0, int64_t n1, float* y,
                bool acc) {
   for (int64_t n = n0; n < n1; ++n) {
@@ -209,7 +211,7 @@ void gemv_rows(const float* x, int64_t K, const typename W::T* w, int64_t N, int
 #ifdef __AVX512F__
     // 16 lanes first (two accumulators per row for short row blocks, to cover FMA latency); the
     // AVX2 loop below takes the remainder.
-    constexpr int U5 = MM <= 2 ? 2 : 1;
+    constexpr int U5 = MM <= 2 && !Fixed ? 2 : 1;
     __m512 z[MM][U5];
     for (int m = 0; m < MM; ++m)
       for (int u = 0; u < U5; ++u) z[m][u] = _mm512_setzero_ps();
@@ -221,7 +223,7 @@ void gemv_rows(const float* x, int64_t K, const typename W::T* w, int64_t N, int
     }
 #endif
 #ifdef HYPIC_AVX2
-    constexpr int U = MM <= 2 ? 4 : 2;
+    constexpr int U = MM <= 2 && !Fixed ? 4 : 2;
     __m256 a[MM][U];
     for (int m = 0; m < MM; ++m)
       for (int u = 0; u < U; ++u) a[m][u] = _mm256_setzero_ps();
@@ -256,7 +258,15 @@ void gemv_rows(const float* x, int64_t K, const typename W::T* w, int64_t N, int
 
 template <typename W>
 void gemv_dispatch(int64_t M, const float* x, int64_t K, const typename W::T* w, int64_t N, int64_t n0, int64_t n1,
-                   float* y, bool acc) {
+                   float* y, bool acc, bool fixed) {
+  if (fixed) switch (M) {
+      case 1:
+        return gemv_rows<W, 1, true>(x, K, w, N, n0, n1, y, acc);
+      case 2:
+        return gemv_rows<W, 2, true>(x, K, w, N, n0, n1, y, acc);
+      default:
+        break;  // three rows and more: the same order either way
+    }
   switch (M) {
     case 1:
       return gemv_rows<W, 1>(x, K, w, N, n0, n1, y, acc);
@@ -365,7 +375,10 @@ void CpuBackend::matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accumu
   // tile stays in L1 while every block of x passes over it. For half-precision weights this
   // beats converting whole panels up to a few dozen rows (seams, questions, batched decode),
   // because the panel path converts all of W whatever M is.
-  if (M < 8 || (wd != DType::F32 && M < 48)) {
+  // Row-independent mode: this kernel at every M (rows in blocks of at most 7, each row with its
+  // own accumulators in one order), so no row's bits depend on the rows beside it.
+  if (row_independent_ || M < 8 || (wd != DType::F32 && M < 48)) {
+    const bool fixed = row_independent_;
     // ~16 KiB of weights per chunk at least, so tiny products are not split.
     int64_t grain = std::max<int64_t>(1, 8192 / K);
     pool_.parallel_for(
@@ -378,11 +391,11 @@ void CpuBackend::matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accumu
               const float* xm = xp + m0 * K;
               float* ym = yp + m0 * N;
               if (wd == DType::F32)
-                gemv_dispatch<WF32>(mm, xm, K, w.data<float>(), N, t0, t1, ym, accumulate);
+                gemv_dispatch<WF32>(mm, xm, K, w.data<float>(), N, t0, t1, ym, accumulate, fixed);
               else if (wd == DType::BF16)
-                gemv_dispatch<WBF16>(mm, xm, K, w.data<uint16_t>(), N, t0, t1, ym, accumulate);
+                gemv_dispatch<WBF16>(mm, xm, K, w.data<uint16_t>(), N, t0, t1, ym, accumulate, fixed);
               else
-                gemv_dispatch<WF16>(mm, xm, K, w.data<uint16_t>(), N, t0, t1, ym, accumulate);
+                gemv_dispatch<WF16>(mm, xm, K, w.data<uint16_t>(), N, t0, t1, ym, accumulate, fixed);
             }
           }
         },

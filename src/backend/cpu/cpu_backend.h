@@ -18,6 +18,11 @@ class CpuBackend : public Backend {
   std::string name() const override { return "cpu"; }
   int num_threads() const override { return pool_.size(); }
   ThreadPool& pool() { return pool_; }
+  // Row-independent products: the few-row kernel at every row count, with one accumulation order.
+  bool set_row_independent(bool on) override {
+    row_independent_ = on;
+    return true;
+  }
   // The decode-step overloads come from Backend (per-sequence calls of the span ops).
   using Backend::embedding;
   using Backend::rope_neox;
@@ -64,6 +69,7 @@ class CpuBackend : public Backend {
                        int64_t Dv, int64_t kv_len, int64_t q_offset, float scale, float* out);
 
   ThreadPool pool_;
+  bool row_independent_ = false;
 };
 
 }  // namespace hypic::cpu
