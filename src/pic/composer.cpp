@@ -600,11 +600,18 @@ PrefillResult PicEngine::compose(const std::vector<std::vector<int32_t>>& segs, 
       groups.emplace_back(spans.size(), Q);
     }
     if (!per_segment && x.defined()) {
-      groups.assign(1, {spans.size(), x.dim(0)});  // one call: each span's `after` applied in order
+      // One call for the context's rows (each span's `after` applied in order). Under
+      // row-independent products the question is a call of its own with the usual products: its
+      // rows depend only on themselves and on the composed state, which is the same either way.
+      if (row_independent.on && with_q)
+        groups.assign({{spans.size() - 1, x.dim(0) - Q}, {spans.size(), Q}});
+      else
+        groups.assign(1, {spans.size(), x.dim(0)});
     }
     size_t s0 = 0;
     int64_t r0 = 0;
     for (const auto& [s1, n] : groups) {
+      if (row_independent.on) be.set_row_independent(!(with_q && s1 == spans.size()));
       if (n == 0) {
         for (size_t i = s0; i < s1; ++i)
           if (spans[i].after.any()) m.apply_after(*spans[i].state, spans[i].after);
