@@ -21,8 +21,7 @@ const ModelFacts& facts() {
     f.context = 4096;
     f.vocab = static_cast<int64_t>(tok.vocab_size());
     f.tok = &tok;
-    const auto cfg = nlohmann::json::parse(fuzz::read_text(fuzz::model_file("tokenizer_config.json")));
-    f.chat_template = cfg.value("chat_template", std::string());
+    f.chat_template = tok.chat_template();  // as the server takes it
     f.eos_ids = {1};
     return f;
   }();

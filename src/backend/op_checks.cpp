@@ -97,9 +97,9 @@ void check_rope(const Tensor& x, size_t positions, int rot_dim, double theta, De
   if (!(theta > 0)) fail(op, "theta must be positive");
 }
 
-void check_attention(const Tensor& q, const Tensor& k, const Tensor& v, int64_t kv_len, int64_t q_offset,
-                     const Tensor& out, DeviceKind dev) {
-  const char* op = "attention";
+// q, k, v and out of an attention op: f32 on dev, three dims each.
+static void need_attention_tensors(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                                   DeviceKind dev) {
   need_f32(op, "q", q, dev);
   need_f32(op, "k", k, dev);
   need_f32(op, "v", v, dev);
@@ -107,6 +107,12 @@ void check_attention(const Tensor& q, const Tensor& k, const Tensor& v, int64_t 
   need_ndim(op, "q", q, 3);
   need_ndim(op, "k", k, 3);
   need_ndim(op, "v", v, 3);
+}
+
+void check_attention(const Tensor& q, const Tensor& k, const Tensor& v, int64_t kv_len, int64_t q_offset,
+                     const Tensor& out, DeviceKind dev) {
+  const char* op = "attention";
+  need_attention_tensors(op, q, k, v, out, dev);
   const int64_t T = q.dim(0), Hq = q.dim(1), D = q.dim(2), S = k.dim(0), Hkv = k.dim(1), Dv = v.dim(2);
   if (k.dim(2) != D) fail(op, "q " + q.str() + " and k " + k.str() + ": head dims differ");
   if (v.dim(0) != S || v.dim(1) != Hkv) fail(op, "k " + k.str() + " and v " + v.str() + ": rows or heads differ");
@@ -286,13 +292,7 @@ void check_gated_delta_rule_step(const Tensor& q, const Tensor& k, const Tensor&
 void check_attention_step(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& caches,
                           const Tensor& positions, const Tensor& out, DeviceKind dev) {
   const char* op = "attention_step";
-  need_f32(op, "q", q, dev);
-  need_f32(op, "k", k, dev);
-  need_f32(op, "v", v, dev);
-  need_f32(op, "out", out, dev);
-  need_ndim(op, "q", q, 3);
-  need_ndim(op, "k", k, 3);
-  need_ndim(op, "v", v, 3);
+  need_attention_tensors(op, q, k, v, out, dev);
   const int64_t B = q.dim(0), Hq = q.dim(1), Hkv = k.dim(1);
   if (k.dim(0) != B || v.dim(0) != B || v.dim(1) != Hkv || k.dim(2) != q.dim(2))
     fail(op, "q " + q.str() + ", k " + k.str() + ", v " + v.str() + ": shapes do not match");
