@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # The GPU comparison of issue 10, run on the device machine in one call: hypic (--backend cuda) and
-# transformers on the real Qwen3.5 shapes of bench/configs with random bf16 weights, the same
+# its two peers, llama.cpp built with CUDA (bench/llama_peer.sh, issue 18) and transformers, on the
+# real Qwen3.5 shapes of bench/configs with random bf16 weights, the same
 # lengths on the same GPU. Writes every figure as JSON lines to $OUT/gpu_compare.jsonl (or
 # ./gpu_compare.jsonl) and prints one table with ratios (tools/bench/compare_table.py).
 # Usage (device, from the repository root, after scripts/pack-device.sh here):
 #   bash scripts/device-run.sh bash bench/gpu_compare.sh [shapes...]
 # Environment: PREFILL (default 4096,32768), PREFILL_LONG (for 35B-A3B, default 65536), CONTEXT
 # (4096), STEPS (16), BATCHES (1,32), REPEATS (2: timed runs after a warm-up), PEER=0 to skip
-# transformers. hypic loads each shape twice (prefill lengths, then decode batches).
+# transformers, LLAMA=0 to skip llama.cpp (on by default when .peer/llama.cpp.tar.gz was packed;
+# LLAMA_SHAPES names the shapes it runs, default the dense ones: a bf16 35B-A3B HF folder and its GGUF
+# do not fit the device's disk together). hypic loads each shape twice (prefill lengths, then decode batches).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-.}/gpu_compare.jsonl"
@@ -17,6 +20,13 @@ shapes=("$@")
 [ ${#shapes[@]} -eq 0 ] && shapes=(qwen3_5_0_8b qwen3_5_9b qwen3_5_35b_a3b)
 prefill="${PREFILL:-4096,32768}"
 ctx="${CONTEXT:-4096}" steps="${STEPS:-16}" batches="${BATCHES:-1,32}" reps="${REPEATS:-2}"
+llama="${LLAMA:-$([ -f .peer/llama.cpp.tar.gz ] && echo 1 || echo 0)}"
+if [ "$llama" = 1 ]; then
+  lshapes=()
+  for s in ${LLAMA_SHAPES:-qwen3_5_0_8b qwen3_5_9b}; do [[ " ${shapes[*]} " == *" $s "* ]] && lshapes+=("$s"); done
+  [ ${#lshapes[@]} -gt 0 ] && bash bench/llama_peer.sh prepare "${lshapes[@]}" &&
+    PREFILL="$prefill" CONTEXT="${CONTEXT:-4096}" REPEATS=3 bash bench/llama_peer.sh bench "${lshapes[@]}" >> "$out"
+fi
 for s in "${shapes[@]}"; do
   cfg="bench/configs/$s.json"
   lens="$prefill"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Packs what the GPU device machine needs to run a build made here (Debian 12) into one archive,
-# .device/hypic-device.tar.gz: the hypic binary, the GPU test binaries and every non-system shared
+# .device/hypic-device.tar.xz: the hypic binary, the GPU test binaries and every non-system shared
 # library they load (spdlog, fmt, OpenBLAS, ...), found with ldd. glibc and the CUDA libraries
 # (runtime, cuBLAS) are left out: the device machine has its own, of the same CUDA version.
 # Usage: scripts/pack-device.sh [build-dir]   (then carry .device; scripts/device-run.sh unpacks it)
@@ -31,5 +31,7 @@ for b in "${bins[@]}"; do
 done
 # The binaries name this checkout's folder (test data, the default model) by absolute path.
 pwd > "$stage/srcdir"
-tar -C "$stage" -czf "$out/hypic-device.tar.gz" bin lib srcdir
-du -h "$out/hypic-device.tar.gz"
+# xz halves gzip's size: the carried tree has a 64 MiB limit, and the llama.cpp peer (.peer) rides too.
+rm -f "$out/hypic-device.tar.gz"
+tar -C "$stage" -cf - bin lib srcdir | xz -6 -T0 > "$out/hypic-device.tar.xz"
+du -h "$out/hypic-device.tar.xz"

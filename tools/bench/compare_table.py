@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Prints the side-by-side table of bench/gpu_compare.sh from its JSON lines: hypic and transformers
-per shape and row, the speed-up, and each row's floor (prefill: FLOPs at the measured bf16 GEMM rate;
+"""Prints the side-by-side table of bench/gpu_compare.sh from its JSON lines: hypic, llama.cpp (CUDA)
+and transformers per shape and row, hypic's speed-up over each, and each row's floor (prefill: FLOPs at the measured bf16 GEMM rate;
 decode: the bytes one step must move at the measured copy bandwidth: active bf16 weights, bf16 KV of
 the context, f32 recurrent states read and written) with hypic's ratio to it."""
 import json
@@ -45,31 +45,41 @@ def main():
         cfg = json.load(open(f"bench/configs/{s}.json"))
         hy = [r for r in rows if r.get("shape") == s and r.get("peer") == "hypic"]
         tf = [r for r in rows if r.get("shape") == s and r.get("peer") == "transformers"]
+        ll = [r for r in rows if r.get("shape") == s and r.get("peer") == "llama.cpp" and "error" not in r]
         for h in hy:
             if h["bench"] == "prefill":
                 key = f"prefill {h['tokens'] // 1024}k"
                 t = next((x for x in tf if x.get("bench") == "prefill" and x.get("tokens") == h["tokens"]), None)
+                l = next((x for x in ll if x.get("bench") == "prefill" and x.get("tokens") == h["tokens"]), None)
                 rate = (ceil["bf16_tflops"] * 1e12) if ceil else h["gemm_gflops_per_s"] * 1e9
                 floor = h["gflop"] * 1e9 / rate
                 mine, unit = h["seconds"], "s"
                 peer = t.get("seconds") if t else None
+                lpeer = l["seconds"] if l else None
             else:
                 key = f"decode b{h['batch']} @{h['context'] // 1024}k"
                 t = next((x for x in tf if x.get("bench") == "decode" and x.get("batch") == h["batch"]), None)
+                l = next((x for x in ll if x.get("bench") == "decode" and x.get("batch") == h["batch"]
+                          and x.get("context") == h["context"]), None)
                 floor = step_bytes(cfg, h["batch"], h["context"]) / bw * 1e3
                 mine, unit = h["ms_per_token"], "ms/step"
                 peer = t.get("ms_per_token") if t else None
-            table.append(dict(shape=s, row=key, unit=unit, hypic=mine, transformers=peer,
+                lpeer = l["ms_per_token"] if l else None
+            table.append(dict(shape=s, row=key, unit=unit, hypic=mine, llama_cpp=lpeer,
+                              vs_llama_cpp=(lpeer / mine if lpeer else None), transformers=peer,
                               speedup=(peer / mine if peer else None), floor=floor, of_floor=mine / floor,
                               hypic_peak_gib=h.get("peak_device_bytes", -1) / 2**30,
                               peer_peak_gib=(t or {}).get("peak_device_bytes", -1) / 2**30))
     print(json.dumps({"ceilings": ceil, "rows": table}))
-    hdr = f"{'shape':16} {'row':14} {'hypic':>10} {'transformers':>13} {'speed-up':>9} {'floor':>9} {'x floor':>8} {'GiB h/t':>12}"
+    hdr = (f"{'shape':16} {'row':14} {'hypic':>10} {'llama.cpp':>10} {'vs llama':>9} {'transformers':>13} "
+           f"{'vs tf':>7} {'floor':>9} {'x floor':>8} {'GiB h/t':>12}")
     print(hdr)
     for t in table:
         peer = f"{t['transformers']:.3f}" if t["transformers"] else "-"
         sp = f"{t['speedup']:.1f}x" if t["speedup"] else "-"
-        print(f"{t['shape']:16} {t['row']:14} {t['hypic']:10.3f} {peer:>13} {sp:>9} {t['floor']:9.3f} "
+        lp = f"{t['llama_cpp']:.3f}" if t["llama_cpp"] else "-"
+        lsp = f"{t['vs_llama_cpp']:.2f}x" if t["vs_llama_cpp"] else "-"
+        print(f"{t['shape']:16} {t['row']:14} {t['hypic']:10.3f} {lp:>10} {lsp:>9} {peer:>13} {sp:>7} {t['floor']:9.3f} "
               f"{t['of_floor']:7.1f}x {t['hypic_peak_gib']:5.1f}/{t['peer_peak_gib']:5.1f}  ({t['unit']})")
 
 
