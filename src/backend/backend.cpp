@@ -38,6 +38,12 @@ void Backend::matmul_many(const Tensor& x, std::initializer_list<Tensor> w, std:
   for (Tensor out : y) matmul(x, *wi++, out);
 }
 
+void Backend::matmul_swiglu(const Tensor& x, const Tensor& gate, const Tensor& up, Tensor& h) {
+  Tensor u = alloc_uninit(DType::F32, h.shape());
+  matmul_many(x, {gate, up}, {h, u});
+  silu_mul(h, u, h);
+}
+
 void Backend::add_rms_norm(Tensor& x, const Tensor& d, const Tensor& w, float eps, bool one_plus_w, Tensor& out) {
   add(x, d, x);
   rms_norm(x, w, eps, one_plus_w, out);

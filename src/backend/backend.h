@@ -86,6 +86,9 @@ class Backend {
   virtual void matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate = false) = 0;
   // Several products of one x: y_i = x w_i^T (one launch on the GPU for decode-sized x).
   virtual void matmul_many(const Tensor& x, std::initializer_list<Tensor> w, std::initializer_list<Tensor> y);
+  // h = silu(x gate^T) * (x up^T), the first half of a SwiGLU MLP (one launch on the GPU for
+  // decode-sized x, which never writes the two products).
+  virtual void matmul_swiglu(const Tensor& x, const Tensor& gate, const Tensor& up, Tensor& h);
   // out[n, H] = table[ids[n], :] converted to f32.
   virtual void embedding(const Tensor& table, std::span<const int32_t> ids, Tensor& out) = 0;
 

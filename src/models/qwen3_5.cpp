@@ -140,10 +140,9 @@ struct MlpWeights {
 // out = down(silu(gate(x)) * up(x)).
 static void swiglu_forward(Backend& be, const Tensor& x, const MlpWeights& w, Tensor& out) {
   const int64_t T = x.dim(0), I = w.gate.dim(0);
-  Tensor gt = be.alloc_uninit(DType::F32, {T, I}), up = be.alloc_uninit(DType::F32, {T, I});
-  be.matmul_many(x, {w.gate, w.up}, {gt, up});
-  be.silu_mul(gt, up, gt);
-  be.matmul(gt, w.down, out);
+  Tensor h = be.alloc_uninit(DType::F32, {T, I});
+  be.matmul_swiglu(x, w.gate, w.up, h);
+  be.matmul(h, w.down, out);
 }
 struct MoeWeights {
   Tensor router;  // [E, H]
@@ -479,7 +478,16 @@ void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> s
     };
     if (step) {
       be_.causal_conv1d_silu_step(qkv, g.conv, step->states.slice_rows(0, T), conv_out);
-      split(0, T);
+      if (T == 1) {
+        // One row: the column blocks are contiguous, so views replace the three copies.
+        Tensor row = conv_out.reshape({m.C});
+        const int64_t nk = m.Hk * m.dk;
+        q = row.slice_rows(0, nk).reshape({1, m.Hk, m.dk});
+        k = row.slice_rows(nk, 2 * nk).reshape({1, m.Hk, m.dk});
+        v = row.slice_rows(2 * nk, m.C).reshape({1, m.Hv, m.dv});
+      } else {
+        split(0, T);
+      }
       be_.gated_delta_rule_step(q, k, v, gdec, beta, true, step->states.slice_rows(T, 2 * T), o);
     } else if (!ordered) {
       int64_t r0 = 0;

@@ -518,6 +518,21 @@ TEST_F(CudaOps, MatmulManyAndAddRmsNorm) {
   }
 }
 
+// The first half of a SwiGLU MLP in one launch (decode-sized x, each weight dtype, a partial last
+// block of rows) and through the products + SiLU-mul for larger x, against the CPU.
+TEST_F(CudaOps, MatmulSwigluMatchesCpu) {
+  for (DType dt : {DType::BF16, DType::F16, DType::F32})
+    for (int64_t M : {1, 4, 8, 12}) {
+      const int64_t K = 264, N = 300;
+      Tensor x = randn({M, K}, rng);
+      Tensor g = as(randn({N, K}, rng, 0.1f), dt), u = as(randn({N, K}, rng, 0.1f), dt);
+      Tensor hc = cpu->alloc(DType::F32, {M, N}), hg = poisoned(DType::F32, {M, N});
+      cpu->matmul_swiglu(x, g, u, hc);
+      gpu->matmul_swiglu(dev(x), dev(g), dev(u), hg);
+      EXPECT_LE(err(hg, hc), M <= 8 ? 1e-5 : 1e-2) << "M=" << M << " " << dtype_name(dt);
+    }
+}
+
 // Greedy token choice on the device: the CPU's ids, ties to the lowest id, rows of any length.
 TEST_F(CudaOps, ArgmaxRowsMatchesCpu) {
   for (int64_t V : {1, 7, 1000, 248320}) {

@@ -8,6 +8,7 @@
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/launch.cuh"
 
 namespace hypic::cuda {
 
@@ -21,6 +22,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     k_attention(const float* q, const float* k, const float* v, int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv,
                 int64_t kv_len, int64_t q_offset, float scale, int64_t chunk, float* out, float* part_ml,
                 float* part_acc, const int64_t* caches, const int64_t* positions) {
+  pdl_entry();
   const int64_t t = blockIdx.x, h = blockIdx.y, sp = blockIdx.z;
   const int64_t g = h / (Hq / Hkv);
   const int lane = threadIdx.x % 32, w = threadIdx.x / 32;
@@ -132,6 +134,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 
 __global__ void k_attention_merge(const float* part_ml, const float* part_acc, int64_t Hq, int64_t Dv, int splits,
                                   float* out) {
+  pdl_entry();
   const int64_t t = blockIdx.x, h = blockIdx.y;
   const int64_t base = (t * Hq + h) * splits;
   float M = -FLT_MAX;
@@ -172,13 +175,13 @@ void launch_attention(cudaStream_t s, const float* q, const float* k, const floa
   const int64_t chunk = (kv_len + splits - 1) / splits;
   float* part_ml = part;
   float* part_acc = part ? part + 2 * T * Hq * splits : nullptr;
-  k_attention<<<dim3(static_cast<unsigned>(T), static_cast<unsigned>(Hq), static_cast<unsigned>(splits)), kWarps * 32,
-                0, s>>>(q, k, v, Hq, Hkv, D, Dv, kv_len, q_offset, scale, chunk, out, part_ml, part_acc, nullptr,
-                        nullptr);
+  launch(s, dim3(static_cast<unsigned>(T), static_cast<unsigned>(Hq), static_cast<unsigned>(splits)), kWarps * 32, 0,
+         k_attention, q, k, v, Hq, Hkv, D, Dv, kv_len, q_offset, scale, chunk, out, part_ml, part_acc, nullptr,
+         nullptr);
   CUDA_LAUNCH_CHECK("k_attention");
   if (splits > 1) {
-    k_attention_merge<<<dim3(static_cast<unsigned>(T), static_cast<unsigned>(Hq)), 128, 0, s>>>(part_ml, part_acc, Hq,
-                                                                                                Dv, splits, out);
+    launch(s, dim3(static_cast<unsigned>(T), static_cast<unsigned>(Hq)), 128, 0, k_attention_merge, part_ml, part_acc,
+           Hq, Dv, splits, out);
     CUDA_LAUNCH_CHECK("k_attention_merge");
   }
 }
@@ -197,12 +200,12 @@ void launch_attention_step(cudaStream_t s, const float* q, const int64_t* caches
   const int splits = attention_step_splits(B, Hq);
   float* part_ml = part;
   float* part_acc = part + 2 * B * Hq * splits;
-  k_attention<<<dim3(static_cast<unsigned>(B), static_cast<unsigned>(Hq), static_cast<unsigned>(splits)), kWarps * 32,
-                0, s>>>(q, nullptr, nullptr, Hq, Hkv, D, Dv, 0, 0, scale, 0, out, part_ml, part_acc, caches, positions);
+  launch(s, dim3(static_cast<unsigned>(B), static_cast<unsigned>(Hq), static_cast<unsigned>(splits)), kWarps * 32, 0,
+         k_attention, q, nullptr, nullptr, Hq, Hkv, D, Dv, 0, 0, scale, 0, out, part_ml, part_acc, caches, positions);
   CUDA_LAUNCH_CHECK("k_attention(step)");
   if (splits > 1) {
-    k_attention_merge<<<dim3(static_cast<unsigned>(B), static_cast<unsigned>(Hq)), 128, 0, s>>>(part_ml, part_acc, Hq,
-                                                                                                Dv, splits, out);
+    launch(s, dim3(static_cast<unsigned>(B), static_cast<unsigned>(Hq)), 128, 0, k_attention_merge, part_ml, part_acc,
+           Hq, Dv, splits, out);
     CUDA_LAUNCH_CHECK("k_attention_merge");
   }
 }

@@ -11,6 +11,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <vector>
 
 #include "backend/checks.h"
@@ -174,6 +175,8 @@ struct OpProfile {
   };
   std::vector<Rec> recs;
   int level = 1;
+  std::set<std::string> names;  // phase names made at run time ("gemv 1x4096x12352")
+  const char* intern(std::string s) { return names.insert(std::move(s)).first->c_str(); }
   ~OpProfile() {
     if (recs.empty()) return;
     cudaDeviceSynchronize();
@@ -265,6 +268,21 @@ class EventSpan {
 class PhaseScope {
  public:
   PhaseScope(CudaBackend::Impl& m, const char* name) : span_(m, name, true, m.prof && m.prof->level >= 2) {}
+
+ private:
+  EventSpan span_;
+};
+
+// A few-row product as a phase named by its shape M x K -> N (HYPIC_CUDA_PROFILE=2), so a decode
+// step's profile shows each weight's time and hence its bandwidth.
+class GemvPhase {
+ public:
+  GemvPhase(CudaBackend::Impl& m, const char* kind, int64_t M, int64_t K, int64_t N)
+      : span_(m,
+              m.prof && m.prof->level >= 2 ? m.prof->intern(std::string(kind) + " " + std::to_string(M) + "x" +
+                                                            std::to_string(K) + "->" + std::to_string(N))
+                                           : "",
+              true, m.prof && m.prof->level >= 2) {}
 
  private:
   EventSpan span_;
@@ -468,7 +486,9 @@ std::unique_ptr<Backend::Graph> CudaBackend::capture(const std::function<void()>
   if (m.half_x.defined()) keep.push_back(m.half_x);
   m.mem->set_pool(pool);
   m.capture_keep = &keep;
+  set_graph_recording(true);
   auto finish = [&] {
+    set_graph_recording(false);
     m.capture_keep = nullptr;
     m.mem->set_pool(nullptr);
   };
@@ -522,6 +542,7 @@ void CudaBackend::matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accum
   // Decode-sized products stream the weights with a warp per row (f32 activations: exact in
   // precise mode too); cuBLAS takes the rest.
   if (M <= kGemvMaxRows && gemv_supported(w.dtype(), M, K, w.raw(), x.data<float>())) {
+    GemvPhase ph(m, "gemv", M, K, N);
     launch_gemv(m.stream, w.raw(), w.dtype(), x.data<float>(), y.data<float>(), M, N, K, accumulate);
     return;
   }
@@ -590,7 +611,23 @@ void CudaBackend::matmul_many(const Tensor& x, std::initializer_list<Tensor> w, 
     for (Tensor out : y) launch_fill(impl_->stream, out.data<float>(), out.numel(), 0.f);
     return;
   }
+  GemvPhase ph(*impl_, "gemv_many", x.dim(0), x.dim(1), o.end[o.count - 1]);
   launch_gemv_many(impl_->stream, o, w.begin()->dtype(), x.data<float>(), x.dim(0), x.dim(1), false);
+}
+
+void CudaBackend::matmul_swiglu(const Tensor& x, const Tensor& gate, const Tensor& up, Tensor& h) {
+  OpScope scope_(*impl_, "matmul");
+  check_matmul(x, gate, h, kDev);
+  check_matmul(x, up, h, kDev);
+  const int64_t M = x.dim(0), K = x.dim(1), N = gate.dim(0);
+  if (M > kGemvMaxRows || K == 0 || N == 0 || gate.dtype() != up.dtype() ||
+      !gemv_supported(gate.dtype(), M, K, gate.raw(), x.data<float>()) ||
+      !gemv_supported(up.dtype(), M, K, up.raw(), x.data<float>())) {
+    Backend::matmul_swiglu(x, gate, up, h);
+    return;
+  }
+  GemvPhase ph(*impl_, "gemv_swiglu", M, K, 2 * N);
+  launch_gemv_swiglu(impl_->stream, gate.raw(), up.raw(), gate.dtype(), x.data<float>(), h.data<float>(), M, N, K);
 }
 
 void CudaBackend::embedding(const Tensor& table, std::span<const int32_t> ids, Tensor& out) {

@@ -47,6 +47,7 @@ class CudaBackend : public Backend {
 
   void matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate = false) override;
   void matmul_many(const Tensor& x, std::initializer_list<Tensor> w, std::initializer_list<Tensor> y) override;
+  void matmul_swiglu(const Tensor& x, const Tensor& gate, const Tensor& up, Tensor& h) override;
   void embedding(const Tensor& table, std::span<const int32_t> ids, Tensor& out) override;
   void embedding(const Tensor& table, const Tensor& ids, Tensor& out) override;
 

@@ -8,6 +8,7 @@
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/launch.cuh"
 
 namespace hypic::cuda {
 
@@ -53,11 +54,13 @@ __device__ float block_sum(float v) {
 }
 
 __global__ void k_fill(float* p, int64_t n, float v) {
+  pdl_entry();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     p[i] = v;
 }
 
 __global__ void k_convert(const float* x, DType to, void* y, int64_t n) {
+  pdl_entry();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     if (to == DType::BF16)
       static_cast<__nv_bfloat16*>(y)[i] = __float2bfloat16_rn(x[i]);
@@ -90,6 +93,7 @@ __device__ __forceinline__ void split3(float x, __half* p0, __half* p1, __half* 
 }
 
 __global__ void k_split(const float* x, DType to, void* p0, void* p1, void* p2, int64_t n) {
+  pdl_entry();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     if (to == DType::BF16)
       split3(x[i], static_cast<__nv_bfloat16*>(p0), static_cast<__nv_bfloat16*>(p1), static_cast<__nv_bfloat16*>(p2),
@@ -100,6 +104,7 @@ __global__ void k_split(const float* x, DType to, void* p0, void* p1, void* p2, 
 }
 
 __global__ void k_embedding(const void* table, DType dt, const int32_t* ids, int64_t n, int64_t H, float* out) {
+  pdl_entry();
   const int64_t r = blockIdx.x;
   const int64_t base = static_cast<int64_t>(ids[r]) * H;
   for (int64_t c = threadIdx.x; c < H; c += blockDim.x) out[r * H + c] = ldw(table, dt, base + c);
@@ -107,6 +112,7 @@ __global__ void k_embedding(const void* table, DType dt, const int32_t* ids, int
 
 __global__ void k_rms_norm(const float* x, const void* w, DType wdt, float eps, bool one_plus_w, float* out,
                            int64_t D) {
+  pdl_entry();
   const float* xr = x + blockIdx.x * D;
   float* o = out + blockIdx.x * D;
   float ss = 0.f;
@@ -123,6 +129,7 @@ __global__ void k_rms_norm(const float* x, const void* w, DType wdt, float eps, 
 // x += d, out = rms_norm(x): each thread rereads only the elements it wrote itself.
 __global__ void k_add_rms_norm(float* x, const float* d, const void* w, DType wdt, float eps, bool one_plus_w,
                                float* out, int64_t D) {
+  pdl_entry();
   float* xr = x + blockIdx.x * D;
   const float* dr = d + blockIdx.x * D;
   float* o = out + blockIdx.x * D;
@@ -143,6 +150,7 @@ __global__ void k_add_rms_norm(float* x, const float* d, const void* w, DType wd
 
 __global__ void k_rms_norm_gated(const float* x, const float* z, const void* w, DType wdt, float eps, float* out,
                                  int64_t D) {
+  pdl_entry();
   const float* xr = x + blockIdx.x * D;
   const float* zr = z + blockIdx.x * D;
   float* o = out + blockIdx.x * D;
@@ -154,6 +162,7 @@ __global__ void k_rms_norm_gated(const float* x, const float* z, const void* w, 
 }
 
 __global__ void k_binary(BinOp op, const float* a, const float* b, float* out, int64_t n) {
+  pdl_entry();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const float u = a[i], v = b[i];
     out[i] = op == BinOp::Add ? u + v : op == BinOp::SiluMul ? silu(u) * v : u * sigmoid(v);
@@ -161,6 +170,7 @@ __global__ void k_binary(BinOp op, const float* a, const float* b, float* out, i
 }
 
 __global__ void k_sigmoid_mul_rows(const float* x, const float* gate, float* out, int64_t R, int64_t C) {
+  pdl_entry();
   const int64_t n = R * C;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     out[i] = x[i] * sigmoid(gate[i / C]);
@@ -169,6 +179,7 @@ __global__ void k_sigmoid_mul_rows(const float* x, const float* gate, float* out
 template <typename E>
 __global__ void k_copy_cols(const E* src, int64_t sc, int64_t scol, E* dst, int64_t dc, int64_t dcol, int64_t R,
                             int64_t W) {
+  pdl_entry();
   const int64_t n = R * W;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / W, j = i % W;
@@ -178,6 +189,7 @@ __global__ void k_copy_cols(const E* src, int64_t sc, int64_t scol, E* dst, int6
 
 // One block per row t; angles as the CPU backend: f32(pos) * inv_freq in f32, cos/sin in f64.
 __global__ void k_rope_neox(float* x, int64_t H, int64_t D, const int64_t* pos, const float* inv_freq, int half) {
+  pdl_entry();
   const int64_t t = blockIdx.x;
   const float p = static_cast<float>(pos[t]);
   for (int64_t e = threadIdx.x; e < H * half; e += blockDim.x) {
@@ -195,6 +207,7 @@ __global__ void k_rope_neox(float* x, int64_t H, int64_t D, const int64_t* pos, 
 
 __global__ void k_gdn_gates(const float* a, const float* b, const void* A_log, DType adt, const void* dt_bias,
                             DType bdt, float* g, float* beta, int64_t T, int64_t H) {
+  pdl_entry();
   const int64_t n = T * H;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t h = i % H;
@@ -208,6 +221,7 @@ __global__ void k_gdn_gates(const float* a, const float* b, const void* A_log, D
 // out[t, c] = silu(sum_j w[c, j] * xx(t + j)), xx = state rows (K-1, oldest first) then x rows.
 __global__ void k_conv1d(const float* x, const void* w, DType wdt, const float* state, float* out, int64_t T, int64_t C,
                          int64_t K) {
+  pdl_entry();
   const int64_t n = T * C, P = K - 1;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = i / C, c = i % C;
@@ -223,6 +237,7 @@ __global__ void k_conv1d(const float* x, const void* w, DType wdt, const float* 
 
 // The state becomes rows T .. T+K-2 of (state ++ x); ascending order per channel is safe in place.
 __global__ void k_conv1d_state(const float* x, float* state, int64_t T, int64_t C, int64_t K) {
+  pdl_entry();
   const int64_t P = K - 1;
   for (int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; c < C; c += int64_t(gridDim.x) * blockDim.x)
     for (int64_t r = 0; r < P; ++r) {
@@ -235,6 +250,7 @@ __global__ void k_conv1d_state(const float* x, float* state, int64_t T, int64_t 
 // owns one channel of one sequence, so it may shift that channel's state in place after reading it.
 __global__ void k_conv1d_step(const float* x, const void* w, DType wdt, const int64_t* states, float* out, int64_t B,
                               int64_t C, int64_t K) {
+  pdl_entry();
   const int64_t n = B * C, P = K - 1;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t b = i / C, c = i % C;
@@ -252,6 +268,7 @@ __global__ void k_conv1d_step(const float* x, const void* w, DType wdt, const in
 // Row positions[b] of sequence b's key and value caches <- k[b], v[b].
 __global__ void k_kv_write(const float* k, const float* v, const int64_t* caches, const int64_t* positions, int64_t B,
                            int64_t nk, int64_t nv) {
+  pdl_entry();
   const int64_t b = blockIdx.x, p = positions[b];
   float* kc = reinterpret_cast<float*>(caches[b]) + p * nk;
   float* vc = reinterpret_cast<float*>(caches[B + b]) + p * nv;
@@ -262,6 +279,7 @@ __global__ void k_kv_write(const float* k, const float* v, const int64_t* caches
 // One block per row: each thread keeps its first maximum, then the block keeps the lowest id among
 // the threads' (torch.argmax's tie rule).
 __global__ void k_argmax_rows(const float* x, int64_t V, int32_t* ids) {
+  pdl_entry();
   const float* r = x + blockIdx.x * V;
   float best = -INFINITY;
   int64_t at = -1;
@@ -289,6 +307,7 @@ __global__ void k_argmax_rows(const float* x, int64_t V, int32_t* ids) {
 }
 
 __global__ void k_set_identity(float* t, int64_t H, int64_t n) {
+  pdl_entry();
   const int64_t total = H * n * n;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = (i / n) % n, c = i % n;
@@ -297,6 +316,7 @@ __global__ void k_set_identity(float* t, int64_t H, int64_t n) {
 }
 
 __global__ void k_gather_rows(const float* x, const int32_t* idx, float* out, int64_t H) {
+  pdl_entry();
   const int64_t r = blockIdx.x;
   const int32_t i = idx[r];
   for (int64_t c = threadIdx.x; c < H; c += blockDim.x)
@@ -306,6 +326,7 @@ __global__ void k_gather_rows(const float* x, const int32_t* idx, float* out, in
 // The same, written in a 16-bit type (the MoE products' input: one pass instead of gather + convert).
 template <typename H16>
 __global__ void k_gather_rows_half(const float* x, const int32_t* idx, H16* out, int64_t H) {
+  pdl_entry();
   const int64_t r = blockIdx.x;
   const int32_t i = idx[r];
   for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
@@ -318,6 +339,7 @@ __global__ void k_gather_rows_half(const float* x, const int32_t* idx, H16* out,
 }
 
 __global__ void k_moe_combine(const float* y, const int32_t* pos, const float* w, int top_k, int64_t H, float* out) {
+  pdl_entry();
   const int64_t t = blockIdx.x;
   for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
     float acc = 0.f;
@@ -335,61 +357,71 @@ int row_threads(int64_t D) {
 
 }  // namespace
 
+namespace {
+thread_local bool t_graph_recording = false;
+}
+void set_graph_recording(bool on) {
+  t_graph_recording = on;
+}
+bool graph_recording() {
+  return t_graph_recording;
+}
+
 void launch_fill(cudaStream_t s, float* p, int64_t n, float v) {
   if (n == 0) return;
-  k_fill<<<blocks_for(n), kThreads, 0, s>>>(p, n, v);
+  launch(s, blocks_for(n), kThreads, 0, k_fill, p, n, v);
   CUDA_LAUNCH_CHECK("k_fill");
 }
 
 void launch_convert_f32(cudaStream_t s, const float* x, DType to, void* y, int64_t n) {
   if (n == 0) return;
-  k_convert<<<blocks_for(n), kThreads, 0, s>>>(x, to, y, n);
+  launch(s, blocks_for(n), kThreads, 0, k_convert, x, to, y, n);
   CUDA_LAUNCH_CHECK("k_convert");
 }
 
 void launch_split_f32(cudaStream_t s, const float* x, DType to, void* p0, void* p1, void* p2, int64_t n) {
   if (n == 0) return;
-  k_split<<<blocks_for(n), kThreads, 0, s>>>(x, to, p0, p1, p2, n);
+  launch(s, blocks_for(n), kThreads, 0, k_split, x, to, p0, p1, p2, n);
   CUDA_LAUNCH_CHECK("k_split");
 }
 
 void launch_embedding(cudaStream_t s, const void* table, DType dt, const int32_t* ids, int64_t n, int64_t H,
                       float* out) {
   if (n == 0) return;
-  k_embedding<<<static_cast<unsigned>(n), row_threads(H), 0, s>>>(table, dt, ids, n, H, out);
+  launch(s, static_cast<unsigned>(n), row_threads(H), 0, k_embedding, table, dt, ids, n, H, out);
   CUDA_LAUNCH_CHECK("k_embedding");
 }
 
 void launch_rms_norm(cudaStream_t s, const float* x, const void* w, DType wdt, float eps, bool one_plus_w, float* out,
                      int64_t R, int64_t D) {
   if (R == 0) return;
-  k_rms_norm<<<static_cast<unsigned>(R), row_threads(D), 0, s>>>(x, w, wdt, eps, one_plus_w, out, D);
+  launch(s, static_cast<unsigned>(R), row_threads(D), 0, k_rms_norm, x, w, wdt, eps, one_plus_w, out, D);
   CUDA_LAUNCH_CHECK("k_rms_norm");
 }
 
 void launch_add_rms_norm(cudaStream_t s, float* x, const float* d, const void* w, DType wdt, float eps, bool one_plus_w,
                          float* out, int64_t R, int64_t D) {
   if (R == 0) return;
-  k_add_rms_norm<<<static_cast<unsigned>(R), row_threads(D), 0, s>>>(x, d, w, wdt, eps, one_plus_w, out, D);
+  launch(s, static_cast<unsigned>(R), row_threads(D), 0, k_add_rms_norm, x, d, w, wdt, eps, one_plus_w, out, D);
   CUDA_LAUNCH_CHECK("k_add_rms_norm");
 }
 
 void launch_rms_norm_gated(cudaStream_t s, const float* x, const float* z, const void* w, DType wdt, float eps,
                            float* out, int64_t R, int64_t D) {
   if (R == 0) return;
-  k_rms_norm_gated<<<static_cast<unsigned>(R), row_threads(D), 0, s>>>(x, z, w, wdt, eps, out, D);
+  launch(s, static_cast<unsigned>(R), row_threads(D), 0, k_rms_norm_gated, x, z, w, wdt, eps, out, D);
   CUDA_LAUNCH_CHECK("k_rms_norm_gated");
 }
 
 void launch_binary(cudaStream_t s, BinOp op, const float* a, const float* b, float* out, int64_t n) {
   if (n == 0) return;
-  k_binary<<<blocks_for(n), kThreads, 0, s>>>(op, a, b, out, n);
+  launch(s, blocks_for(n), kThreads, 0, k_binary, op, a, b, out, n);
   CUDA_LAUNCH_CHECK("k_binary");
 }
 
 void launch_sigmoid_mul_rows(cudaStream_t s, const float* x, const float* gate, float* out, int64_t R, int64_t C) {
   if (R * C == 0) return;
-  k_sigmoid_mul_rows<<<blocks_for(R * C), kThreads, 0, s>>>(x, gate, out, R, C);
+  launch(s, blocks_for(R * C), kThreads, 0, k_sigmoid_mul_rows, x, gate, out, R, C);
   CUDA_LAUNCH_CHECK("k_sigmoid_mul_rows");
 }
 
@@ -399,20 +431,20 @@ void launch_copy_cols(cudaStream_t s, const void* src, int64_t src_cols, int64_t
   const unsigned b = blocks_for(R * W);
   switch (es) {
     case 1:
-      k_copy_cols<<<b, kThreads, 0, s>>>(static_cast<const uint8_t*>(src), src_cols, scol, static_cast<uint8_t*>(dst),
-                                         dst_cols, dcol, R, W);
+      launch(s, b, kThreads, 0, k_copy_cols<uint8_t>, static_cast<const uint8_t*>(src), src_cols, scol,
+             static_cast<uint8_t*>(dst), dst_cols, dcol, R, W);
       break;
     case 2:
-      k_copy_cols<<<b, kThreads, 0, s>>>(static_cast<const uint16_t*>(src), src_cols, scol, static_cast<uint16_t*>(dst),
-                                         dst_cols, dcol, R, W);
+      launch(s, b, kThreads, 0, k_copy_cols<uint16_t>, static_cast<const uint16_t*>(src), src_cols, scol,
+             static_cast<uint16_t*>(dst), dst_cols, dcol, R, W);
       break;
     case 4:
-      k_copy_cols<<<b, kThreads, 0, s>>>(static_cast<const uint32_t*>(src), src_cols, scol, static_cast<uint32_t*>(dst),
-                                         dst_cols, dcol, R, W);
+      launch(s, b, kThreads, 0, k_copy_cols<uint32_t>, static_cast<const uint32_t*>(src), src_cols, scol,
+             static_cast<uint32_t*>(dst), dst_cols, dcol, R, W);
       break;
     default:
-      k_copy_cols<<<b, kThreads, 0, s>>>(static_cast<const uint64_t*>(src), src_cols, scol, static_cast<uint64_t*>(dst),
-                                         dst_cols, dcol, R, W);
+      launch(s, b, kThreads, 0, k_copy_cols<uint64_t>, static_cast<const uint64_t*>(src), src_cols, scol,
+             static_cast<uint64_t*>(dst), dst_cols, dcol, R, W);
   }
   CUDA_LAUNCH_CHECK("k_copy_cols");
 }
@@ -420,24 +452,24 @@ void launch_copy_cols(cudaStream_t s, const void* src, int64_t src_cols, int64_t
 void launch_rope_neox(cudaStream_t s, float* x, int64_t T, int64_t H, int64_t D, const int64_t* pos,
                       const float* inv_freq, int half) {
   if (T == 0 || H == 0) return;
-  k_rope_neox<<<static_cast<unsigned>(T), row_threads(H * half), 0, s>>>(x, H, D, pos, inv_freq, half);
+  launch(s, static_cast<unsigned>(T), row_threads(H * half), 0, k_rope_neox, x, H, D, pos, inv_freq, half);
   CUDA_LAUNCH_CHECK("k_rope_neox");
 }
 
 void launch_gdn_gates(cudaStream_t s, const float* a, const float* b, const void* A_log, DType adt, const void* dt_bias,
                       DType bdt, float* g, float* beta, int64_t T, int64_t H) {
   if (T * H == 0) return;
-  k_gdn_gates<<<blocks_for(T * H), kThreads, 0, s>>>(a, b, A_log, adt, dt_bias, bdt, g, beta, T, H);
+  launch(s, blocks_for(T * H), kThreads, 0, k_gdn_gates, a, b, A_log, adt, dt_bias, bdt, g, beta, T, H);
   CUDA_LAUNCH_CHECK("k_gdn_gates");
 }
 
 void launch_causal_conv1d_silu(cudaStream_t s, const float* x, const void* w, DType wdt, float* state, float* out,
                                int64_t T, int64_t C, int64_t K) {
   if (T == 0 || C == 0) return;
-  k_conv1d<<<blocks_for(T * C), kThreads, 0, s>>>(x, w, wdt, state, out, T, C, K);
+  launch(s, blocks_for(T * C), kThreads, 0, k_conv1d, x, w, wdt, state, out, T, C, K);
   CUDA_LAUNCH_CHECK("k_conv1d");
   if (K > 1) {
-    k_conv1d_state<<<blocks_for(C), kThreads, 0, s>>>(x, state, T, C, K);
+    launch(s, blocks_for(C), kThreads, 0, k_conv1d_state, x, state, T, C, K);
     CUDA_LAUNCH_CHECK("k_conv1d_state");
   }
 }
@@ -445,33 +477,33 @@ void launch_causal_conv1d_silu(cudaStream_t s, const float* x, const void* w, DT
 void launch_conv1d_step(cudaStream_t s, const float* x, const void* w, DType wdt, const int64_t* states, float* out,
                         int64_t B, int64_t C, int64_t K) {
   if (B == 0 || C == 0) return;
-  k_conv1d_step<<<blocks_for(B * C), kThreads, 0, s>>>(x, w, wdt, states, out, B, C, K);
+  launch(s, blocks_for(B * C), kThreads, 0, k_conv1d_step, x, w, wdt, states, out, B, C, K);
   CUDA_LAUNCH_CHECK("k_conv1d_step");
 }
 
 void launch_kv_write(cudaStream_t s, const float* k, const float* v, const int64_t* caches, const int64_t* positions,
                      int64_t B, int64_t Hkv, int64_t D, int64_t Dv) {
   if (B == 0) return;
-  k_kv_write<<<static_cast<unsigned>(B), row_threads(Hkv * std::max(D, Dv)), 0, s>>>(k, v, caches, positions, B,
-                                                                                     Hkv * D, Hkv * Dv);
+  launch(s, static_cast<unsigned>(B), row_threads(Hkv * std::max(D, Dv)), 0, k_kv_write, k, v, caches, positions, B,
+         Hkv * D, Hkv * Dv);
   CUDA_LAUNCH_CHECK("k_kv_write");
 }
 
 void launch_argmax_rows(cudaStream_t s, const float* x, int64_t R, int64_t V, int32_t* ids) {
   if (R == 0) return;
-  k_argmax_rows<<<static_cast<unsigned>(R), 1024, 0, s>>>(x, V, ids);
+  launch(s, static_cast<unsigned>(R), 1024, 0, k_argmax_rows, x, V, ids);
   CUDA_LAUNCH_CHECK("k_argmax_rows");
 }
 
 void launch_set_identity(cudaStream_t s, float* t, int64_t H, int64_t n) {
   if (H * n == 0) return;
-  k_set_identity<<<blocks_for(H * n * n), kThreads, 0, s>>>(t, H, n);
+  launch(s, blocks_for(H * n * n), kThreads, 0, k_set_identity, t, H, n);
   CUDA_LAUNCH_CHECK("k_set_identity");
 }
 
 void launch_gather_rows(cudaStream_t s, const float* x, const int32_t* idx, float* out, int64_t n, int64_t H) {
   if (n == 0) return;
-  k_gather_rows<<<static_cast<unsigned>(n), row_threads(H), 0, s>>>(x, idx, out, H);
+  launch(s, static_cast<unsigned>(n), row_threads(H), 0, k_gather_rows, x, idx, out, H);
   CUDA_LAUNCH_CHECK("k_gather_rows");
 }
 
@@ -479,9 +511,11 @@ void launch_gather_rows_half(cudaStream_t s, const float* x, const int32_t* idx,
                              int64_t H) {
   if (n == 0) return;
   if (to == DType::BF16)
-    k_gather_rows_half<<<static_cast<unsigned>(n), row_threads(H), 0, s>>>(x, idx, static_cast<__nv_bfloat16*>(out), H);
+    launch(s, static_cast<unsigned>(n), row_threads(H), 0, k_gather_rows_half<__nv_bfloat16>, x, idx,
+           static_cast<__nv_bfloat16*>(out), H);
   else if (to == DType::F16)
-    k_gather_rows_half<<<static_cast<unsigned>(n), row_threads(H), 0, s>>>(x, idx, static_cast<__half*>(out), H);
+    launch(s, static_cast<unsigned>(n), row_threads(H), 0, k_gather_rows_half<__half>, x, idx,
+           static_cast<__half*>(out), H);
   else
     throw std::logic_error("gather_rows_half: bf16 or f16 only");
   CUDA_LAUNCH_CHECK("k_gather_rows_half");
@@ -490,7 +524,7 @@ void launch_gather_rows_half(cudaStream_t s, const float* x, const int32_t* idx,
 void launch_moe_combine(cudaStream_t s, const float* y, const int32_t* pos, const float* w, int64_t T, int top_k,
                         int64_t H, float* out) {
   if (T == 0) return;
-  k_moe_combine<<<static_cast<unsigned>(T), row_threads(H), 0, s>>>(y, pos, w, top_k, H, out);
+  launch(s, static_cast<unsigned>(T), row_threads(H), 0, k_moe_combine, y, pos, w, top_k, H, out);
   CUDA_LAUNCH_CHECK("k_moe_combine");
 }
 

@@ -13,6 +13,7 @@
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/launch.cuh"
 
 namespace hypic::cuda {
 
@@ -63,6 +64,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     k_flash(const float* __restrict__ q, const void* __restrict__ kp, const void* __restrict__ vp, int64_t T,
             int64_t Hq, int64_t Hkv, int D, int Dv, int64_t kv_len, int64_t q_offset, float scale_log2, bool vec4,
             float* __restrict__ out) {
+  pdl_entry();
   constexpr int QS = DP + 8;  // padded row stride (bf16 elements): conflict-free fragment loads
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* Qs = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [kBQ][QS]
@@ -271,9 +273,10 @@ void run(cudaStream_t s, const float* q, const void* k, const void* v, bool kv16
       D % 4 == 0 && Dv % 4 == 0 && reinterpret_cast<uintptr_t>(k) % 16 == 0 && reinterpret_cast<uintptr_t>(v) % 16 == 0;
   const float sl2 = scale * 1.4426950408889634f;
   if (kv16)
-    k_flash<DP, true><<<grid, kWarps * 32, smem, s>>>(q, k, v, T, Hq, Hkv, D, Dv, kv_len, q_offset, sl2, vec4, out);
+    launch(s, grid, kWarps * 32, smem, k_flash<DP, true>, q, k, v, T, Hq, Hkv, D, Dv, kv_len, q_offset, sl2, vec4, out);
   else
-    k_flash<DP, false><<<grid, kWarps * 32, smem, s>>>(q, k, v, T, Hq, Hkv, D, Dv, kv_len, q_offset, sl2, vec4, out);
+    launch(s, grid, kWarps * 32, smem, k_flash<DP, false>, q, k, v, T, Hq, Hkv, D, Dv, kv_len, q_offset, sl2, vec4,
+           out);
   CUDA_LAUNCH_CHECK("k_flash");
 }
 

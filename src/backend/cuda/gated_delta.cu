@@ -12,6 +12,7 @@
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/launch.cuh"
 
 namespace hypic::cuda {
 
@@ -26,6 +27,7 @@ __global__ void __launch_bounds__(kCols* P)
     k_gdn(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
           const float* __restrict__ g, const float* __restrict__ beta, bool l2norm, int64_t T, int64_t Hk, int64_t Hv,
           int dk, int dv, float* state, float* out, float* transition, const int64_t* states) {
+  pdl_entry();
   // Decode step over a batch: sequence blockIdx.z has one token and its own state.
   if (states) {
     const int64_t b = blockIdx.z;
@@ -148,7 +150,7 @@ void run(cudaStream_t st, const float* q, const float* k, const float* v, const 
   if (smem > 48 * 1024)
     CUDA_CHECK(cudaFuncSetAttribute(k_gdn<P>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   dim3 grid(static_cast<unsigned>((ncols + kCols - 1) / kCols), static_cast<unsigned>(Hv), static_cast<unsigned>(B));
-  k_gdn<P><<<grid, kCols * P, smem, st>>>(q, k, v, g, beta, l2norm, T, Hk, Hv, dk, dv, state, out, tr, states);
+  launch(st, grid, kCols * P, smem, k_gdn<P>, q, k, v, g, beta, l2norm, T, Hk, Hv, dk, dv, state, out, tr, states);
   CUDA_LAUNCH_CHECK("k_gdn");
 }
 

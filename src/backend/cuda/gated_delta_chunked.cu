@@ -21,6 +21,7 @@
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/launch.cuh"
 
 namespace hypic::cuda {
 
@@ -57,6 +58,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     k_chunk_prep(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                  const float* __restrict__ g, const float* __restrict__ beta, bool l2norm, int64_t T, int64_t Hk,
                  int64_t Hv, int dk, int dv, int64_t N, Work wk) {
+  pdl_entry();
   extern __shared__ float4 smem4p[];
   float* smem = reinterpret_cast<float*>(smem4p);
   float* qT = smem;
@@ -198,6 +200,7 @@ __device__ inline void cp_async_wait_all() {
 // chunk c computes: this kernel is the only sequential part, so its latency is the op's.
 template <int DK, int STAGES>
 __global__ void __launch_bounds__(kThreads) k_chunk_state(int64_t N, int dv, Work wk, float* state, float* transition) {
+  pdl_entry();
   extern __shared__ float4 smem4[];
   float* smem = reinterpret_cast<float*>(smem4);
   constexpr int kStage = 2 * kC * DK + kC * kCols;  // W [kC][DK], Kd [kC][DK], U [kC][kCols]
@@ -302,6 +305,7 @@ __global__ void __launch_bounds__(kThreads) k_chunk_state(int64_t N, int dv, Wor
 // (3) Per chunk, head and block of kOutCols output columns: O = Qg S0 + P U.
 __global__ void __launch_bounds__(kThreads)
     k_chunk_out(int64_t T, int64_t Hv, int dk, int dv, int64_t N, Work wk, float* __restrict__ out) {
+  pdl_entry();
   extern __shared__ float smem[];
   float* Qs = smem;                // [kC][dk]
   float* Ps = Qs + kC * dk;        // [kC][kC]
@@ -368,7 +372,7 @@ void run_state(cudaStream_t s, int64_t N, int64_t Hv, int dv, const Work& w, flo
   set_smem(reinterpret_cast<const void*>(k_chunk_state<DK, stages>), smem);
   const int ncols = dv + (tr ? DK : 0);
   dim3 grid(static_cast<unsigned>((ncols + kCols - 1) / kCols), static_cast<unsigned>(Hv));
-  k_chunk_state<DK, stages><<<grid, kThreads, smem, s>>>(N, dv, w, state, tr);
+  launch(s, grid, kThreads, smem, k_chunk_state<DK, stages>, N, dv, w, state, tr);
   CUDA_LAUNCH_CHECK("k_chunk_state");
 }
 
@@ -397,8 +401,8 @@ void launch_gated_delta_rule_chunked(cudaStream_t s, const float* q, const float
 
   const size_t prep_smem = static_cast<size_t>(2 * dk * kTS + kC * kC + 3 * kC) * sizeof(float);
   set_smem(reinterpret_cast<const void*>(k_chunk_prep), prep_smem);
-  k_chunk_prep<<<dim3(static_cast<unsigned>(N), static_cast<unsigned>(Hv)), kThreads, prep_smem, s>>>(
-      q, k, v, g, beta, l2norm_qk, T, Hk, Hv, idk, idv, N, w);
+  launch(s, dim3(static_cast<unsigned>(N), static_cast<unsigned>(Hv)), kThreads, prep_smem, k_chunk_prep, q, k, v, g,
+         beta, l2norm_qk, T, Hk, Hv, idk, idv, N, w);
   CUDA_LAUNCH_CHECK("k_chunk_prep");
 
   if (dk == 64)
@@ -410,9 +414,10 @@ void launch_gated_delta_rule_chunked(cudaStream_t s, const float* q, const float
 
   const size_t out_smem = static_cast<size_t>(kC * dk + kC * kC + dk * kOutCols + kC * kOutCols) * sizeof(float);
   set_smem(reinterpret_cast<const void*>(k_chunk_out), out_smem);
-  k_chunk_out<<<dim3(static_cast<unsigned>(N), static_cast<unsigned>(Hv),
-                     static_cast<unsigned>((dv + kOutCols - 1) / kOutCols)),
-                kThreads, out_smem, s>>>(T, Hv, idk, idv, N, w, out);
+  launch(
+      s,
+      dim3(static_cast<unsigned>(N), static_cast<unsigned>(Hv), static_cast<unsigned>((dv + kOutCols - 1) / kOutCols)),
+      kThreads, out_smem, k_chunk_out, T, Hv, idk, idv, N, w, out);
   CUDA_LAUNCH_CHECK("k_chunk_out");
 }
 

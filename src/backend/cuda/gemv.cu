@@ -7,8 +7,12 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
+#include <cstdlib>
+
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/launch.cuh"
 
 namespace hypic::cuda {
 
@@ -56,7 +60,7 @@ __device__ __forceinline__ float silu(float x) {
 
 template <typename WT, int M>
 __global__ void __launch_bounds__(kThreads)
-    k_gemv(GemvOutputs o, const float* __restrict__ x, int64_t K, bool accumulate) {
+    k_gemv(GemvOutputs o, const float* __restrict__ x, int64_t K, bool accumulate, int prefetch) {
   int64_t n = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   int64_t total = o.end[0];
@@ -75,6 +79,11 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t N = stop - start;
   n -= start;
   const WT* wr = static_cast<const WT*>(wp) + n * K;
+  // The weights do not depend on the kernel before (launch.cuh): the row's first `prefetch` lines
+  // of 128 bytes may head for L2 while that kernel finishes, then wait for x.
+  if (lane < prefetch && lane * 128 < K * static_cast<int64_t>(sizeof(WT)))
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(wr) + lane * 128));
+  pdl_entry();
   float acc[M];
 #pragma unroll
   for (int m = 0; m < M; ++m) acc[m] = 0.f;
@@ -92,6 +101,43 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// h[m, n] = silu(gate[n] . x_m) * (up[n] . x_m): the two rows of n in one warp, so neither product
+// is written out and the SiLU-mul is no kernel of its own.
+template <typename WT, int M>
+__global__ void __launch_bounds__(kThreads)
+    k_gemv_swiglu(const WT* __restrict__ gate, const WT* __restrict__ up, const float* __restrict__ x, int64_t N,
+                  int64_t K, float* __restrict__ h, int prefetch) {
+  const int64_t n = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (n >= N) return;
+  const WT* wg = gate + n * K;
+  const WT* wu = up + n * K;
+  if (lane < prefetch && lane * 128 < K * static_cast<int64_t>(sizeof(WT))) {  // as in k_gemv
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(wg) + lane * 128));
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(wu) + lane * 128));
+  }
+  pdl_entry();
+  float ag[M], au[M];
+#pragma unroll
+  for (int m = 0; m < M; ++m) ag[m] = au[m] = 0.f;
+#pragma unroll 2
+  for (int64_t k = lane * 8; k < K; k += 256) {
+    float a[8], b[8];
+    load8(wg + k, a);
+    load8(wu + k, b);
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      ag[m] += dot8(a, x + m * K + k);
+      au[m] += dot8(b, x + m * K + k);
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    const float g = warp_sum(ag[m]), u = warp_sum(au[m]);
+    if (lane == m) h[m * N + n] = silu(g) * u;
+  }
+}
+
 // h[slot, n] = silu(gate_e[n] . x_t) * (up_e[n] . x_t) for slot = order[blockIdx.x] (slots grouped
 // by expert, so blocks running together read the same expert's rows: L2 serves the repeats).
 template <typename WT>
@@ -99,6 +145,7 @@ __global__ void __launch_bounds__(kThreads)
     k_moe_gate_up(const WT* const* __restrict__ gate, const WT* const* __restrict__ up, const float* __restrict__ x,
                   const int32_t* __restrict__ sel, const int32_t* __restrict__ order, int top_k, int64_t H, int64_t I,
                   float* __restrict__ h) {
+  pdl_entry();
   const int32_t slot = order[blockIdx.x];
   const int e = sel[slot];
   const int64_t n = static_cast<int64_t>(blockIdx.y) * kWarps + threadIdx.x / 32;
@@ -126,6 +173,7 @@ template <typename WT>
 __global__ void __launch_bounds__(kThreads)
     k_moe_down(const WT* const* __restrict__ down, const float* __restrict__ h, const int32_t* __restrict__ sel,
                const int32_t* __restrict__ order, int64_t H, int64_t I, float* __restrict__ ys) {
+  pdl_entry();
   const int32_t slot = order[blockIdx.x];
   const int e = sel[slot];
   const int64_t n = static_cast<int64_t>(blockIdx.y) * kWarps + threadIdx.x / 32;
@@ -147,6 +195,7 @@ __global__ void __launch_bounds__(kThreads)
 // order[offset of expert e + rank] = slot: one block, an exclusive scan of the counts (E <= 1024).
 __global__ void k_moe_order(const int32_t* sel, const int32_t* rank, const int32_t* counts, int E, int64_t n,
                             int32_t* order) {
+  pdl_entry();
   __shared__ int32_t off[1024];
   if (threadIdx.x == 0) {
     int32_t acc = 0;
@@ -159,13 +208,24 @@ __global__ void k_moe_order(const int32_t* sel, const int32_t* rank, const int32
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) order[off[sel[i]] + rank[i]] = static_cast<int32_t>(i);
 }
 
+// Lines of 128 bytes per weight row sent to L2 before a GEMV waits for its input (launch.cuh):
+// none by default, HYPIC_GEMV_PREFETCH=N (0..32) to measure. On the 9B decode step 2 KB per row
+// measured no faster than none (5.88 vs 5.82 ms, one run each, docs/perf-notes.md v10).
+int prefetch_lines() {
+  static const int n = [] {
+    const char* e = std::getenv("HYPIC_GEMV_PREFETCH");
+    return e && *e ? std::clamp(std::atoi(e), 0, 32) : 0;
+  }();
+  return n;
+}
+
 template <typename WT>
 void gemv_t(cudaStream_t s, const GemvOutputs& o, const float* x, int64_t M, int64_t K, bool acc) {
   const unsigned blocks = static_cast<unsigned>((o.end[o.count - 1] + kWarps - 1) / kWarps);
   switch (M) {
-#define HYPIC_GEMV_CASE(m)                                   \
-  case m:                                                    \
-    k_gemv<WT, m><<<blocks, kThreads, 0, s>>>(o, x, K, acc); \
+#define HYPIC_GEMV_CASE(m)                                                         \
+  case m:                                                                          \
+    launch(s, blocks, kThreads, 0, k_gemv<WT, m>, o, x, K, acc, prefetch_lines()); \
     break;
     HYPIC_GEMV_CASE(1)
     HYPIC_GEMV_CASE(2)
@@ -183,19 +243,43 @@ void gemv_t(cudaStream_t s, const GemvOutputs& o, const float* x, int64_t M, int
 }
 
 template <typename WT>
+void gemv_swiglu_t(cudaStream_t s, const void* gate, const void* up, const float* x, float* h, int64_t M, int64_t N,
+                   int64_t K) {
+  const unsigned blocks = static_cast<unsigned>((N + kWarps - 1) / kWarps);
+  const auto* g = static_cast<const WT*>(gate);
+  const auto* u = static_cast<const WT*>(up);
+  switch (M) {
+#define HYPIC_GEMV_CASE(m)                                                                    \
+  case m:                                                                                     \
+    launch(s, blocks, kThreads, 0, k_gemv_swiglu<WT, m>, g, u, x, N, K, h, prefetch_lines()); \
+    break;
+    HYPIC_GEMV_CASE(1)
+    HYPIC_GEMV_CASE(2)
+    HYPIC_GEMV_CASE(3)
+    HYPIC_GEMV_CASE(4)
+    HYPIC_GEMV_CASE(5)
+    HYPIC_GEMV_CASE(6)
+    HYPIC_GEMV_CASE(7)
+    HYPIC_GEMV_CASE(8)
+#undef HYPIC_GEMV_CASE
+    default:
+      throw std::logic_error("gemv_swiglu: at most 8 rows");
+  }
+  CUDA_LAUNCH_CHECK("k_gemv_swiglu");
+}
+
+template <typename WT>
 void moe_t(cudaStream_t s, const void* const* gate, const void* const* up, const void* const* down, const float* x,
            const int32_t* sel, const int32_t* order, int64_t slots, int top_k, int64_t H, int64_t I, float* h,
            float* ys) {
   const auto* g = reinterpret_cast<const WT* const*>(gate);
   const auto* u = reinterpret_cast<const WT* const*>(up);
   const auto* d = reinterpret_cast<const WT* const*>(down);
-  k_moe_gate_up<WT>
-      <<<dim3(static_cast<unsigned>(slots), static_cast<unsigned>((I + kWarps - 1) / kWarps)), kThreads, 0, s>>>(
-          g, u, x, sel, order, top_k, H, I, h);
+  launch(s, dim3(static_cast<unsigned>(slots), static_cast<unsigned>((I + kWarps - 1) / kWarps)), kThreads, 0,
+         k_moe_gate_up<WT>, g, u, x, sel, order, top_k, H, I, h);
   CUDA_LAUNCH_CHECK("k_moe_gate_up");
-  k_moe_down<WT>
-      <<<dim3(static_cast<unsigned>(slots), static_cast<unsigned>((H + kWarps - 1) / kWarps)), kThreads, 0, s>>>(
-          d, h, sel, order, H, I, ys);
+  launch(s, dim3(static_cast<unsigned>(slots), static_cast<unsigned>((H + kWarps - 1) / kWarps)), kThreads, 0,
+         k_moe_down<WT>, d, h, sel, order, H, I, ys);
   CUDA_LAUNCH_CHECK("k_moe_down");
 }
 
@@ -228,10 +312,21 @@ void launch_gemv_many(cudaStream_t s, const GemvOutputs& o, DType wdt, const flo
     gemv_t<float>(s, o, x, M, K, accumulate);
 }
 
+void launch_gemv_swiglu(cudaStream_t s, const void* gate, const void* up, DType wdt, const float* x, float* h,
+                        int64_t M, int64_t N, int64_t K) {
+  if (M == 0 || N == 0) return;
+  if (wdt == DType::BF16)
+    gemv_swiglu_t<__nv_bfloat16>(s, gate, up, x, h, M, N, K);
+  else if (wdt == DType::F16)
+    gemv_swiglu_t<__half>(s, gate, up, x, h, M, N, K);
+  else
+    gemv_swiglu_t<float>(s, gate, up, x, h, M, N, K);
+}
+
 void launch_moe_order(cudaStream_t s, const int32_t* sel, const int32_t* rank, const int32_t* counts, int64_t E,
                       int64_t n, int32_t* order) {
   if (n == 0) return;
-  k_moe_order<<<1, 1024, 0, s>>>(sel, rank, counts, static_cast<int>(E), n, order);
+  launch(s, 1, 1024, 0, k_moe_order, sel, rank, counts, static_cast<int>(E), n, order);
   CUDA_LAUNCH_CHECK("k_moe_order");
 }
 

@@ -10,6 +10,9 @@
 
 namespace hypic::cuda {
 
+// Kernels launched while this thread records a graph use programmatic dependent launch (launch.cuh).
+void set_graph_recording(bool on);
+
 void launch_fill(cudaStream_t s, float* p, int64_t n, float v);
 void launch_convert_f32(cudaStream_t s, const float* x, DType to, void* y, int64_t n);  // to bf16/f16
 // x = p0 + p1 + p2 in three half-precision parts (p0 = half(x), p1 = half(x - p0), ...): together
@@ -72,6 +75,9 @@ struct GemvOutputs {
 };
 void launch_gemv_many(cudaStream_t s, const GemvOutputs& o, DType wdt, const float* x, int64_t M, int64_t K,
                       bool accumulate);
+// h[M,N] = silu(x gate^T) * (x up^T), gate and up [N,K] of one dtype (gemv_supported for both).
+void launch_gemv_swiglu(cudaStream_t s, const void* gate, const void* up, DType wdt, const float* x, float* h,
+                        int64_t M, int64_t N, int64_t K);
 // MoE for few slots, with no host round trip: order [n] lists the slots grouped by expert (from
 // the routing's ranks and counts); then h[slot] = silu(gate_e x_t) * (up_e x_t) and
 // ys[slot] = down_e h[slot] for every slot, reading the expert's weights through pointer tables

@@ -5,6 +5,7 @@
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/launch.cuh"
 
 namespace hypic::cuda {
 
@@ -14,6 +15,7 @@ constexpr int kMaxPer = 32;  // experts per lane: E <= 1024
 
 // One warp per token.
 __global__ void k_route(const float* logits, int64_t T, int E, int top_k, bool norm, int32_t* sel, float* wsel) {
+  pdl_entry();
   const int64_t t = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (t >= T) return;
@@ -67,6 +69,7 @@ __global__ void k_route(const float* logits, int64_t T, int E, int top_k, bool n
 
 // One block per expert: ranks of its slots in slot (token) order, and its count.
 __global__ void k_rank(const int32_t* sel, int64_t n, int32_t* rank, int32_t* counts) {
+  pdl_entry();
   const int e = blockIdx.x;
   __shared__ int warp_tot[32];
   __shared__ int base;
@@ -92,6 +95,7 @@ __global__ void k_rank(const int32_t* sel, int64_t n, int32_t* rank, int32_t* co
 
 __global__ void k_moe_index(const int32_t* sel, const int32_t* rank, const int32_t* batch_of, int64_t n, int top_k,
                             int64_t maxn, int32_t* rows, int32_t* pos) {
+  pdl_entry();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t p = batch_of[sel[i]] * maxn + rank[i];
     rows[p] = static_cast<int32_t>(i / top_k);
@@ -106,9 +110,10 @@ void launch_moe_route(cudaStream_t s, const float* logits, int64_t T, int64_t E,
   if (E > 32 * kMaxPer)
     throw std::invalid_argument("moe_experts: at most 1024 experts on cuda, got " + std::to_string(E));
   if (T == 0) return;
-  k_route<<<static_cast<unsigned>((T + 7) / 8), 256, 0, s>>>(logits, T, static_cast<int>(E), top_k, norm, sel, wsel);
+  launch(s, static_cast<unsigned>((T + 7) / 8), 256, 0, k_route, logits, T, static_cast<int>(E), top_k, norm, sel,
+         wsel);
   CUDA_LAUNCH_CHECK("k_route");
-  k_rank<<<static_cast<unsigned>(E), 256, 0, s>>>(sel, T * top_k, rank, counts);
+  launch(s, static_cast<unsigned>(E), 256, 0, k_rank, sel, T * top_k, rank, counts);
   CUDA_LAUNCH_CHECK("k_rank");
 }
 
@@ -116,7 +121,8 @@ void launch_moe_index(cudaStream_t s, const int32_t* sel, const int32_t* rank, c
                       int top_k, int64_t maxn, int32_t* rows, int32_t* pos) {
   const int64_t n = T * top_k;
   if (n == 0) return;
-  k_moe_index<<<static_cast<unsigned>((n + 255) / 256), 256, 0, s>>>(sel, rank, batch_of, n, top_k, maxn, rows, pos);
+  launch(s, static_cast<unsigned>((n + 255) / 256), 256, 0, k_moe_index, sel, rank, batch_of, n, top_k, maxn, rows,
+         pos);
   CUDA_LAUNCH_CHECK("k_moe_index");
 }
 
