@@ -15,7 +15,7 @@ grep -qx '/.device/' .git/info/exclude 2>/dev/null || echo '/.device/' >> .git/i
 
 bins=("$build/hypic")
 # The load generator (cpp-httplib is compiled into it), for `hypic serve --backend cuda` runs there.
-[ -x "$build/tools/loadtest/hypic_loadtest" ] && bins+=("$build/tools/loadtest/hypic_loadtest")
+for t in hypic_loadtest hypic_rag_trace; do [ -x "$build/tools/loadtest/$t" ] && bins+=("$build/tools/loadtest/$t"); done
 for t in "$build"/tests/cuda_*_test; do [ -x "$t" ] && bins+=("$t"); done
 for b in "${bins[@]}"; do
   cp "$b" "$stage/bin/"

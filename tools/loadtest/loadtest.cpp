@@ -29,6 +29,8 @@
 #include <thread>
 #include <vector>
 
+#include "server_process.h"
+
 using nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
@@ -81,76 +83,6 @@ Args parse_args(int argc, char** argv) {
   if (a.clients < 1 || a.seconds <= 0 || a.docs < 1 || a.docs_per_request < 1 || a.docs_per_request > a.docs)
     usage_exit("bad sizes");
   return a;
-}
-
-// Starts `server serve --port 0 ...`, returns its pid and port (read from its stdout).
-pid_t start_server(const Args& a, int& port) {
-  int fds[2];
-  if (pipe(fds) != 0) usage_exit("pipe failed");
-  const pid_t pid = fork();
-  if (pid < 0) usage_exit("fork failed");
-  if (pid == 0) {
-    dup2(fds[1], STDOUT_FILENO);
-    close(fds[0]);
-    close(fds[1]);
-    std::vector<std::string> args = {a.server,        "serve",
-                                     "--model",       a.model,
-                                     "--port",        "0",
-                                     "--max-running", std::to_string(a.clients),
-                                     "--max-queue",   std::to_string(4 * a.clients)};
-    for (auto& s : a.serve_args) args.push_back(s);
-    std::vector<char*> argv;
-    for (auto& s : args) argv.push_back(s.data());
-    argv.push_back(nullptr);
-    execv(argv[0], argv.data());
-    std::perror("execv");
-    _exit(127);
-  }
-  close(fds[1]);
-  std::string line;
-  char c;
-  while (read(fds[0], &c, 1) == 1) {
-    if (c == '\n') {
-      const std::string tag = "listening on http://";
-      const size_t p = line.find(tag);
-      if (p != std::string::npos) {
-        const size_t colon = line.rfind(':');
-        port = std::atoi(line.c_str() + colon + 1);
-        break;
-      }
-      line.clear();
-    } else {
-      line += c;
-    }
-  }
-  // Keep draining stdout so the server never blocks on a full pipe.
-  std::thread([fd = fds[0]] {
-    char buf[4096];
-    while (read(fd, buf, sizeof buf) > 0) {
-    }
-    close(fd);
-  }).detach();
-  if (port <= 0) {
-    kill(pid, SIGKILL);
-    waitpid(pid, nullptr, 0);
-    usage_exit("the server did not report a port");
-  }
-  return pid;
-}
-
-double status_kib(pid_t pid, const char* field) {
-  std::ifstream f("/proc/" + std::to_string(pid) + "/status");
-  std::string line;
-  while (std::getline(f, line))
-    if (line.rfind(field, 0) == 0) return std::atof(line.c_str() + std::strlen(field));
-  return -1;
-}
-
-double pct(std::vector<double> v, double p) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t i = std::min(v.size() - 1, static_cast<size_t>(p * static_cast<double>(v.size() - 1) + 0.5));
-  return v[i];
 }
 
 std::vector<std::string> make_docs(int n) {
@@ -294,7 +226,7 @@ int main(int argc, char** argv) {
     host = u.substr(0, u.find(':'));
     port = std::atoi(u.c_str() + u.find(':') + 1);
   } else {
-    pid = start_server(a, port);
+    pid = start_server(a.server, a.model, a.serve_args, a.clients, port);
   }
   const auto docs = make_docs(a.docs);
   Stats st;
