@@ -12,7 +12,7 @@ secs="${1:-20}"
 shift || true
 targets=("$@")
 [ ${#targets[@]} -eq 0 ] && targets=(fuzz_request fuzz_chat_template fuzz_tokenizer fuzz_safetensors fuzz_config
-                                     fuzz_segment_file)
+                                     fuzz_segment_file fuzz_gguf)
 CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DHYPIC_FUZZ=ON \
   -DHYPIC_CUDA=OFF -DHYPIC_BUILD_TESTS=OFF >/dev/null
 cmake --build build-fuzz -j "$(nproc)" --target "${targets[@]}" | tail -1
