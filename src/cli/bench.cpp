@@ -482,6 +482,7 @@ void register_bench(CLI::App& app) {
       struct Config {
         std::string name;
         PicOptions opt;
+        PicEngine::EntryRounding rounding = PicEngine::EntryRounding::None;
       };
       std::vector<Config> configs;
       for (auto& ms : split_csv(ro.modes)) {
@@ -497,6 +498,10 @@ void register_bench(CLI::App& app) {
           PicOptions nr{mode, 8};
           nr.rerotate = false;
           configs.push_back({"pic/no-rerotate", nr});
+          // What bf16 entries would cost (issue 11's dtype choice): T alone, then every tensor.
+          const std::string at = "=" + std::to_string(ws.back());
+          configs.push_back({"pic/T-bf16" + at, {mode, ws.back()}, PicEngine::EntryRounding::T});
+          configs.push_back({"pic/entry-bf16" + at, {mode, ws.back()}, PicEngine::EntryRounding::All});
         } else
           configs.push_back({ms, {mode, 0}});
       }
@@ -522,6 +527,7 @@ void register_bench(CLI::App& app) {
       nlohmann::json rows = nlohmann::json::array();
       for (auto& cfg : configs) {
         PicEngine eng(m, static_cast<size_t>(ro.cache_mib * 1048576.0)), ref(m, 1 << 20);
+        eng.set_entry_rounding(cfg.rounding);
         PicOptions opt = cfg.opt;
         opt.skip_question = true;
         for (auto& segs : warm) eng.prefill(segs, opt);  // warm: documents seen before in another order

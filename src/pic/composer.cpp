@@ -3,6 +3,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <cstring>
 #include <functional>
 #include <list>
 #include <mutex>
@@ -196,6 +197,30 @@ std::shared_ptr<SegmentEntry> PicEngine::build_entry(const std::vector<int32_t>&
       out.v = be.alloc(DType::F32, {L, ks[1], ls.v.dim(2)});
       be.copy(ls.k.slice_rows(0, L), out.k);
       be.copy(ls.v.slice_rows(0, L), out.v);
+    }
+  }
+  if (rounding_ != EntryRounding::None) {
+    // bf16 values (round to nearest even) in the f32 tensors, through the host.
+    auto round = [&be](Tensor& t) {
+      if (!t.defined()) return;
+      Tensor h = be.to_host(t);
+      float* p = h.data<float>();
+      for (int64_t i = 0; i < h.numel(); ++i) {
+        uint32_t u;
+        std::memcpy(&u, &p[i], 4);
+        if ((u & 0x7f800000u) != 0x7f800000u) u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+        std::memcpy(&p[i], &u, 4);
+      }
+      if (h.raw() != t.raw()) be.write(t, h.raw(), h.nbytes());  // the CPU's to_host is a view
+    };
+    for (auto& l : e->layers) {
+      round(l.T);
+      if (rounding_ == EntryRounding::All) {
+        round(l.S);
+        round(l.conv_tail);
+        round(l.k);
+        round(l.v);
+      }
     }
   }
   e->account();

@@ -107,6 +107,11 @@ class PicEngine {
   std::shared_ptr<SegmentStore> attach_cache_dir(const std::string& dir,
                                                  size_t disk_budget_bytes = std::numeric_limits<size_t>::max());
   Model& model() { return model_; }
+  // Drift experiment for the choice of entry dtype (issue 11): new entries get their transition
+  // operators T (EntryRounding::T) or every summary tensor (All: T, S, conv tails, K, V) rounded to
+  // bf16 values, kept in f32. Measures what bf16 storage would cost in fidelity; saves no memory.
+  enum class EntryRounding { None, T, All };
+  void set_entry_rounding(EntryRounding r) { rounding_ = r; }
 
   // The summary of one segment computed in isolation from position 0 (exposed for tests).
   std::shared_ptr<SegmentEntry> build_entry(const std::vector<int32_t>& ids, int seam, int tail = 0);
@@ -127,6 +132,7 @@ class PicEngine {
   std::vector<Shape> expect_;  // per layer: T, S, conv_tail (linear) or k row, v row (full) shapes
   struct PrefixCache;
   std::unique_ptr<PrefixCache> prefix_;
+  EntryRounding rounding_ = EntryRounding::None;
 };
 
 }  // namespace hypic

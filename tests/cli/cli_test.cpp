@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <array>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -131,6 +132,12 @@ TEST(Cli, FidelityReportShowsTheExactLayers) {
   EXPECT_LT(rows["pic/seam=8"]["layer_rel_l2"][0].get<double>(), 1e-5);
   EXPECT_GT(rows["naive"]["layer_rel_l2"][0].get<double>(), 1e-3);
   EXPECT_GT(rows["naive"]["kl"].get<double>(), rows["pic/seam=8"]["kl"].get<double>());
+  // The bf16-entry rows (issue 11's dtype choice) are measured alongside.
+  for (const char* c : {"pic/T-bf16=8", "pic/entry-bf16=8"}) {
+    ASSERT_TRUE(rows.count(c)) << c;
+    EXPECT_TRUE(std::isfinite(rows[c]["kl"].get<double>())) << c;
+    EXPECT_LT(rows[c]["layer_rel_l2"][0].get<double>(), 0.05) << c;
+  }
 }
 
 TEST(Cli, TtftReportCountsComputedTokens) {

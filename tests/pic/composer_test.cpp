@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <random>
 
@@ -339,6 +340,43 @@ TEST(PicErrors, PinnedEntriesAreNeverEvicted) {
   a.reset();
   EXPECT_NO_THROW(cache.insert(b));  // now the old entry can go
   EXPECT_EQ(cache.stats().evictions, 1u);
+}
+
+// The bf16-entry experiment of `bench fidelity`: rounded entries hold bf16 values (low 16 bits
+// zero) in exactly the tensors asked for, and the default leaves f32 values.
+TEST(PicErrors, EntryRoundingRoundsTheTensorsAskedFor) {
+  auto lm = load_model((fs::path(HYPIC_TEST_DATA) / "models" / "qwen3_5_dense").string(), "cpu", 1);
+  auto low_bits = [](const Tensor& t) {
+    int64_t n = 0;
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      uint32_t u;
+      std::memcpy(&u, &t.data<float>()[i], 4);
+      n += (u & 0xffffu) != 0;
+    }
+    return n;
+  };
+  const std::vector<int32_t> ids = {3, 1, 4, 1, 5, 9, 2, 6, 5, 3};
+  for (auto r : {PicEngine::EntryRounding::None, PicEngine::EntryRounding::T, PicEngine::EntryRounding::All}) {
+    PicEngine eng(*lm.model, 64 << 20);
+    eng.set_entry_rounding(r);
+    auto e = eng.build_entry(ids, 2);
+    int64_t t_bits = 0, other_bits = 0;
+    for (const auto& l : e->layers) {
+      if (l.T.defined()) t_bits += low_bits(l.T);
+      for (const Tensor* x : {&l.S, &l.conv_tail, &l.k, &l.v})
+        if (x->defined()) other_bits += low_bits(*x);
+    }
+    if (r == PicEngine::EntryRounding::None) {
+      EXPECT_GT(t_bits, 0);
+      EXPECT_GT(other_bits, 0);
+    } else {
+      EXPECT_EQ(t_bits, 0);
+      if (r == PicEngine::EntryRounding::T)
+        EXPECT_GT(other_bits, 0);
+      else
+        EXPECT_EQ(other_bits, 0);
+    }
+  }
 }
 
 }  // namespace
