@@ -283,11 +283,24 @@ bool Scheduler::prefill_unit(Seq& s) {
     if (s.warm_next == 0) j.segments_result = nlohmann::json::array();
     while (s.warm_next < j.segs.segments.size()) {
       const auto& ids = j.segs.segments[s.warm_next++];
+      if (static_cast<int64_t>(ids.size()) <= j.segs.seam) {
+        // No body past the seam: every request recomputes such a segment whole, so an entry
+        // (megabytes of transition operators, whatever the length) would never be used.
+        const SegmentKey key{engine_.model().fingerprint(), j.segs.seam, 0, ids};
+        j.segments_result.push_back({{"id", hex64(key.hash())},
+                                     {"tokens", ids.size()},
+                                     {"bytes", 0},
+                                     {"seam", j.segs.seam},
+                                     {"cached", false},
+                                     {"stored", false}});
+        continue;
+      }
       bool built = false;
       auto e = get_or_build(ids, j.segs.seam, built);
       j.segments_result.push_back({{"id", hex64(e->key.hash())},
                                    {"tokens", ids.size()},
                                    {"bytes", e->bytes},
+                                   {"stored", true},
                                    {"seam", j.segs.seam},
                                    {"cached", !built}});
       if (built) {

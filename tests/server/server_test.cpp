@@ -485,6 +485,28 @@ TEST(Server, LogprobsShape) {
   EXPECT_TRUE(n.second["choices"][0]["logprobs"].is_null());
 }
 
+// A segment no longer than the seam has no body a request could reuse: it is not stored (an entry
+// would cost megabytes of transition operators for nothing), and the answer says so.
+TEST(Server, SegmentsWithoutABodyAreNotStored) {
+  TestServer s;
+  auto post =
+      s.post("/v1/segments",
+             json{{"segments", json::array({{{"ids", {5, 6, 7}}}, {{"ids", {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12}}}})},
+                  {"seam", 8}});
+  ASSERT_EQ(post.first, 200) << post.second.dump();
+  ASSERT_EQ(post.second["data"].size(), 2u);
+  EXPECT_EQ(post.second["data"][0]["stored"], false);
+  EXPECT_EQ(post.second["data"][0]["bytes"], 0);
+  EXPECT_EQ(post.second["data"][0]["tokens"], 3);
+  EXPECT_EQ(post.second["data"][1]["stored"], true);
+  EXPECT_GT(post.second["data"][1]["bytes"].get<int64_t>(), 0);
+  EXPECT_EQ(post.second["miss_segments"], 1);
+  auto list = s.get("/v1/segments");
+  ASSERT_EQ(list.first, 200);
+  EXPECT_EQ(list.second["cache"]["entries"], 1);
+  EXPECT_EQ(s.get("/v1/segments/" + post.second["data"][0]["id"].get<std::string>()).first, 404);
+}
+
 TEST(Server, SegmentsRoundTrip) {
   TestServer s;
   const std::string d1 = "A document about glaciers and how slowly they move across mountains.";
