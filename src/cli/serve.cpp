@@ -10,6 +10,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <mutex>
 #include <thread>
@@ -64,10 +65,19 @@ void register_serve(CLI::App& app) {
     std::string api_key, api_key_file, admin_key, admin_key_file;
     std::vector<std::string> cors_origins;
     double watchdog_s = 600;
+    // Real shapes without a checkpoint (serving benchmarks): a bare config, seeded random weights,
+    // and a tokenizer folder of its own.
+    std::string config, dtype = "bf16", tokenizer;
+    bool random = false;
   };
   auto o = std::make_shared<Opts>();
   auto* c = app.add_subcommand("serve", "Serve the model over an OpenAI-compatible HTTP API");
   c->add_option("--model", o->model, "Model folder (Hugging Face layout)")->capture_default_str();
+  c->add_option("--config", o->config, "Bare config.json to serve with --random-weights (benchmarks at real shapes)");
+  c->add_flag("--random-weights", o->random, "Seeded random weights for --config instead of a model folder");
+  c->add_option("--dtype", o->dtype, "Weight dtype for --random-weights: bf16, f16, f32")->capture_default_str();
+  c->add_option("--tokenizer", o->tokenizer,
+                "Folder with tokenizer.json (and tokenizer_config.json) to use instead of the model's");
   c->add_option("--host", o->host, "Address to listen on")->capture_default_str();
   c->add_option("--port", o->port, "Port to listen on (0: any free port, printed at start)")->capture_default_str();
   c->add_option("--served-model-name", o->name, "Model name in the API (default: the folder's name)");
@@ -162,7 +172,17 @@ void register_serve(CLI::App& app) {
 
       // Logs go to stderr (main installs that logger); stdout carries only the "listening on" line
       // (scripts read the port there).
-      spdlog::info("loading model from {}", o->model);
+      if (o->random != !o->config.empty())
+        throw std::invalid_argument("--random-weights and --config go together (a bare config, random weights)");
+      DType rdt = DType::BF16;
+      if (o->random) {
+        rdt = o->dtype == "bf16"  ? DType::BF16
+              : o->dtype == "f16" ? DType::F16
+              : o->dtype == "f32" ? DType::F32
+                                  : DType::U8;
+        if (rdt == DType::U8) throw std::invalid_argument("--dtype must be bf16, f16 or f32");
+      }
+      spdlog::info("loading model from {}", o->random ? o->config + " (random weights)" : o->model);
       const auto t0 = std::chrono::steady_clock::now();
       std::mutex mu;
       std::condition_variable cv;
@@ -175,7 +195,19 @@ void register_serve(CLI::App& app) {
       });
       LoadedModel lm;
       try {
-        lm = load_model(o->model, o->backend, o->threads);
+        lm = o->random ? load_random_model(o->config, 1, rdt, o->backend, o->threads)
+                       : load_model(o->model, o->backend, o->threads);
+        if (!o->tokenizer.empty()) {
+          namespace fs = std::filesystem;
+          const fs::path t = fs::path(o->tokenizer) / "tokenizer.json",
+                         tc = fs::path(o->tokenizer) / "tokenizer_config.json";
+          if (!fs::is_regular_file(t)) throw std::invalid_argument("--tokenizer: no tokenizer.json in " + o->tokenizer);
+          lm.tokenizer = std::make_unique<Tokenizer>(Tokenizer::load(t.string(), fs::exists(tc) ? tc.string() : ""));
+          if (static_cast<int64_t>(lm.tokenizer->vocab_size()) > lm.model->config().vocab_size)
+            throw std::invalid_argument("--tokenizer: " + std::to_string(lm.tokenizer->vocab_size()) +
+                                        " tokens, more than the model's vocabulary of " +
+                                        std::to_string(lm.model->config().vocab_size));
+        }
       } catch (...) {
         {
           std::lock_guard<std::mutex> g(mu);

@@ -147,8 +147,8 @@ struct HttpServer::Impl {
     facts.tok = lm.tokenizer.get();
     if (lm.tokenizer) facts.chat_template = lm.tokenizer->chat_template();
     facts.defaults.temperature = 1.f;
+    facts.eos_ids = cfg.eos_token_ids;  // the model's config: a folder's, or --config's
     if (lm.dir) {
-      facts.eos_ids = lm.dir->config.eos_token_ids;
       const auto& gd = lm.dir->generation;
       if (gd.temperature) facts.defaults.temperature = *gd.temperature;
       if (gd.top_p) facts.defaults.top_p = *gd.top_p;
