@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Issue 11's PIC benchmarks, on the device machine in one call (or on the CPU with small sizes):
+#   ttft   TTFT of one RAG shape per mode (32-token system prefix + SEGMENTS documents of
+#          SEGMENT_TOKENS + a 64-token question, documents shuffled between requests; entries warm),
+#          and transformers' full prefill of the same number of tokens (PEER=1);
+#   sweep  TTFT against the number of reused segments (SWEEP counts of SWEEP_TOKENS each), prefix
+#          and pic: the per-segment cost of composition is the slope;
+#   serve  hypic_rag_trace against `hypic serve` on random weights at these shapes (pic, prefix).
+# Writes JSON lines to $OUT/pic_compare.jsonl (or ./) and prints tools/bench/pic_table.py's table
+# (and $OUT/pic_ttft_segments.png where matplotlib exists).
+# Usage (device, after scripts/pack-device.sh and scripts/pack-llama-peer.sh here, for the
+# tokenizer): bash scripts/device-run.sh bash bench/pic_compare.sh [ttft|sweep|serve|all]...
+# Environment: CONFIG (bench/configs/qwen3_5_35b_a3b.json), BACKEND (cuda), SEGMENTS (16),
+# SEGMENT_TOKENS (2048), REQUESTS (5), SWEEP ("1 2 4 8 16 32 64"), SWEEP_TOKENS (1024), PEER (1),
+# RATES (0.5,1,2,4,8), DURATION (60 s per rate), TRACE_ARGS (more hypic_rag_trace arguments),
+# TOKENIZER (a tokenizer folder; default: .peer/tokenizer.tar.gz unpacked).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-.}"
+j="$out/pic_compare.jsonl"
+cfg="${CONFIG:-bench/configs/qwen3_5_35b_a3b.json}"
+be="${BACKEND:-cuda}"
+what=("$@")
+[ ${#what[@]} -eq 0 ] && what=(ttft sweep serve)
+: > "$j"
+tag() { python3 -c "import json,sys; [print(json.dumps(dict(json.loads(l), part='$1'))) for l in sys.stdin if l.startswith('{')]"; }
+
+for w in "${what[@]}"; do
+  case "$w" in
+    ttft)
+      segs="${SEGMENTS:-16}" toks="${SEGMENT_TOKENS:-2048}"
+      hypic bench ttft --backend "$be" --config "$cfg" --random-weights --segments "$segs" --segment-tokens "$toks" \
+        --query-tokens 64 --prefix-tokens 32 --requests "${REQUESTS:-5}" --modes full,prefix,pic --json | tag ttft >> "$j"
+      if [ "${PEER:-1}" = 1 ]; then
+        PYTHONUNBUFFERED=1 python3 tools/bench/transformers_bench.py --config "$cfg" \
+          --prefill "$((32 + segs * toks + 64))" --decode-batches "" --repeats 2 | tag ttft >> "$j"
+      fi
+      ;;
+    sweep)
+      for n in ${SWEEP:-1 2 4 8 16 32 64}; do
+        hypic bench ttft --backend "$be" --config "$cfg" --random-weights --segments "$n" \
+          --segment-tokens "${SWEEP_TOKENS:-1024}" --query-tokens 64 --prefix-tokens 32 --requests 3 \
+          --modes prefix,pic --json | tag sweep >> "$j"
+      done
+      ;;
+    serve)
+      tok="${TOKENIZER:-}"
+      if [ -z "$tok" ]; then
+        tok=/tmp/hypic-tokenizer
+        mkdir -p "$tok" && tar -C "$tok" -xzf .peer/tokenizer.tar.gz
+      fi
+      # shellcheck disable=SC2086
+      hypic_rag_trace --server "$(command -v hypic)" --model unused --serve-arg --backend --serve-arg "$be" \
+        --serve-arg --config --serve-arg "$cfg" --serve-arg --random-weights --serve-arg --tokenizer \
+        --serve-arg "$tok" --modes pic,prefix --rates "${RATES:-0.5,1,2,4,8}" --duration "${DURATION:-60}" \
+        ${TRACE_ARGS:-} | tag serve >> "$j"
+      ;;
+    *) echo "unknown part $w (ttft, sweep, serve)" >&2; exit 2 ;;
+  esac
+done
+python3 tools/bench/pic_table.py "$j" "$out/pic_ttft_segments.png"
