@@ -1,6 +1,7 @@
 // GEMM throughput of this machine: raw OpenBLAS sgemm (its own threads) and the CPU backend's
-// matmul for f32 / bf16 / f16 weights, at prefill (M = 512) and decode (M = 1) sizes, plus the
-// tiled causal attention. Prints JSON, then a short table.
+// matmul for f32 / bf16 / f16 weights, at prefill (M = 512) and decode (M = 1) sizes, one-thread
+// decode products in bf16 and Q8_0 (the "gflops" column there is weight GB/s), plus the tiled
+// causal attention. Prints JSON, then a short table.
 //   gemm_bench [threads]
 #include <cblas.h>
 
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "backend/cpu/cpu_backend.h"
+#include "backend/cpu/quant_q8_0.h"
 
 using namespace hypic;
 using Clock = std::chrono::steady_clock;
@@ -82,6 +84,25 @@ int main(int argc, char** argv) {
       double s = time_it([&] { be.matmul(x, w, y); });
       rows.push_back({"backend_matmul", dtype_name(dt), M, K, N, s * 1e3, 2.0 * M * N * K / s / 1e9});
     }
+  // Decode products on one thread: bf16 weights (the backend) against Q8_0 weights (integer dot
+  // products, activations quantized per block). Weight bytes per second is what bounds decode.
+  {
+    cpu::CpuBackend one(1);
+    for (auto [k, n] : {std::pair<int64_t, int64_t>{1024, 3584}, {3584, 1024}, {2048, 2048}}) {
+      Tensor x = randn({1, k}, 1), wf = randn({n, k}, 2), w = as(wf, DType::BF16),
+             y = Tensor::empty(DType::F32, {1, n});
+      const double sb = time_it([&] { one.matmul(x, w, y); });
+      std::vector<q8_0::Block> wq(static_cast<size_t>(n * k / q8_0::kBlock)), xq(static_cast<size_t>(k / q8_0::kBlock));
+      q8_0::quantize(wf.data<float>(), n * k, wq.data());
+      const double sq = time_it([&] {
+        q8_0::quantize(x.data<float>(), k, xq.data());
+        q8_0::gemv_rows(wq.data(), xq.data(), k, 0, n, y.data<float>());
+      });
+      rows.push_back({"gemv_1thread_weight_GB/s", "bf16", 1, k, n, sb * 1e3, 2.0 * n * k / sb / 1e9});
+      rows.push_back({std::string("gemv_1thread_weight_GB/s_") + q8_0::dot_kernel(), "q8_0", 1, k, n, sq * 1e3,
+                      34.0 / 32.0 * n * k / sq / 1e9});
+    }
+  }
   // Causal prefill attention (Qwen3.5-like full-attention layer: 16 q heads, 2 kv heads, d 256).
   for (int64_t T : {512, 2048}) {
     const int64_t Hq = 16, Hkv = 2, D = 256;
