@@ -20,6 +20,7 @@
 #include "engine/loader.h"
 
 #ifdef HYPIC_HAVE_HTTPLIB
+#include "server/budgets.h"
 #include "server/http_server.h"
 #endif
 
@@ -57,11 +58,11 @@ void register_serve(CLI::App& app) {
   struct Opts {
     std::string model = default_model_dir(), host = "127.0.0.1", mode = "pic", name, backend = "cpu";
     int port = 8080, seam = 8, max_queue = 64, max_running = 8, threads = 0, prefill_chunk = 512, http_threads = 0;
-    double cache_mib = 4096, max_body_mib = 32;
+    double cache_mib = 0, max_body_mib = 32;  // cache_mib: set from the machine unless given
     int max_json_depth = 64;
     bool mask_padded = false;
     std::string cache_dir;
-    double disk_budget_mib = 0;  // 0: unlimited
+    double disk_budget_mib = 0;  // set from the free space unless given; 0 given: unlimited
     std::string api_key, api_key_file, admin_key, admin_key_file;
     std::vector<std::string> cors_origins;
     double watchdog_s = 600;
@@ -83,11 +84,13 @@ void register_serve(CLI::App& app) {
   c->add_option("--served-model-name", o->name, "Model name in the API (default: the folder's name)");
   c->add_option("--mode", o->mode, "Default prefill mode: full, prefix, pic, naive")->capture_default_str();
   c->add_option("--seam", o->seam, "Default recomputed head tokens of each reused segment")->capture_default_str();
-  c->add_option("--cache-budget-mib", o->cache_mib, "Segment cache budget in MiB")->capture_default_str();
+  c->add_option("--cache-budget-mib", o->cache_mib,
+                "Segment cache budget in MiB (default: a quarter of this machine's memory, at most 4096)");
   c->add_option("--cache-dir", o->cache_dir,
                 "Persistent segment store: segments survive restarts (memory misses look here first)");
-  c->add_option("--disk-budget-mib", o->disk_budget_mib, "Byte budget of --cache-dir in MiB (0: unlimited)")
-      ->capture_default_str();
+  c->add_option("--disk-budget-mib", o->disk_budget_mib,
+                "Byte budget of --cache-dir in MiB (default: half the free space there at start, at most 32 GiB; "
+                "0: unlimited)");
   c->add_option("--max-queue", o->max_queue, "Requests waiting for the engine before 429")->capture_default_str();
   c->add_option("--max-running", o->max_running, "Requests prefilled/decoded concurrently")->capture_default_str();
   c->add_option("--prefill-chunk", o->prefill_chunk, "Prompt tokens prefilled per engine iteration (non-PIC prompts)")
@@ -118,7 +121,7 @@ void register_serve(CLI::App& app) {
                 "GET /health answers 503 once the engine has spent this long in one iteration while requests "
                 "wait (0: off)")
       ->capture_default_str();
-  c->callback([o] {
+  c->callback([o, c] {
     guarded([&] {
 #ifndef HYPIC_HAVE_HTTPLIB
       throw std::runtime_error("this hypic was built without cpp-httplib; install libcpp-httplib-dev and rebuild");
@@ -130,12 +133,15 @@ void register_serve(CLI::App& app) {
       so.pic.mode = parse_pic_mode(o->mode);
       if (o->seam < 0) throw std::invalid_argument("--seam must be >= 0");
       so.pic.seam = o->seam;
-      if (!(o->cache_mib > 0)) throw std::invalid_argument("--cache-budget-mib must be positive");
+      const bool cache_given = c->count("--cache-budget-mib") > 0, disk_given = c->count("--disk-budget-mib") > 0;
+      if (cache_given && !(o->cache_mib > 0)) throw std::invalid_argument("--cache-budget-mib must be positive");
+      if (!cache_given) o->cache_mib = server::default_cache_budget(server::physical_ram_bytes()) / 1048576.0;
       so.sched.cache_budget_bytes = static_cast<size_t>(o->cache_mib * 1048576.0);
       if (o->disk_budget_mib < 0) throw std::invalid_argument("--disk-budget-mib must be >= 0");
-      if (o->disk_budget_mib > 0 && o->cache_dir.empty())
-        throw std::invalid_argument("--disk-budget-mib needs --cache-dir");
+      if (disk_given && o->cache_dir.empty()) throw std::invalid_argument("--disk-budget-mib needs --cache-dir");
       so.sched.cache_dir = o->cache_dir;
+      if (!disk_given && !o->cache_dir.empty())
+        o->disk_budget_mib = server::default_disk_budget(server::free_bytes_at(o->cache_dir)) / 1048576.0;
       if (o->disk_budget_mib > 0) so.sched.disk_budget_bytes = static_cast<size_t>(o->disk_budget_mib * 1048576.0);
       so.sched.max_queue = o->max_queue;
       so.sched.max_running = o->max_running;
