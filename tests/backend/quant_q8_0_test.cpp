@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "io/gguf.h"
+#include "tensor/dtype.h"
 
 namespace hypic {
 namespace {
@@ -22,7 +23,7 @@ using q8_0::kBlock;
 #ifdef __F16C__
 TEST(Q8_0, HalfConversionsMatchTheCpu) {
   for (uint32_t h = 0; h < 65536; ++h) {
-    const float mine = q8_0::f16_to_f32(static_cast<uint16_t>(h)), cpu = _cvtsh_ss(static_cast<uint16_t>(h));
+    const float mine = f16_to_f32(static_cast<uint16_t>(h)), cpu = _cvtsh_ss(static_cast<uint16_t>(h));
     if (std::isnan(cpu))
       EXPECT_TRUE(std::isnan(mine)) << h;
     else
@@ -33,10 +34,10 @@ TEST(Q8_0, HalfConversionsMatchTheCpu) {
   std::uniform_int_distribution<int> ex(-30, 20);
   for (int i = 0; i < 200000; ++i) {
     const float x = (i % 2 ? -1.f : 1.f) * std::ldexp(mant(rng), ex(rng));
-    EXPECT_EQ(q8_0::f32_to_f16(x), _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT)) << x;
+    EXPECT_EQ(f32_to_f16(x), _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT)) << x;
   }
   for (float x : {0.f, -0.f, 65504.f, 65520.f, 1e9f, 5.96e-8f, 2.98e-8f, 2.99e-8f})
-    EXPECT_EQ(q8_0::f32_to_f16(x), _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT)) << x;
+    EXPECT_EQ(f32_to_f16(x), _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT)) << x;
 }
 #endif
 
@@ -71,7 +72,7 @@ TEST(Q8_0, RoundTripErrorIsHalfAStep) {
   q8_0::quantize(x.data(), n, b.data());
   q8_0::dequantize(b.data(), n, y.data());
   for (int64_t k = 0; k < n / kBlock; ++k) {
-    const float d = q8_0::f16_to_f32(b[static_cast<size_t>(k)].d);
+    const float d = f16_to_f32(b[static_cast<size_t>(k)].d);
     float amax = 0.f;
     for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(x[static_cast<size_t>(k * kBlock + i)]));
     for (int i = 0; i < kBlock; ++i) {

@@ -137,7 +137,7 @@ void client_loop(int idx, const std::string& host, int port, const Args& a, cons
     double ttft = -1;
     json usage;
     if (stream) {
-      std::string buf;
+      SseReader sse;
       bool done = false;
       httplib::Request req;
       req.method = "POST";
@@ -150,24 +150,18 @@ void client_loop(int idx, const std::string& host, int port, const Args& a, cons
         return true;
       };
       req.content_receiver = [&](const char* d, size_t len, uint64_t, uint64_t) {
-        buf.append(d, len);
-        size_t e;
-        while ((e = buf.find("\n\n")) != std::string::npos) {
-          std::string ev = buf.substr(0, e);
-          buf.erase(0, e + 2);
-          if (ev.rfind("data: ", 0) != 0) continue;
-          ev.erase(0, 6);
+        sse.feed(d, len, [&](const std::string& ev) {
           if (ev == "[DONE]") {
             done = true;
-            continue;
+            return;
           }
           json c = json::parse(ev, nullptr, false);
-          if (c.is_discarded()) continue;
-          if (c.contains("error")) continue;
+          if (c.is_discarded()) return;
+          if (c.contains("error")) return;
           if (c.contains("usage") && c["usage"].is_object()) usage = c["usage"];
           if (ttft < 0 && !c["choices"].empty())
             ttft = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-        }
+        });
         return true;
       };
       auto res = cli.send(req);

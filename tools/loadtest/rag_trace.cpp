@@ -195,7 +195,8 @@ Result send(const std::string& host, int port, const std::string& mode, const st
   req.set_header("Content-Type", "application/json");
   req.body = body.dump();
   int status = 0;
-  std::string buf, err_body;
+  SseReader sse;
+  std::string err_body;
   bool done = false;
   json usage;
   const auto t0 = Clock::now();
@@ -209,19 +210,13 @@ Result send(const std::string& host, int port, const std::string& mode, const st
       err_body.append(d, std::min<size_t>(len, 300));
       return true;
     }
-    buf.append(d, len);
-    size_t e;
-    while ((e = buf.find("\n\n")) != std::string::npos) {
-      std::string ev = buf.substr(0, e);
-      buf.erase(0, e + 2);
-      if (ev.rfind("data: ", 0) != 0) continue;
-      ev.erase(0, 6);
+    sse.feed(d, len, [&](const std::string& ev) {
       if (ev == "[DONE]") {
         done = true;
-        continue;
+        return;
       }
       json c = json::parse(ev, nullptr, false);
-      if (c.is_discarded() || c.contains("error")) continue;
+      if (c.is_discarded() || c.contains("error")) return;
       if (c.contains("usage") && c["usage"].is_object()) usage = c["usage"];
       if (c.contains("choices") && !c["choices"].empty()) {
         const auto now = Clock::now();
@@ -231,7 +226,7 @@ Result send(const std::string& host, int port, const std::string& mode, const st
           res.itl_ms.push_back(std::chrono::duration<double, std::milli>(now - last).count());
         last = now;
       }
-    }
+    });
     return true;
   };
   auto r = cli.send(req);

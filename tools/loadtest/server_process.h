@@ -1,5 +1,5 @@
 // What the load tools share: starting `hypic serve` on a free loopback port as a child process,
-// reading a process's memory from /proc, percentiles.
+// reading a process's memory from /proc, percentiles, reading a server-sent-event stream.
 #pragma once
 #include <signal.h>
 #include <sys/wait.h>
@@ -89,3 +89,22 @@ inline double pct(std::vector<double> v, double p) {
   const size_t i = std::min(v.size() - 1, static_cast<size_t>(p * static_cast<double>(v.size() - 1) + 0.5));
   return v[i];
 }
+
+// The `data:` payloads of a server-sent-event stream as its bytes arrive: feed() calls
+// on_event(payload) for every complete event ("[DONE]" included).
+class SseReader {
+ public:
+  template <typename F>
+  void feed(const char* d, size_t n, F&& on_event) {
+    buf_.append(d, n);
+    size_t e;
+    while ((e = buf_.find("\n\n")) != std::string::npos) {
+      std::string ev = buf_.substr(0, e);
+      buf_.erase(0, e + 2);
+      if (ev.rfind("data: ", 0) == 0) on_event(ev.substr(6));
+    }
+  }
+
+ private:
+  std::string buf_;
+};

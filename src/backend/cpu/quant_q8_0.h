@@ -20,9 +20,7 @@ struct Block {
 #pragma pack(pop)
 static_assert(sizeof(Block) == 34, "Q8_0 blocks are 34 bytes");
 
-float f16_to_f32(uint16_t h);
-uint16_t f32_to_f16(float f);  // round to nearest even
-
+// The f16 scales convert with f16_to_f32 / f32_to_f16 of tensor/dtype.h.
 // n % kBlock == 0
 void quantize(const float* x, int64_t n, Block* out);
 void dequantize(const Block* b, int64_t n, float* out);

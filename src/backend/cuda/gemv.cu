@@ -9,6 +9,8 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <string>
+#include <type_traits>
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/kernels.h"
@@ -219,13 +221,13 @@ int prefetch_lines() {
   return n;
 }
 
-template <typename WT>
-void gemv_t(cudaStream_t s, const GemvOutputs& o, const float* x, int64_t M, int64_t K, bool acc) {
-  const unsigned blocks = static_cast<unsigned>((o.end[o.count - 1] + kWarps - 1) / kWarps);
+// f(std::integral_constant<int, M>) for the row counts the few-row kernels are instantiated for.
+template <typename F>
+void with_rows(int64_t M, const char* what, F&& f) {
   switch (M) {
-#define HYPIC_GEMV_CASE(m)                                                         \
-  case m:                                                                          \
-    launch(s, blocks, kThreads, 0, k_gemv<WT, m>, o, x, K, acc, prefetch_lines()); \
+#define HYPIC_GEMV_CASE(m)               \
+  case m:                                \
+    f(std::integral_constant<int, m>{}); \
     break;
     HYPIC_GEMV_CASE(1)
     HYPIC_GEMV_CASE(2)
@@ -237,8 +239,16 @@ void gemv_t(cudaStream_t s, const GemvOutputs& o, const float* x, int64_t M, int
     HYPIC_GEMV_CASE(8)
 #undef HYPIC_GEMV_CASE
     default:
-      throw std::logic_error("gemv: at most 8 rows");
+      throw std::logic_error(std::string(what) + ": at most 8 rows");
   }
+}
+
+template <typename WT>
+void gemv_t(cudaStream_t s, const GemvOutputs& o, const float* x, int64_t M, int64_t K, bool acc) {
+  const unsigned blocks = static_cast<unsigned>((o.end[o.count - 1] + kWarps - 1) / kWarps);
+  with_rows(M, "gemv", [&](auto m) {
+    launch(s, blocks, kThreads, 0, k_gemv<WT, decltype(m)::value>, o, x, K, acc, prefetch_lines());
+  });
   CUDA_LAUNCH_CHECK("k_gemv");
 }
 
@@ -248,23 +258,9 @@ void gemv_swiglu_t(cudaStream_t s, const void* gate, const void* up, const float
   const unsigned blocks = static_cast<unsigned>((N + kWarps - 1) / kWarps);
   const auto* g = static_cast<const WT*>(gate);
   const auto* u = static_cast<const WT*>(up);
-  switch (M) {
-#define HYPIC_GEMV_CASE(m)                                                                    \
-  case m:                                                                                     \
-    launch(s, blocks, kThreads, 0, k_gemv_swiglu<WT, m>, g, u, x, N, K, h, prefetch_lines()); \
-    break;
-    HYPIC_GEMV_CASE(1)
-    HYPIC_GEMV_CASE(2)
-    HYPIC_GEMV_CASE(3)
-    HYPIC_GEMV_CASE(4)
-    HYPIC_GEMV_CASE(5)
-    HYPIC_GEMV_CASE(6)
-    HYPIC_GEMV_CASE(7)
-    HYPIC_GEMV_CASE(8)
-#undef HYPIC_GEMV_CASE
-    default:
-      throw std::logic_error("gemv_swiglu: at most 8 rows");
-  }
+  with_rows(M, "gemv_swiglu", [&](auto m) {
+    launch(s, blocks, kThreads, 0, k_gemv_swiglu<WT, decltype(m)::value>, g, u, x, N, K, h, prefetch_lines());
+  });
   CUDA_LAUNCH_CHECK("k_gemv_swiglu");
 }
 
