@@ -17,6 +17,9 @@
 #include <vector>
 
 #include "backend/backend.h"
+#if HYPIC_HAVE_CUDA
+#include "backend/cuda/cuda_backend.h"
+#endif
 
 using namespace hypic;
 
@@ -102,21 +105,37 @@ TEST_F(CudaOps, AllocIsZeroEvenWhenReusingAFreedBlock) {
   EXPECT_EQ(gpu->device().kind, DeviceKind::CUDA);
 }
 
+// Runs f once per split factor of the few-row products (0: the size rule), then restores the rule.
+template <typename F>
+void for_each_gemv_split(F&& f) {
+#if HYPIC_HAVE_CUDA
+  for (int split : {0, 1, 2, 4, 8}) {
+    SCOPED_TRACE("gemv split " + std::to_string(split));
+    cuda::set_gemv_split(split);
+    f();
+  }
+  cuda::set_gemv_split(0);
+#endif
+}
+
 TEST_F(CudaOps, MatmulF32AndHalfWeights) {
-  // M <= 8 with K % 8 == 0 takes the few-row kernel (f32 activations: 1e-5 for every dtype).
-  for (int64_t M : {1, 3, 8, 37, 130})
-    for (int64_t K : {70 + M % 5, 264 + 8 * (M % 3)})
-      for (DType wd : {DType::F32, DType::BF16, DType::F16})
-        for (bool acc : {false, true}) {
-          const int64_t N = 93;
-          Tensor x = randn({M, K}, rng), w = as(randn({N, K}, rng, 0.2f), wd), y0 = randn({M, N}, rng);
-          Tensor yc = y0.clone();
-          cpu->matmul(x, w, yc, acc);
-          Tensor yg = dev(y0);
-          gpu->matmul(dev(x), dev(w), yg, acc);
-          const double tol = wd == DType::F32 || (M <= 8 && K % 8 == 0) ? 1e-5 : 1e-2;
-          EXPECT_LE(err(yg, yc), tol) << "M=" << M << " K=" << K << " " << dtype_name(wd) << " acc=" << acc;
-        }
+  // M <= 8 with K % 8 == 0 takes the few-row kernel (f32 activations: 1e-5 for every dtype), with
+  // each number of warps per row; K = 2056 leaves a partial run of 256 weights.
+  for_each_gemv_split([&] {
+    for (int64_t M : {1, 3, 8, 37, 130})
+      for (int64_t K : {70 + M % 5, 264 + 8 * (M % 3), int64_t{2056}})
+        for (DType wd : {DType::F32, DType::BF16, DType::F16})
+          for (bool acc : {false, true}) {
+            const int64_t N = 93;
+            Tensor x = randn({M, K}, rng), w = as(randn({N, K}, rng, 0.2f), wd), y0 = randn({M, N}, rng);
+            Tensor yc = y0.clone();
+            cpu->matmul(x, w, yc, acc);
+            Tensor yg = dev(y0);
+            gpu->matmul(dev(x), dev(w), yg, acc);
+            const double tol = wd == DType::F32 || (M <= 8 && K % 8 == 0) ? 1e-5 : 1e-2;
+            EXPECT_LE(err(yg, yc), tol) << "M=" << M << " K=" << K << " " << dtype_name(wd) << " acc=" << acc;
+          }
+  });
 }
 
 TEST_F(CudaOps, EmbeddingNormsAndElementwise) {
@@ -490,23 +509,25 @@ TEST_F(CudaOps, CapturedStepReplaysOnNewInputs) {
 // Several products of one x in one launch (decode-sized x) and in a loop (larger x, mixed dtypes),
 // and the fused residual add + norm, against the CPU.
 TEST_F(CudaOps, MatmulManyAndAddRmsNorm) {
-  for (int64_t M : {1, 5, 8, 20})
-    for (bool mixed : {false, true}) {
-      const int64_t K = 264;
-      Tensor x = randn({M, K}, rng);
-      const std::vector<int64_t> Ns = {40, 7, 1, 300};
-      std::vector<Tensor> wh, wd, yc, yg;
-      for (size_t i = 0; i < Ns.size(); ++i) {
-        wh.push_back(as(randn({Ns[i], K}, rng, 0.1f), mixed && i == 2 ? DType::F32 : DType::BF16));
-        wd.push_back(dev(wh.back()));
-        yc.push_back(cpu->alloc(DType::F32, {M, Ns[i]}));
-        yg.push_back(poisoned(DType::F32, {M, Ns[i]}));
+  for_each_gemv_split([&] {
+    for (int64_t M : {1, 5, 8, 20})
+      for (bool mixed : {false, true}) {
+        const int64_t K = 264;
+        Tensor x = randn({M, K}, rng);
+        const std::vector<int64_t> Ns = {40, 7, 1, 300};
+        std::vector<Tensor> wh, wd, yc, yg;
+        for (size_t i = 0; i < Ns.size(); ++i) {
+          wh.push_back(as(randn({Ns[i], K}, rng, 0.1f), mixed && i == 2 ? DType::F32 : DType::BF16));
+          wd.push_back(dev(wh.back()));
+          yc.push_back(cpu->alloc(DType::F32, {M, Ns[i]}));
+          yg.push_back(poisoned(DType::F32, {M, Ns[i]}));
+        }
+        cpu->matmul_many(x, {wh[0], wh[1], wh[2], wh[3]}, {yc[0], yc[1], yc[2], yc[3]});
+        gpu->matmul_many(dev(x), {wd[0], wd[1], wd[2], wd[3]}, {yg[0], yg[1], yg[2], yg[3]});
+        for (size_t i = 0; i < Ns.size(); ++i)
+          EXPECT_LE(err(yg[i], yc[i]), M <= 8 ? 1e-5 : 1e-2) << "M=" << M << " product " << i << " mixed=" << mixed;
       }
-      cpu->matmul_many(x, {wh[0], wh[1], wh[2], wh[3]}, {yc[0], yc[1], yc[2], yc[3]});
-      gpu->matmul_many(dev(x), {wd[0], wd[1], wd[2], wd[3]}, {yg[0], yg[1], yg[2], yg[3]});
-      for (size_t i = 0; i < Ns.size(); ++i)
-        EXPECT_LE(err(yg[i], yc[i]), M <= 8 ? 1e-5 : 1e-2) << "M=" << M << " product " << i << " mixed=" << mixed;
-    }
+  });
   for (int64_t R : {1, 3, 17}) {
     const int64_t D = 1000;
     Tensor x = randn({R, D}, rng), d = randn({R, D}, rng), w = as(randn({D}, rng, 0.1f), DType::BF16);
@@ -521,16 +542,19 @@ TEST_F(CudaOps, MatmulManyAndAddRmsNorm) {
 // The first half of a SwiGLU MLP in one launch (decode-sized x, each weight dtype, a partial last
 // block of rows) and through the products + SiLU-mul for larger x, against the CPU.
 TEST_F(CudaOps, MatmulSwigluMatchesCpu) {
-  for (DType dt : {DType::BF16, DType::F16, DType::F32})
-    for (int64_t M : {1, 4, 8, 12}) {
-      const int64_t K = 264, N = 300;
-      Tensor x = randn({M, K}, rng);
-      Tensor g = as(randn({N, K}, rng, 0.1f), dt), u = as(randn({N, K}, rng, 0.1f), dt);
-      Tensor hc = cpu->alloc(DType::F32, {M, N}), hg = poisoned(DType::F32, {M, N});
-      cpu->matmul_swiglu(x, g, u, hc);
-      gpu->matmul_swiglu(dev(x), dev(g), dev(u), hg);
-      EXPECT_LE(err(hg, hc), M <= 8 ? 1e-5 : 1e-2) << "M=" << M << " " << dtype_name(dt);
-    }
+  for_each_gemv_split([&] {
+    for (DType dt : {DType::BF16, DType::F16, DType::F32})
+      for (int64_t M : {1, 4, 8, 12})
+        for (int64_t K : {264, 2056}) {
+          const int64_t N = 300;
+          Tensor x = randn({M, K}, rng);
+          Tensor g = as(randn({N, K}, rng, 0.1f), dt), u = as(randn({N, K}, rng, 0.1f), dt);
+          Tensor hc = cpu->alloc(DType::F32, {M, N}), hg = poisoned(DType::F32, {M, N});
+          cpu->matmul_swiglu(x, g, u, hc);
+          gpu->matmul_swiglu(dev(x), dev(g), dev(u), hg);
+          EXPECT_LE(err(hg, hc), M <= 8 ? 1e-5 : 1e-2) << "M=" << M << " K=" << K << " " << dtype_name(dt);
+        }
+  });
 }
 
 // Greedy token choice on the device: the CPU's ids, ties to the lowest id, rows of any length.

@@ -18,6 +18,10 @@
 
 namespace hypic::cuda {
 
+// Warps per output row of the few-row products (1, 2, 4 or 8; 0, the default: HYPIC_GEMV_SPLIT or
+// the size rule in gemv.cu). For tests, which check every factor; not thread-safe.
+void set_gemv_split(int split);
+
 class CudaBackend : public Backend {
  public:
   explicit CudaBackend(int device = 0);

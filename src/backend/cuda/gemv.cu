@@ -60,16 +60,47 @@ __device__ __forceinline__ float silu(float x) {
   return x / (1.0f + expf(-x));
 }
 
-template <typename WT, int M>
+// The kSplit warps of a row add their partial sums through shared memory; lane m of the row's first
+// warp gets row m's total (all lanes of the block reach the barrier, live rows or not).
+template <int M, int kSplit>
+__device__ __forceinline__ void split_sum(float (&acc)[M], int warp, int lane) {
+  if constexpr (kSplit > 1) {
+    __shared__ float red[kWarps][M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const float v = warp_sum(acc[m]);
+      if (lane == m) red[warp][m] = v;
+    }
+    __syncthreads();
+    if (lane < M) {
+      float v = 0.f;
+#pragma unroll
+      for (int s = 0; s < kSplit; ++s) v += red[warp - warp % kSplit + s][lane];
+#pragma unroll
+      for (int m = 0; m < M; ++m)
+        if (m == lane) acc[m] = v;
+    }
+  } else {
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[m] = warp_sum(acc[m]);
+  }
+}
+
+// kSplit warps per output row, each taking every kSplit-th run of 256 weights along K: a product
+// with few rows (4096) would otherwise be a single wave of long warps whose ramp-up and drain are
+// a third of its time (docs/perf-notes.md, v10 profile).
+template <typename WT, int M, int kSplit>
 __global__ void __launch_bounds__(kThreads)
     k_gemv(GemvOutputs o, const float* __restrict__ x, int64_t K, bool accumulate, int prefetch) {
-  int64_t n = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
+  constexpr int kRows = kWarps / kSplit;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, part = warp % kSplit;
+  int64_t n = static_cast<int64_t>(blockIdx.x) * kRows + warp / kSplit;
   int64_t total = o.end[0];
 #pragma unroll
   for (int i = 1; i < kGemvMaxOutputs; ++i)
     if (i < o.count) total = o.end[i];
-  if (n >= total) return;
+  const bool live = n < total;
+  if (!live && kSplit == 1) return;
   // The product this row belongs to (several products of one x share the launch).
   // (Constant indices only: a runtime index into the parameter struct would copy it to local memory.)
   const void* wp = o.w[0];
@@ -83,38 +114,42 @@ __global__ void __launch_bounds__(kThreads)
   const WT* wr = static_cast<const WT*>(wp) + n * K;
   // The weights do not depend on the kernel before (launch.cuh): the row's first `prefetch` lines
   // of 128 bytes may head for L2 while that kernel finishes, then wait for x.
-  if (lane < prefetch && lane * 128 < K * static_cast<int64_t>(sizeof(WT)))
+  if (live && part == 0 && lane < prefetch && lane * 128 < K * static_cast<int64_t>(sizeof(WT)))
     asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(wr) + lane * 128));
   pdl_entry();
   float acc[M];
 #pragma unroll
   for (int m = 0; m < M; ++m) acc[m] = 0.f;
+  if (live) {
 #pragma unroll 4
-  for (int64_t k = lane * 8; k < K; k += 256) {
-    float wv[8];
-    load8(wr + k, wv);
+    for (int64_t k = (part * 32 + lane) * 8; k < K; k += 256 * kSplit) {
+      float wv[8];
+      load8(wr + k, wv);
 #pragma unroll
-    for (int m = 0; m < M; ++m) acc[m] += dot8(wv, x + m * K + k);
+      for (int m = 0; m < M; ++m) acc[m] += dot8(wv, x + m * K + k);
+    }
   }
+  split_sum<M, kSplit>(acc, warp, lane);
+  if (!live || part != 0) return;
 #pragma unroll
-  for (int m = 0; m < M; ++m) {
-    const float v = warp_sum(acc[m]);
-    if (lane == m) y[m * N + n] = accumulate ? y[m * N + n] + v : v;
-  }
+  for (int m = 0; m < M; ++m)
+    if (lane == m) y[m * N + n] = accumulate ? y[m * N + n] + acc[m] : acc[m];
 }
 
 // h[m, n] = silu(gate[n] . x_m) * (up[n] . x_m): the two rows of n in one warp, so neither product
 // is written out and the SiLU-mul is no kernel of its own.
-template <typename WT, int M>
+template <typename WT, int M, int kSplit>
 __global__ void __launch_bounds__(kThreads)
     k_gemv_swiglu(const WT* __restrict__ gate, const WT* __restrict__ up, const float* __restrict__ x, int64_t N,
                   int64_t K, float* __restrict__ h, int prefetch) {
-  const int64_t n = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (n >= N) return;
+  constexpr int kRows = kWarps / kSplit;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, part = warp % kSplit;
+  const int64_t n = static_cast<int64_t>(blockIdx.x) * kRows + warp / kSplit;
+  const bool live = n < N;
+  if (!live && kSplit == 1) return;
   const WT* wg = gate + n * K;
   const WT* wu = up + n * K;
-  if (lane < prefetch && lane * 128 < K * static_cast<int64_t>(sizeof(WT))) {  // as in k_gemv
+  if (live && part == 0 && lane < prefetch && lane * 128 < K * static_cast<int64_t>(sizeof(WT))) {  // as in k_gemv
     asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(wg) + lane * 128));
     asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(wu) + lane * 128));
   }
@@ -122,22 +157,26 @@ __global__ void __launch_bounds__(kThreads)
   float ag[M], au[M];
 #pragma unroll
   for (int m = 0; m < M; ++m) ag[m] = au[m] = 0.f;
+  if (live) {
 #pragma unroll 2
-  for (int64_t k = lane * 8; k < K; k += 256) {
-    float a[8], b[8];
-    load8(wg + k, a);
-    load8(wu + k, b);
+    for (int64_t k = (part * 32 + lane) * 8; k < K; k += 256 * kSplit) {
+      float a[8], b[8];
+      load8(wg + k, a);
+      load8(wu + k, b);
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
-      ag[m] += dot8(a, x + m * K + k);
-      au[m] += dot8(b, x + m * K + k);
+      for (int m = 0; m < M; ++m) {
+        ag[m] += dot8(a, x + m * K + k);
+        au[m] += dot8(b, x + m * K + k);
+      }
     }
   }
+  split_sum<M, kSplit>(ag, warp, lane);
+  if constexpr (kSplit > 1) __syncthreads();  // the shared partial sums are reused for up
+  split_sum<M, kSplit>(au, warp, lane);
+  if (!live || part != 0) return;
 #pragma unroll
-  for (int m = 0; m < M; ++m) {
-    const float g = warp_sum(ag[m]), u = warp_sum(au[m]);
-    if (lane == m) h[m * N + n] = silu(g) * u;
-  }
+  for (int m = 0; m < M; ++m)
+    if (lane == m) h[m * N + n] = silu(ag[m]) * au[m];
 }
 
 // h[slot, n] = silu(gate_e[n] . x_t) * (up_e[n] . x_t) for slot = order[blockIdx.x] (slots grouped
@@ -243,11 +282,63 @@ void with_rows(int64_t M, const char* what, F&& f) {
   }
 }
 
+// f(std::integral_constant<int, S>) for the split factors the kernels are instantiated for.
+template <typename F>
+void with_split(int split, F&& f) {
+  switch (split) {
+    case 1:
+      f(std::integral_constant<int, 1>{});
+      break;
+    case 2:
+      f(std::integral_constant<int, 2>{});
+      break;
+    case 4:
+      f(std::integral_constant<int, 4>{});
+      break;
+    default:
+      f(std::integral_constant<int, 8>{});
+      break;
+  }
+}
+
+int sm_count() {
+  static const int n = [] {
+    int dev = 0, v = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
+    return std::max(v, 1);
+  }();
+  return n;
+}
+
+int forced_split = 0;  // set_gemv_split(); 0: HYPIC_GEMV_SPLIT or the rule below
+
+// Warps per output row: enough warps for about two waves of a full SM (64 warps each) however few
+// the rows, while every warp keeps at least four runs of 256 weights (one unrolled round).
+int split_for(int64_t rows, int64_t K) {
+  static const int env = [] {
+    const char* e = std::getenv("HYPIC_GEMV_SPLIT");
+    return e && *e ? std::atoi(e) : 0;
+  }();
+  int s = forced_split ? forced_split : env;
+  if (s <= 0) {
+    const int64_t target = static_cast<int64_t>(sm_count()) * 128;
+    s = 1;
+    while (s < kWarps && rows * s * 2 <= target && K >= 256 * 4 * s * 2) s *= 2;
+  }
+  return s >= 8 ? 8 : s >= 4 ? 4 : s >= 2 ? 2 : 1;
+}
+
 template <typename WT>
 void gemv_t(cudaStream_t s, const GemvOutputs& o, const float* x, int64_t M, int64_t K, bool acc) {
-  const unsigned blocks = static_cast<unsigned>((o.end[o.count - 1] + kWarps - 1) / kWarps);
+  const int64_t rows = o.end[o.count - 1];
+  const int split = split_for(rows, K);
+  const unsigned blocks = static_cast<unsigned>((rows * split + kWarps - 1) / kWarps);
   with_rows(M, "gemv", [&](auto m) {
-    launch(s, blocks, kThreads, 0, k_gemv<WT, decltype(m)::value>, o, x, K, acc, prefetch_lines());
+    with_split(split, [&](auto sp) {
+      launch(s, blocks, kThreads, 0, k_gemv<WT, decltype(m)::value, decltype(sp)::value>, o, x, K, acc,
+             prefetch_lines());
+    });
   });
   CUDA_LAUNCH_CHECK("k_gemv");
 }
@@ -255,11 +346,15 @@ void gemv_t(cudaStream_t s, const GemvOutputs& o, const float* x, int64_t M, int
 template <typename WT>
 void gemv_swiglu_t(cudaStream_t s, const void* gate, const void* up, const float* x, float* h, int64_t M, int64_t N,
                    int64_t K) {
-  const unsigned blocks = static_cast<unsigned>((N + kWarps - 1) / kWarps);
+  const int split = split_for(N, K);
+  const unsigned blocks = static_cast<unsigned>((N * split + kWarps - 1) / kWarps);
   const auto* g = static_cast<const WT*>(gate);
   const auto* u = static_cast<const WT*>(up);
   with_rows(M, "gemv_swiglu", [&](auto m) {
-    launch(s, blocks, kThreads, 0, k_gemv_swiglu<WT, decltype(m)::value>, g, u, x, N, K, h, prefetch_lines());
+    with_split(split, [&](auto sp) {
+      launch(s, blocks, kThreads, 0, k_gemv_swiglu<WT, decltype(m)::value, decltype(sp)::value>, g, u, x, N, K, h,
+             prefetch_lines());
+    });
   });
   CUDA_LAUNCH_CHECK("k_gemv_swiglu");
 }
@@ -280,6 +375,10 @@ void moe_t(cudaStream_t s, const void* const* gate, const void* const* up, const
 }
 
 }  // namespace
+
+void set_gemv_split(int split) {
+  forced_split = split;
+}
 
 bool gemv_supported(DType wdt, int64_t M, int64_t K, const void* w, const float* x) {
   const bool type_ok = wdt == DType::BF16 || wdt == DType::F16 || wdt == DType::F32;

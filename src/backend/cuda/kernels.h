@@ -75,6 +75,7 @@ struct GemvOutputs {
 };
 void launch_gemv_many(cudaStream_t s, const GemvOutputs& o, DType wdt, const float* x, int64_t M, int64_t K,
                       bool accumulate);
+void set_gemv_split(int split);  // documented in cuda_backend.h (which nvcc's C++ level cannot read)
 // h[M,N] = silu(x gate^T) * (x up^T), gate and up [N,K] of one dtype (gemv_supported for both).
 void launch_gemv_swiglu(cudaStream_t s, const void* gate, const void* up, DType wdt, const float* x, float* h,
                         int64_t M, int64_t N, int64_t K);
