@@ -9,8 +9,8 @@
 # Environment: PREFILL (default 4096,32768), PREFILL_LONG (for 35B-A3B, default 65536), CONTEXT
 # (4096), STEPS (16), BATCHES (1,32), REPEATS (2: timed runs after a warm-up), PEER=0 to skip
 # transformers, LLAMA=0 to skip llama.cpp (on by default when .peer/llama.cpp.tar.gz was packed;
-# LLAMA_SHAPES names the shapes it runs, default the dense ones: a bf16 35B-A3B HF folder and its GGUF
-# do not fit the device's disk together). hypic loads each shape twice (prefill lengths, then decode batches).
+# LLAMA_SHAPES names the shapes it runs, default all three; 35B-A3B's GGUF is stretched from one layer
+# period, its large tensors zero: bench/llama_peer.sh). hypic loads each shape twice (prefill lengths, then decode batches).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-.}/gpu_compare.jsonl"
@@ -23,7 +23,7 @@ ctx="${CONTEXT:-4096}" steps="${STEPS:-16}" batches="${BATCHES:-1,32}" reps="${R
 llama="${LLAMA:-$([ -f .peer/llama.cpp.tar.gz ] && echo 1 || echo 0)}"
 if [ "$llama" = 1 ]; then
   lshapes=()
-  for s in ${LLAMA_SHAPES:-qwen3_5_0_8b qwen3_5_9b}; do [[ " ${shapes[*]} " == *" $s "* ]] && lshapes+=("$s"); done
+  for s in ${LLAMA_SHAPES:-qwen3_5_0_8b qwen3_5_9b qwen3_5_35b_a3b}; do [[ " ${shapes[*]} " == *" $s "* ]] && lshapes+=("$s"); done
   [ ${#lshapes[@]} -gt 0 ] && bash bench/llama_peer.sh prepare "${lshapes[@]}" &&
     PREFILL="$prefill" CONTEXT="${CONTEXT:-4096}" REPEATS=3 bash bench/llama_peer.sh bench "${lshapes[@]}" >> "$out"
 fi

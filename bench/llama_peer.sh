@@ -2,7 +2,10 @@
 # The llama.cpp CUDA peer of bench/gpu_compare.sh (issue 18), on the device machine:
 #   prepare SHAPES...  builds llama-bench with CUDA from .peer/llama.cpp.tar.gz (scripts/pack-llama-peer.sh),
 #                      writes each shape's random bf16 HF folder (tools/bench/make_hf_folder.py) and
-#                      converts it to a bf16 GGUF with llama.cpp's own converter;
+#                      converts it to a bf16 GGUF with llama.cpp's own converter; the shapes in STRETCH
+#                      (default qwen3_5_35b_a3b: 2 x 70 GB would not fit the 64 GB disk) are written and
+#                      converted with one period of their layer pattern, then stretched to their real
+#                      depth by tools/bench/extend_gguf.py (large tensors as zero holes: see there);
 #   bench SHAPES...    runs llama-bench (-ngl 99 -fa 1 -ub 2048, medians of REPEATS) and prints JSON
 #                      lines in gpu_compare's schema (peer "llama.cpp"): prefill seconds at PREFILL
 #                      lengths, decode ms/token at batch 1 after CONTEXT tokens.
@@ -35,9 +38,28 @@ gguf() {  # shape -> $peer/gguf/<shape>.gguf
   [ -s "$out" ] && return
   mkdir -p "$peer/gguf" "$peer/tok"
   [ -f "$peer/tok/tokenizer.json" ] || tar -C "$peer/tok" -xzf "$root/.peer/tokenizer.tar.gz"
-  python3 tools/bench/make_hf_folder.py --config "bench/configs/$s.json" --tokenizer "$peer/tok" --out "$hf"
+  local cfg="bench/configs/$s.json" stretch=0
+  if [[ " ${STRETCH:-qwen3_5_35b_a3b} " == *" $s "* ]]; then
+    stretch=1
+    cfg="$peer/$s-period.json"
+    python3 - "bench/configs/$s.json" "$cfg" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))
+n = c["layer_types"].index("full_attention") + 1  # one period: the linear layers and a full one
+c["num_hidden_layers"], c["layer_types"] = n, c["layer_types"][:n]
+json.dump(c, open(sys.argv[2], "w"), indent=1)
+PY
+  fi
+  python3 tools/bench/make_hf_folder.py --config "$cfg" --tokenizer "$peer/tok" --out "$hf"
   python3 "$peer/llama.cpp/convert_hf_to_gguf.py" "$hf" --outtype bf16 --outfile "$out.part" > "$peer/convert-$s.log" 2>&1 ||
     { tail -20 "$peer/convert-$s.log" >&2; return 1; }
+  if [ "$stretch" = 1 ]; then
+    local layers
+    layers="$(python3 -c "import json; print(json.load(open('bench/configs/$s.json'))['num_hidden_layers'])")"
+    PYTHONPATH="$peer/llama.cpp/gguf-py" python3 tools/bench/extend_gguf.py "$out.part" "$out.full" --layers "$layers" ||
+      return 1
+    mv "$out.full" "$out.part"
+  fi
   mv "$out.part" "$out"
   [ "${KEEP_HF:-0}" = 1 ] || rm -rf "$hf"  # the device disk holds 64 GB
 }
