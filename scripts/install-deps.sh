@@ -13,6 +13,7 @@ pkgs=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libcli11-dev libspdlog-dev libfmt-dev
   libcpp-httplib-dev libxxhash-dev libzstd-dev
+  libboost-dev             # Beast and Asio (header-only): the server's HTTP layer
   python3                  # task generator and scorer references in tests (standard library only)
   clang libclang-rt-14-dev # libFuzzer targets (fuzz/, scripts/fuzz.sh)
 )

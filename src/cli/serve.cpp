@@ -19,7 +19,7 @@
 #include "cli/commands.h"
 #include "engine/loader.h"
 
-#ifdef HYPIC_HAVE_HTTPLIB
+#ifdef HYPIC_HAVE_SERVER
 #include "server/budgets.h"
 #include "server/http_server.h"
 #endif
@@ -123,7 +123,7 @@ void register_serve(CLI::App& app) {
       ->capture_default_str();
   c->callback([o, c] {
     guarded([&] {
-#ifndef HYPIC_HAVE_HTTPLIB
+#ifndef HYPIC_HAVE_SERVER
       throw std::runtime_error("this hypic was built without cpp-httplib; install libcpp-httplib-dev and rebuild");
 #else
       server::ServerOptions so;

@@ -1,13 +1,10 @@
 #include "server/http_server.h"
 
 #include <arpa/inet.h>
-#include <dirent.h>
-#include <httplib.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <spdlog/spdlog.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -20,6 +17,7 @@
 
 #include "engine/generate.h"
 #include "engine/loader.h"
+#include "server/http_transport.h"
 #include "tokenizer/tokenizer.h"
 
 namespace hypic::server {
@@ -32,57 +30,17 @@ std::string dump(const json& j) {
   return j.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
-void send_json(httplib::Response& res, int status, const json& j) {
+void send_json(HttpResponse& res, int status, const json& j) {
   res.status = status;
   res.set_content(dump(j), "application/json");
 }
 
-void send_error(httplib::Response& res, const ApiError& e) {
+void send_error(HttpResponse& res, const ApiError& e) {
   send_json(res, e.status, error_body(e));
 }
 
 // ---- client-disconnect detection -------------------------------------------------------------
-// cpp-httplib 0.11 has no Request::is_connection_closed, and a handler never sees its socket. The
-// connection's socket is the one whose peer and local ports are the request's; a peer that has
-// closed (or half-closed) it reads as end-of-file.
-int find_socket(const httplib::Request& req) {
-  DIR* d = opendir("/proc/self/fd");
-  if (!d) return -1;
-  int found = -1;
-  while (dirent* e = readdir(d)) {
-    char* end = nullptr;
-    const long fd = std::strtol(e->d_name, &end, 10);
-    if (!end || *end || fd < 0) continue;
-    struct stat st;
-    if (fstat(static_cast<int>(fd), &st) != 0 || !S_ISSOCK(st.st_mode)) continue;
-    sockaddr_storage peer{}, local{};
-    socklen_t pl = sizeof peer, ll = sizeof local;
-    if (getpeername(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&peer), &pl) != 0) continue;
-    if (getsockname(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&local), &ll) != 0) continue;
-    char addr[INET6_ADDRSTRLEN] = {0};
-    int pport = -1, lport = -1;
-    if (peer.ss_family == AF_INET) {
-      auto* p = reinterpret_cast<sockaddr_in*>(&peer);
-      inet_ntop(AF_INET, &p->sin_addr, addr, sizeof addr);
-      pport = ntohs(p->sin_port);
-      lport = ntohs(reinterpret_cast<sockaddr_in*>(&local)->sin_port);
-    } else if (peer.ss_family == AF_INET6) {
-      auto* p = reinterpret_cast<sockaddr_in6*>(&peer);
-      inet_ntop(AF_INET6, &p->sin6_addr, addr, sizeof addr);
-      pport = ntohs(p->sin6_port);
-      lport = ntohs(reinterpret_cast<sockaddr_in6*>(&local)->sin6_port);
-    } else {
-      continue;
-    }
-    if (pport == req.remote_port && lport == req.local_port && req.remote_addr == addr) {
-      found = static_cast<int>(fd);
-      break;
-    }
-  }
-  closedir(d);
-  return found;
-}
-
+// A client that closed (or half-closed) its connection reads as end-of-file on the socket.
 bool peer_closed(int fd) {
   if (fd < 0) return false;
   pollfd p{fd, static_cast<short>(POLLIN | POLLRDHUP), 0};
@@ -128,7 +86,7 @@ struct HttpServer::Impl {
   ModelFacts facts;
   Metrics metrics;
   std::unique_ptr<Scheduler> sched;
-  httplib::Server svr;
+  std::unique_ptr<HttpTransport> http;
   int bound_port = -1;
   std::atomic<bool> stopped{false};
 
@@ -165,7 +123,7 @@ struct HttpServer::Impl {
 
   ~Impl() {
     sched->stop();
-    svr.stop();
+    if (http) http->stop();
   }
 
   // Text of one token for logprobs.
@@ -256,7 +214,7 @@ struct HttpServer::Impl {
     return true;
   }
 
-  void handle_generate(const httplib::Request& req, httplib::Response& res, Endpoint ep) {
+  void handle_generate(const HttpRequest& req, HttpResponse& res, Endpoint ep) {
     const json body = parse_body(req.body, opt.max_json_depth);
     GenSpec g = ep == Endpoint::Chat ? parse_chat(body, facts) : parse_completion(body, facts);
     auto job = std::make_shared<Job>();
@@ -264,7 +222,7 @@ struct HttpServer::Impl {
     job->id = new_id(ep == Endpoint::Chat ? "chatcmpl-" : "cmpl-");
     job->arrived = t_ctx.active ? t_ctx.start : Clock::now();
     job->gen = std::move(g);
-    const int fd = find_socket(req);
+    const int fd = req.fd;
     submit_or_throw(job);
     if (job->gen.stream) {
       start_stream(res, job, fd, ep);
@@ -335,12 +293,9 @@ struct HttpServer::Impl {
     return c;
   }
 
-  static bool send_event(httplib::DataSink& sink, const json& j) {
-    const std::string s = "data: " + dump(j) + "\n\n";
-    return sink.write(s.data(), s.size());
-  }
+  static bool send_event(ChunkSink& sink, const json& j) { return sink.write("data: " + dump(j) + "\n\n"); }
 
-  void start_stream(httplib::Response& res, std::shared_ptr<Job> job, int fd, Endpoint ep) {
+  void start_stream(HttpResponse& res, std::shared_ptr<Job> job, int fd, Endpoint ep) {
     auto st = std::make_shared<StreamState>();
     st->job = job;
     st->fd = fd;
@@ -349,63 +304,60 @@ struct HttpServer::Impl {
     res.status = 200;
     res.set_header("Cache-Control", "no-cache");
     res.set_header("X-Accel-Buffering", "no");
-    res.set_chunked_content_provider(
-        "text/event-stream",
-        [this, st](size_t, httplib::DataSink& sink) -> bool {
-          Job& j = *st->job;
-          std::vector<TokenOut> toks;
-          bool done = false;
-          while (true) {
-            done = j.wait(toks, std::chrono::milliseconds(50));
-            if (done || !toks.empty()) break;
-            if (peer_closed(st->fd)) {
-              j.cancelled = true;
-              return false;
-            }
+    res.content_type = "text/event-stream";
+    // Runs on the handler's thread after the head is sent, until the job ends or the client goes.
+    res.stream = [this, st](ChunkSink& sink) -> bool {
+      Job& j = *st->job;
+      while (true) {
+        std::vector<TokenOut> toks;
+        bool done = false;
+        while (true) {
+          done = j.wait(toks, std::chrono::milliseconds(50));
+          if (done || !toks.empty()) break;
+          if (peer_closed(st->fd)) {
+            j.cancelled = true;
+            return false;
           }
-          for (auto& t : toks) {
-            std::vector<TokenOut> one{t};
-            if (t.text.empty() && !(j.gen.logprobs >= 0)) continue;  // held back: nothing to show yet
-            if (!send_event(sink, chunk(*st, t.text, &one, nullptr))) {
-              j.cancelled = true;
-              return false;
-            }
+        }
+        for (auto& t : toks) {
+          std::vector<TokenOut> one{t};
+          if (t.text.empty() && !(j.gen.logprobs >= 0)) continue;  // held back: nothing to show yet
+          if (!send_event(sink, chunk(*st, t.text, &one, nullptr))) {
+            j.cancelled = true;
+            return false;
           }
-          if (!done) return true;
-          bool ok = true;
-          if (j.error_status) {
-            ok = send_event(sink, error_body(job_error(j)));
-          } else {
-            std::string tail;
-            {
-              std::lock_guard<std::mutex> lk(j.mu);
-              tail = j.tail;
-            }
-            if (!tail.empty()) ok = ok && send_event(sink, chunk(*st, tail, nullptr, nullptr));
-            ok = ok && send_event(sink, chunk(*st, "", nullptr, j.finish_reason));
-            if (j.gen.include_usage) {
-              json u{{"id", j.id},
-                     {"object", st->ep == Endpoint::Chat ? "chat.completion.chunk" : "text_completion"},
-                     {"created", st->created},
-                     {"model", facts.name},
-                     {"choices", json::array()},
-                     {"usage", usage(j)},
-                     {"pic", pic_info(j)}};
-              ok = ok && send_event(sink, u);
-            }
+        }
+        if (!done) continue;
+        bool ok = true;
+        if (j.error_status) {
+          ok = send_event(sink, error_body(job_error(j)));
+        } else {
+          std::string tail;
+          {
+            std::lock_guard<std::mutex> lk(j.mu);
+            tail = j.tail;
           }
-          static const std::string kDone = "data: [DONE]\n\n";
-          ok = ok && sink.write(kDone.data(), kDone.size());
-          if (!ok) return false;
-          sink.done();
-          return true;
-        },
-        [st](bool success) {
-          if (!success) st->job->cancelled = true;
-        });
+          if (!tail.empty()) ok = ok && send_event(sink, chunk(*st, tail, nullptr, nullptr));
+          ok = ok && send_event(sink, chunk(*st, "", nullptr, j.finish_reason));
+          if (j.gen.include_usage) {
+            json u{{"id", j.id},
+                   {"object", st->ep == Endpoint::Chat ? "chat.completion.chunk" : "text_completion"},
+                   {"created", st->created},
+                   {"model", facts.name},
+                   {"choices", json::array()},
+                   {"usage", usage(j)},
+                   {"pic", pic_info(j)}};
+            ok = ok && send_event(sink, u);
+          }
+        }
+        ok = ok && sink.write("data: [DONE]\n\n");
+        if (!ok) j.cancelled = true;
+        return ok;
+      }
+    };
   }
 
-  void handle_segments_post(const httplib::Request& req, httplib::Response& res) {
+  void handle_segments_post(const HttpRequest& req, HttpResponse& res) {
     const json body = parse_body(req.body, opt.max_json_depth);
     SegmentsSpec spec = parse_segments(body, facts);
     auto job = std::make_shared<Job>();
@@ -413,7 +365,7 @@ struct HttpServer::Impl {
     job->id = new_id("seg-");
     job->arrived = t_ctx.active ? t_ctx.start : Clock::now();
     job->segs = std::move(spec);
-    const int fd = find_socket(req);
+    const int fd = req.fd;
     submit_or_throw(job);
     std::vector<TokenOut> toks;
     if (!wait_done(*job, fd, toks)) {
@@ -455,190 +407,127 @@ struct HttpServer::Impl {
   }
 
   void setup() {
-    svr.new_task_queue = [n = opt.http_threads > 0 ? opt.http_threads
-                                                   : std::min(opt.sched.max_running + opt.sched.max_queue + 8, 1024)] {
-      return new httplib::ThreadPool(static_cast<size_t>(n));
+    HttpLimits lim;
+    lim.max_body_bytes = opt.max_body_bytes;
+    lim.workers =
+        opt.http_threads > 0 ? opt.http_threads : std::min(opt.sched.max_running + opt.sched.max_queue + 8, 1024);
+    lim.head_timeout_s = opt.head_timeout_s;
+    lim.max_connections = opt.max_connections;
+    lim.max_connections_per_client = opt.max_connections_per_client;
+    HttpTransport::Callbacks cb;
+    cb.handle = [this](const HttpRequest& req, HttpResponse& res) { route(req, res); };
+    // Generation and segment posts wait for the engine; everything else answers at once.
+    cb.heavy = [](const HttpRequest& req) { return req.method == "POST"; };
+    cb.refuse = [](HttpResponse& res, int status, const std::string& msg) {
+      send_json(res, status, error_body(status, msg));
     };
-    svr.set_payload_max_length(opt.max_body_bytes);
-    svr.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
-      t_ctx = ReqCtx{};
-      t_ctx.active = true;
-      t_ctx.start = Clock::now();
-      return admit(req, res) ? httplib::Server::HandlerResponse::Unhandled : httplib::Server::HandlerResponse::Handled;
-    });
-    svr.set_error_handler([](const httplib::Request& req, httplib::Response& res) {
-      if (!res.body.empty()) return;
-      std::string msg;
-      switch (res.status) {
-        case 404:
-          msg = "no route " + req.method + " " + req.path;
-          break;
-        case 405:
-          msg = "method " + req.method + " is not allowed on " + req.path;
-          break;
-        case 413:
-          msg = "the request body is too large";
-          break;
-        case 400:
-          msg = "bad request";
-          break;
-        default:
-          msg = "HTTP status " + std::to_string(res.status);
-      }
-      res.set_content(dump(error_body(res.status, msg)), "application/json");
-    });
-    svr.set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
-      std::string msg = "internal error";
-      try {
-        if (ep) std::rethrow_exception(ep);
-      } catch (const std::exception& e) {
-        msg = std::string("internal error: ") + e.what();
-      } catch (...) {
-      }
-      send_json(res, 500, error_body(500, msg));
-    });
-    svr.set_logger([this](const httplib::Request& req, const httplib::Response& res) { log_request(req, res); });
+    cb.done = [this](const HttpRequest& req, const HttpResponse& res) { log_request(req, res); };
+    http = std::make_unique<HttpTransport>(lim, std::move(cb));
+  }
 
-    auto guarded = [](auto fn) {
-      return [fn](const httplib::Request& req, httplib::Response& res) {
-        try {
-          fn(req, res);
-        } catch (const ApiError& e) {
-          send_error(res, e);
-        } catch (const std::bad_alloc&) {
-          send_json(res, 503, error_body(503, "out of memory for this request"));
-        } catch (const std::exception& e) {
-          send_json(res, 500, error_body(500, std::string("internal error: ") + e.what()));
-        } catch (...) {
-          send_json(res, 500, error_body(500, "internal error"));
-        }
-      };
-    };
-
-    // POST bodies are read here, up to --max-body-mib whatever their framing: cpp-httplib checks
-    // Content-Length but would read a chunked body of any size into memory. Past the limit the
-    // read stops and the answer is 413. The body then goes where the handlers read it (req.body of
-    // the server's own, non-const request).
-    auto with_body = [this, guarded](auto fn) {
-      return [this, handler = guarded(fn)](const httplib::Request& req, httplib::Response& res,
-                                           const httplib::ContentReader& read) {
-        std::string body;
-        bool too_large = false;
-        const bool ok = read([&](const char* data, size_t n) {
-          if (body.size() + n > opt.max_body_bytes) {
-            too_large = true;
-            return false;
-          }
-          body.append(data, n);
-          return true;
-        });
-        // cpp-httplib itself refuses a Content-Length over the limit (status 413, nothing read).
-        if (too_large || (!ok && res.status == 413)) {
-          send_json(res, 413,
-                    error_body(413, "the request body is larger than the server's limit of " +
-                                        std::to_string(opt.max_body_bytes) + " bytes (--max-body-mib)"));
-          res.set_header("Connection", "close");
-          return;
-        }
-        if (!ok) {
-          send_json(res, 400, error_body(400, "the request body could not be read"));
-          res.set_header("Connection", "close");
-          return;
-        }
-        const_cast<httplib::Request&>(req).body = std::move(body);
-        handler(req, res);
-      };
-    };
-    svr.Post("/v1/completions",
-             with_body([this](const auto& q, auto& r) { handle_generate(q, r, Endpoint::Completions); }));
-    svr.Post("/v1/chat/completions",
-             with_body([this](const auto& q, auto& r) { handle_generate(q, r, Endpoint::Chat); }));
-    svr.Get("/v1/models", guarded([this](const auto&, auto& r) {
-              send_json(r, 200,
-                        json{{"object", "list"},
-                             {"data", json::array({json{{"id", facts.name},
-                                                        {"object", "model"},
-                                                        {"created", now_unix()},
-                                                        {"owned_by", "hypic"},
-                                                        {"max_model_len", facts.context}}})}});
-            }));
-    svr.Get("/health", guarded([this](const auto&, auto& r) {
-              const double stalled = sched->stalled_seconds();
-              if (opt.watchdog_s > 0 && stalled > opt.watchdog_s) {
-                char msg[160];
-                std::snprintf(msg, sizeof msg, "the engine has been in one iteration for %.1f s (watchdog %.1f s)",
-                              stalled, opt.watchdog_s);
-                send_json(r, 503, json{{"status", "stalled"}, {"message", msg}});
-                return;
-              }
-              send_json(r, 200, json{{"status", "ok"}});
-            }));
-    svr.Get("/metrics", guarded([this](const auto&, auto& r) {
-              r.set_content(metrics.render(sched->cache_stats()), "text/plain; version=0.0.4; charset=utf-8");
-            }));
-    svr.Post("/v1/segments", with_body([this](const auto& q, auto& r) { handle_segments_post(q, r); }));
-    svr.Get("/v1/segments", guarded([this](const auto&, auto& r) {
-              json data = json::array();
-              for (auto& s : sched->list_segments()) data.push_back(segment_json(s));
-              send_json(r, 200, json{{"object", "list"}, {"data", data}, {"cache", cache_json()}});
-            }));
-    svr.Delete("/v1/segments", guarded([this](const auto&, auto& r) {
-                 const size_t n = sched->list_segments().size();
-                 sched->clear_segments();
-                 send_json(r, 200, json{{"object", "list"}, {"deleted", n}});
-               }));
-    const std::string seg_id = R"(/v1/segments/([^/]+))";
-    svr.Get(seg_id, guarded([this](const auto& q, auto& r) {
-              const std::string id = q.matches[1];
-              for (auto& s : sched->list_segments())
-                if (s.id == id) return send_json(r, 200, segment_json(s));
-              throw ApiError(404, "no segment with id '" + id + "'", "not_found_error", "id", "segment_not_found");
-            }));
-    svr.Delete(seg_id, guarded([this](const auto& q, auto& r) {
-                 const std::string id = q.matches[1];
-                 if (!sched->erase_segment(id))
-                   throw ApiError(404, "no segment with id '" + id + "'", "not_found_error", "id", "segment_not_found");
-                 send_json(r, 200, json{{"id", id}, {"object", "segment"}, {"deleted", true}});
-               }));
-
-    // 405 for known paths with another method.
-    struct Route {
-      std::string path;
-      std::vector<std::string> allowed;
-    };
-    const std::vector<Route> routes = {{"/v1/completions", {"POST"}}, {"/v1/chat/completions", {"POST"}},
-                                       {"/v1/models", {"GET"}},       {"/health", {"GET"}},
-                                       {"/metrics", {"GET"}},         {"/v1/segments", {"GET", "POST", "DELETE"}},
-                                       {seg_id, {"GET", "DELETE"}}};
-    for (const auto& rt : routes) {
-      std::string allow;
-      for (auto& m : rt.allowed) allow += (allow.empty() ? "" : ", ") + m;
-      auto h = [allow](const httplib::Request& req, httplib::Response& res) {
-        res.set_header("Allow", allow);
-        send_json(
-            res, 405,
-            error_body(405, "method " + req.method + " is not allowed on " + req.path + " (allowed: " + allow + ")",
-                       "invalid_request_error", "", "method_not_allowed"));
-      };
-      auto allowed = [&](const char* m) {
-        return std::find(rt.allowed.begin(), rt.allowed.end(), m) != rt.allowed.end();
-      };
-      if (!allowed("GET")) svr.Get(rt.path, h);
-      if (!allowed("POST")) svr.Post(rt.path, h);
-      if (!allowed("PUT")) svr.Put(rt.path, h);
-      if (!allowed("PATCH")) svr.Patch(rt.path, h);
-      if (!allowed("DELETE")) svr.Delete(rt.path, h);
+  // Runs `fn`, turning what it throws into the API's error responses.
+  template <typename F>
+  static void guarded(HttpResponse& res, F&& fn) {
+    try {
+      fn();
+    } catch (const ApiError& e) {
+      send_error(res, e);
+    } catch (const std::bad_alloc&) {
+      send_json(res, 503, error_body(503, "out of memory for this request"));
+    } catch (const std::exception& e) {
+      send_json(res, 500, error_body(500, std::string("internal error: ") + e.what()));
+    } catch (...) {
+      send_json(res, 500, error_body(500, "internal error"));
     }
   }
 
+  void route(const HttpRequest& req, HttpResponse& res) {
+    t_ctx = ReqCtx{};
+    t_ctx.active = true;
+    t_ctx.start = Clock::now();
+    if (!admit(req, res)) return;
+    const std::string& m = req.method;
+    const std::string& path = req.path;
+    static const std::string kSeg = "/v1/segments/";
+    auto only = [&](std::initializer_list<const char*> allowed) {
+      for (const char* a : allowed)
+        if (m == a) return true;
+      std::string allow;
+      for (const char* a : allowed) allow += (allow.empty() ? "" : ", ") + std::string(a);
+      res.set_header("Allow", allow);
+      send_json(res, 405,
+                error_body(405, "method " + m + " is not allowed on " + path + " (allowed: " + allow + ")",
+                           "invalid_request_error", "", "method_not_allowed"));
+      return false;
+    };
+    guarded(res, [&] {
+      if (path == "/v1/completions") {
+        if (only({"POST"})) handle_generate(req, res, Endpoint::Completions);
+      } else if (path == "/v1/chat/completions") {
+        if (only({"POST"})) handle_generate(req, res, Endpoint::Chat);
+      } else if (path == "/v1/models") {
+        if (only({"GET"}))
+          send_json(res, 200,
+                    json{{"object", "list"},
+                         {"data", json::array({json{{"id", facts.name},
+                                                    {"object", "model"},
+                                                    {"created", now_unix()},
+                                                    {"owned_by", "hypic"},
+                                                    {"max_model_len", facts.context}}})}});
+      } else if (path == "/health") {
+        if (only({"GET"})) health(res);
+      } else if (path == "/metrics") {
+        if (only({"GET"}))
+          res.set_content(metrics.render(sched->cache_stats()), "text/plain; version=0.0.4; charset=utf-8");
+      } else if (path == "/v1/segments") {
+        if (!only({"GET", "POST", "DELETE"})) return;
+        if (m == "POST") {
+          handle_segments_post(req, res);
+        } else if (m == "GET") {
+          json data = json::array();
+          for (auto& sg : sched->list_segments()) data.push_back(segment_json(sg));
+          send_json(res, 200, json{{"object", "list"}, {"data", data}, {"cache", cache_json()}});
+        } else {
+          const size_t n = sched->list_segments().size();
+          sched->clear_segments();
+          send_json(res, 200, json{{"object", "list"}, {"deleted", n}});
+        }
+      } else if (path.size() > kSeg.size() && path.rfind(kSeg, 0) == 0 &&
+                 path.find('/', kSeg.size()) == std::string::npos) {
+        if (!only({"GET", "DELETE"})) return;
+        const std::string id = path.substr(kSeg.size());
+        if (m == "GET") {
+          for (auto& sg : sched->list_segments())
+            if (sg.id == id) return send_json(res, 200, segment_json(sg));
+          throw ApiError(404, "no segment with id '" + id + "'", "not_found_error", "id", "segment_not_found");
+        }
+        if (!sched->erase_segment(id))
+          throw ApiError(404, "no segment with id '" + id + "'", "not_found_error", "id", "segment_not_found");
+        send_json(res, 200, json{{"id", id}, {"object", "segment"}, {"deleted", true}});
+      } else {
+        send_json(res, 404, error_body(404, "no route " + m + " " + path));
+      }
+    });
+  }
+
+  void health(HttpResponse& r) {
+    const double stalled = sched->stalled_seconds();
+    if (opt.watchdog_s > 0 && stalled > opt.watchdog_s) {
+      char msg[160];
+      std::snprintf(msg, sizeof msg, "the engine has been in one iteration for %.1f s (watchdog %.1f s)", stalled,
+                    opt.watchdog_s);
+      send_json(r, 503, json{{"status", "stalled"}, {"message", msg}});
+      return;
+    }
+    send_json(r, 200, json{{"status", "ok"}});
+  }
+
   // Origin and key checks before any route runs; false: `res` holds the refusal.
-  bool admit(const httplib::Request& req, httplib::Response& res) {
-    // Range headers are ignored (the API has no use for partial responses): cpp-httplib would
-    // otherwise answer a header of many overlapping ranges with a multipart copy of the response
-    // many times its size. The request object is the server's own, non-const one.
-    const_cast<httplib::Request&>(req).ranges.clear();
+  // (Range headers need nothing here: the transport does not implement them, so a header of many
+  // overlapping ranges cannot turn a small request into a multipart copy many times its size.)
+  bool admit(const HttpRequest& req, HttpResponse& res) {
     if (req.has_header("Origin")) {
-      const std::string origin = req.get_header_value("Origin");
+      const std::string origin = req.header("Origin");
       const bool ok = std::any_of(opt.cors_origins.begin(), opt.cors_origins.end(),
                                   [&](const std::string& o) { return o == "*" || o == origin; });
       if (!ok) {
@@ -663,7 +552,7 @@ struct HttpServer::Impl {
     const bool segment_write =
         (req.method == "POST" || req.method == "DELETE") && req.path.rfind("/v1/segments", 0) == 0;
     if (!v1 || (opt.api_key.empty() && !(segment_write && !opt.admin_key.empty()))) return true;
-    const std::string auth = req.get_header_value("Authorization");
+    const std::string auth = req.header("Authorization");
     const std::string given = auth.rfind("Bearer ", 0) == 0 ? auth.substr(7) : std::string();
     const bool admin = !opt.admin_key.empty() && same_secret(given, opt.admin_key);
     if (segment_write) {
@@ -682,7 +571,7 @@ struct HttpServer::Impl {
     return refuse_key(res, given.empty());
   }
 
-  static bool refuse_key(httplib::Response& res, bool missing) {
+  static bool refuse_key(HttpResponse& res, bool missing) {
     res.set_header("WWW-Authenticate", "Bearer");
     send_json(res, 401,
               error_body(401,
@@ -702,7 +591,7 @@ struct HttpServer::Impl {
     return d == 0;
   }
 
-  void log_request(const httplib::Request& req, const httplib::Response& res) {
+  void log_request(const HttpRequest& req, const HttpResponse& res) {
     int status = res.status;
     const std::string ep = endpoint_label(req.path);
     std::shared_ptr<Job> job = t_ctx.job;
@@ -741,25 +630,22 @@ HttpServer::~HttpServer() {
 
 int HttpServer::bind() {
   auto& s = *impl_;
-  if (s.opt.port == 0) {
-    s.bound_port = s.svr.bind_to_any_port(s.opt.host);
-    if (s.bound_port <= 0) throw std::runtime_error("cannot bind to " + s.opt.host + " (any port)");
-  } else {
-    if (!s.svr.bind_to_port(s.opt.host, s.opt.port))
-      throw std::runtime_error("cannot bind to " + s.opt.host + ":" + std::to_string(s.opt.port));
-    s.bound_port = s.opt.port;
-  }
+  s.bound_port = s.http->bind(s.opt.host, s.opt.port);
   return s.bound_port;
 }
 
 void HttpServer::run() {
-  impl_->svr.listen_after_bind();
+  impl_->http->run();
 }
 
 void HttpServer::stop() {
   if (!impl_) return;
   if (!impl_->stopped.exchange(true)) impl_->sched->stop();
-  impl_->svr.stop();
+  impl_->http->stop();
+}
+
+int HttpServer::open_connections() const {
+  return impl_->http->open_connections();
 }
 
 const std::string& HttpServer::model_name() const {

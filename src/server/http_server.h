@@ -1,4 +1,4 @@
-// `hypic serve`: an OpenAI-compatible HTTP server over one loaded model (cpp-httplib).
+// `hypic serve`: an OpenAI-compatible HTTP server over one loaded model (HTTP layer: http_transport.h).
 //   POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics,
 //   POST|GET|DELETE /v1/segments, GET|DELETE /v1/segments/{id}.
 // See docs/serving.md for the request fields, the PIC extension and the metrics.
@@ -25,8 +25,12 @@ struct ServerOptions {
   SchedulerOptions sched;
   size_t max_body_bytes = size_t(32) << 20;  // larger bodies get 413
   int max_json_depth = 64;                   // deeper JSON gets 400
-  int http_threads = 0;                      // 0: max_running + max_queue + 8
-  bool mask_padded_ids = false;  // default of the request field: ids without a tokenizer entry never sampled
+  int http_threads = 0;                      // threads for POSTs; 0: max_running + max_queue + 8
+  // Connection limits (http_transport.h): idle or slow connections cost a socket each, not a thread.
+  double head_timeout_s = 15;             // a request head complete within this (idle keep-alive too)
+  int max_connections = 8192;             // in total (lowered to the open-file limit); 503 past it
+  int max_connections_per_client = 2048;  // per remote address (0: none); 503 past it
+  bool mask_padded_ids = false;           // default of the request field: ids without a tokenizer entry never sampled
   // Access control (docs/serving.md, "Security"). With api_key set, /v1/* needs
   // "Authorization: Bearer <api_key or admin_key>"; with either key set, POST and DELETE of
   // /v1/segments (which fill and wipe the shared cache) need the admin key. /health and /metrics
@@ -55,6 +59,7 @@ class HttpServer {
   const std::string& model_name() const;
   Metrics& metrics();
   SegmentCacheStats cache_stats() const;  // memory and disk tiers
+  int open_connections() const;
 
  private:
   struct Impl;

@@ -1,7 +1,7 @@
 // Default budgets of `hypic serve` on machines of every size (issue 12: safe on a small machine).
 #include <gtest/gtest.h>
 
-#ifdef HYPIC_HAVE_HTTPLIB
+#ifdef HYPIC_HAVE_SERVER
 #include "server/budgets.h"
 
 namespace hypic::server {

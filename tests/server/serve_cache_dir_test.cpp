@@ -6,7 +6,7 @@
 //    as an entry, and quarantines a damaged file instead of using it.
 #include <gtest/gtest.h>
 
-#ifdef HYPIC_HAVE_HTTPLIB
+#ifdef HYPIC_HAVE_SERVER
 #include <httplib.h>
 
 #include <atomic>

@@ -4,7 +4,7 @@
 #include <spdlog/sinks/ringbuffer_sink.h>
 #include <spdlog/spdlog.h>
 
-#ifdef HYPIC_HAVE_HTTPLIB
+#ifdef HYPIC_HAVE_SERVER
 #include <httplib.h>
 #include <unistd.h>
 
