@@ -66,6 +66,8 @@ void register_serve(CLI::App& app) {
     std::string api_key, api_key_file, admin_key, admin_key_file;
     std::vector<std::string> cors_origins;
     double watchdog_s = 600;
+    double head_timeout_s = 15;
+    int max_connections = 8192, max_connections_per_client = 2048;
     // Real shapes without a checkpoint (serving benchmarks): a bare config, seeded random weights,
     // and a tokenizer folder of its own.
     std::string config, dtype = "bf16", tokenizer;
@@ -96,7 +98,18 @@ void register_serve(CLI::App& app) {
   c->add_option("--prefill-chunk", o->prefill_chunk, "Prompt tokens prefilled per engine iteration (non-PIC prompts)")
       ->capture_default_str();
   c->add_option("--threads", o->threads, "CPU threads for the model (0: all cores)")->capture_default_str();
-  c->add_option("--http-threads", o->http_threads, "HTTP worker threads (0: max-running + max-queue + 8)")
+  c->add_option("--http-threads", o->http_threads,
+                "Threads for POST requests, which wait for the engine (0: max-running + max-queue + 8)")
+      ->capture_default_str();
+  c->add_option("--head-timeout-s", o->head_timeout_s,
+                "A request head must be complete within this, counted from the connection or the previous "
+                "response (slow or idle connections are closed)")
+      ->capture_default_str();
+  c->add_option("--max-connections", o->max_connections,
+                "Open connections in total (lowered to the open-file limit); more get 503")
+      ->capture_default_str();
+  c->add_option("--max-connections-per-client", o->max_connections_per_client,
+                "Open connections per client address (0: no per-client cap); more get 503")
       ->capture_default_str();
   c->add_option("--max-body-mib", o->max_body_mib, "Largest accepted request body in MiB (larger: 413)")
       ->capture_default_str();
@@ -124,7 +137,8 @@ void register_serve(CLI::App& app) {
   c->callback([o, c] {
     guarded([&] {
 #ifndef HYPIC_HAVE_SERVER
-      throw std::runtime_error("this hypic was built without cpp-httplib; install libcpp-httplib-dev and rebuild");
+      throw std::runtime_error(
+          "this hypic was built without a server; install libboost-dev and libcpp-httplib-dev and rebuild");
 #else
       server::ServerOptions so;
       so.host = o->host;
@@ -147,6 +161,12 @@ void register_serve(CLI::App& app) {
       so.sched.max_running = o->max_running;
       so.sched.prefill_chunk = o->prefill_chunk;
       so.http_threads = o->http_threads;
+      if (!(o->head_timeout_s > 0)) throw std::invalid_argument("--head-timeout-s must be positive");
+      if (o->max_connections < 1) throw std::invalid_argument("--max-connections must be >= 1");
+      if (o->max_connections_per_client < 0) throw std::invalid_argument("--max-connections-per-client must be >= 0");
+      so.head_timeout_s = o->head_timeout_s;
+      so.max_connections = o->max_connections;
+      so.max_connections_per_client = o->max_connections_per_client;
       so.mask_padded_ids = o->mask_padded;
       so.api_key = secret_option("--api-key", o->api_key, o->api_key_file, "HYPIC_API_KEY");
       so.admin_key = secret_option("--admin-key", o->admin_key, o->admin_key_file, "HYPIC_ADMIN_KEY");

@@ -1,6 +1,7 @@
 // What the load tools share: starting `hypic serve` on a free loopback port as a child process,
 // reading a process's memory from /proc, percentiles, reading a server-sent-event stream.
 #pragma once
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -19,15 +20,20 @@
   std::exit(2);
 }
 
-// Starts `server serve --port 0 ...`, returns its pid and port (read from its stdout).
+// Starts `server serve --port 0 ...`, returns its pid and port (read from its stdout). The log
+// (stderr) goes to `log_path` when one is given.
 inline pid_t start_server(const std::string& server, const std::string& model, const std::vector<std::string>& extra,
-                          int clients, int& port) {
+                          int clients, int& port, const std::string& log_path = "") {
   int fds[2];
   if (pipe(fds) != 0) server_exit("pipe failed");
   const pid_t pid = fork();
   if (pid < 0) server_exit("fork failed");
   if (pid == 0) {
     dup2(fds[1], STDOUT_FILENO);
+    if (!log_path.empty()) {
+      const int lf = open(log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+      if (lf >= 0) dup2(lf, STDERR_FILENO);
+    }
     close(fds[0]);
     close(fds[1]);
     std::vector<std::string> args = {server,          "serve",
