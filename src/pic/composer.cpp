@@ -152,53 +152,137 @@ SequenceState snapshot(const Model& m, const SequenceState& st) {
 }
 }  // namespace
 
-std::shared_ptr<SegmentEntry> PicEngine::build_entry(const std::vector<int32_t>& ids, int seam, int tail) {
+// An isolated build in progress: the segment's state from position 0, the linear layers' states
+// kept at the end of the head and of the body, and each linear layer's body transition so far.
+struct EntryBuild {
+  std::vector<int32_t> ids;
+  int seam = 0, tail = 0;
+  int64_t L = 0, head = 0, body_end = 0;
+  int64_t done = 0;  // tokens through every layer
+  SequenceState st;
+  std::vector<LayerState> at_head, at_body;
+  std::vector<Tensor> T;  // per layer (linear): the body's transition so far
+  bool finished = false;
+};
+
+std::shared_ptr<EntryBuild> PicEngine::start_build(const std::vector<int32_t>& ids, int seam, int tail) {
+  const int64_t L = static_cast<int64_t>(ids.size());
+  if (L == 0) throw std::invalid_argument("cannot cache an empty segment");
+  auto b = std::make_shared<EntryBuild>();
+  b->ids = ids;
+  b->seam = seam;
+  b->tail = tail;
+  b->L = L;
+  b->head = std::clamp<int64_t>(seam, 0, L);
+  b->body_end = L - std::clamp<int64_t>(tail, 0, L - b->head);
+  b->st = model_.new_state(L);  // zero state at position 0: the segment in isolation
+  const size_t n = static_cast<size_t>(model_.config().num_hidden_layers);
+  b->at_head.resize(n);
+  b->at_body.resize(n);
+  b->T.resize(n);
+  return b;
+}
+
+// Tokens [done, done + chunk) through every layer. In a linear layer the chunk is up to three spans
+// on the one state (its parts of head | body | tail; an empty head or tail as a span of no rows
+// where it sits), so a segment within one chunk takes exactly the single pass it always took; the
+// state is kept after the head and after the body, and the body's transition is chained across
+// chunks (T <- T_chunk T).
+std::shared_ptr<SegmentEntry> PicEngine::step_build(EntryBuild& b) {
+  if (b.finished) throw std::logic_error("step_build: the build is already finished");
   Model& m = model_;
   Backend& be = m.backend();
   const auto& cfg = m.config();
-  const int64_t L = static_cast<int64_t>(ids.size());
-  if (L == 0) throw std::invalid_argument("cannot cache an empty segment");
-  const int64_t head = std::clamp<int64_t>(seam, 0, L);
-  const int64_t tl = std::clamp<int64_t>(tail, 0, L - head);
-  const int64_t body_end = L - tl;
-  auto e = std::make_shared<SegmentEntry>();
-  e->key = SegmentKey{m.fingerprint(), seam, tail, ids};
-  e->layers.resize(static_cast<size_t>(cfg.num_hidden_layers));
-  SequenceState st = m.new_state(L);  // zero state at position 0: the segment in isolation
-  Tensor x = m.embed(ids);
-  // One pass per layer over the whole segment as three spans on one state: head | body | tail.
-  // The state is kept after the head and after the body; the cache stores the body's transition
-  // (chained by the kernel in the same pass), its zero-start state S_body = S_end - T_body S_head
-  // (linearity), and the conv state at the end of the body.
+  const int64_t a = b.done, e = std::min(b.L, b.done + std::max<int64_t>(build_chunk(), 1));
+  std::span<const int32_t> chunk(b.ids.data() + a, static_cast<size_t>(e - a));
+  Tensor x = m.embed(chunk);
+  struct Region {
+    int64_t from, to;
+  };
+  const Region regions[3] = {{0, b.head}, {b.head, b.body_end}, {b.body_end, b.L}};
+  auto in_chunk = [&](const Region& r) {
+    if (r.from == r.to) return r.from >= a && (r.from < e || e == b.L);  // an empty region, once
+    return r.from < e && r.to > a;
+  };
   for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
-    auto& ls = st.layers[static_cast<size_t>(l)];
-    auto& out = e->layers[static_cast<size_t>(l)];
-    if (cfg.layer_types[static_cast<size_t>(l)] == LayerKind::Linear) {
-      const auto& sh = ls.ssm.shape();  // [Hv, dk, dv]
-      out.T = be.alloc(DType::F32, {sh[0], sh[1], sh[1]});
-      out.S = be.alloc(DType::F32, sh);
-      LayerState at_head, at_body;
-      SpanAfter keep_head, keep_body;
-      keep_head.keep = &at_head;
-      keep_body.keep = &at_body;
-      const LayerSpan spans[3] = {{&ls, 0, head, nullptr, keep_head},
-                                  {&ls, head, body_end - head, &out.T, keep_body},
-                                  {&ls, body_end, tl, nullptr, {}}};
-      m.layer_forward(l, x, spans);
-      if (head < body_end)
-        be.compose_state(out.T, at_head.ssm, at_body.ssm, -1.f, out.S);
-      else
-        be.set_identity(out.T);  // empty body: T = I, S = 0
-      out.conv_tail = at_body.conv;
-    } else {
-      m.layer_forward(l, x, ls, 0);
-      const auto& ks = ls.k.shape();
-      out.k = be.alloc(DType::F32, {L, ks[1], ks[2]});
-      out.v = be.alloc(DType::F32, {L, ks[1], ls.v.dim(2)});
-      be.copy(ls.k.slice_rows(0, L), out.k);
-      be.copy(ls.v.slice_rows(0, L), out.v);
+    const size_t li = static_cast<size_t>(l);
+    auto& ls = b.st.layers[li];
+    if (cfg.layer_types[li] != LayerKind::Linear) {
+      m.layer_forward(l, x, ls, a);
+      continue;
+    }
+    LayerSpan spans[3];
+    size_t n = 0;
+    Tensor Tc;
+    bool chain = false;
+    for (int r = 0; r < 3; ++r) {
+      if (!in_chunk(regions[r])) continue;
+      const int64_t from = std::max(a, regions[r].from), to = std::min(e, regions[r].to);
+      LayerSpan sp{&ls, from, to - from, nullptr, {}};
+      if (r == 0 && to == b.head) sp.after.keep = &b.at_head[li];
+      if (r == 1) {
+        if (to == b.body_end) sp.after.keep = &b.at_body[li];
+        chain = b.T[li].defined();
+        sp.transition = chain ? &Tc : &b.T[li];
+        if (chain)
+          Tc = be.alloc(DType::F32, b.T[li].shape());
+        else
+          b.T[li] = be.alloc(DType::F32, {ls.ssm.dim(0), ls.ssm.dim(1), ls.ssm.dim(1)});
+      }
+      spans[n++] = sp;
+    }
+    m.layer_forward(l, x, std::span<const LayerSpan>(spans, n));
+    if (chain) {
+      Tensor zero = be.alloc(DType::F32, Tc.shape()), next = be.alloc(DType::F32, Tc.shape());
+      be.compose_state(Tc, b.T[li], zero, 1.f, next);
+      b.T[li] = next;
     }
   }
+  b.done = e;
+  if (b.done < b.L) return nullptr;
+
+  b.finished = true;
+  auto out = std::make_shared<SegmentEntry>();
+  out->key = SegmentKey{m.fingerprint(), b.seam, b.tail, b.ids};
+  out->layers.resize(static_cast<size_t>(cfg.num_hidden_layers));
+  // The cache stores the body's transition, its zero-start state S_body = S_end - T_body S_head
+  // (linearity) and the conv state at the end of the body.
+  for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
+    const size_t li = static_cast<size_t>(l);
+    auto& ls = b.st.layers[li];
+    auto& o = out->layers[li];
+    if (cfg.layer_types[li] == LayerKind::Linear) {
+      const auto& sh = ls.ssm.shape();  // [Hv, dk, dv]
+      o.S = be.alloc(DType::F32, sh);
+      if (b.head < b.body_end) {
+        o.T = b.T[li];
+        be.compose_state(o.T, b.at_head[li].ssm, b.at_body[li].ssm, -1.f, o.S);
+      } else {
+        o.T = be.alloc(DType::F32, {sh[0], sh[1], sh[1]});
+        be.set_identity(o.T);  // empty body: T = I, S = 0
+      }
+      o.conv_tail = b.at_body[li].conv;
+    } else {
+      const auto& ks = ls.k.shape();
+      o.k = be.alloc(DType::F32, {b.L, ks[1], ks[2]});
+      o.v = be.alloc(DType::F32, {b.L, ks[1], ls.v.dim(2)});
+      be.copy(ls.k.slice_rows(0, b.L), o.k);
+      be.copy(ls.v.slice_rows(0, b.L), o.v);
+    }
+  }
+  finish_entry(*out);
+  return out;
+}
+
+std::shared_ptr<SegmentEntry> PicEngine::build_entry(const std::vector<int32_t>& ids, int seam, int tail) {
+  auto b = start_build(ids, seam, tail);
+  while (true)
+    if (auto e = step_build(*b)) return e;
+}
+
+void PicEngine::finish_entry(SegmentEntry& entry) {
+  Backend& be = model_.backend();
+  auto* e = &entry;
   if (rounding_ != EntryRounding::None) {
     // bf16 values (round to nearest even) in the f32 tensors, through the host.
     auto round = [&be](Tensor& t) {
@@ -224,7 +308,6 @@ std::shared_ptr<SegmentEntry> PicEngine::build_entry(const std::vector<int32_t>&
     }
   }
   e->account();
-  return e;
 }
 
 void PicEngine::attach_store(std::shared_ptr<SegmentStore> store) {
@@ -347,10 +430,20 @@ PicPlan PicEngine::plan(const std::vector<std::vector<int32_t>>& segs, const Pic
 }
 
 void PicEngine::build(PicPlan& plan, size_t i) {
+  while (!build_step(plan, i)) {
+  }
+}
+
+bool PicEngine::build_step(PicPlan& plan, size_t i) {
   PicPart& part = plan.parts.at(i);
-  if (!part.missing()) return;
-  part.entry = cache_.insert(build_entry(part.key.ids, part.key.seam, part.key.tail));
+  if (!part.missing()) return true;
+  if (!part.building) part.building = start_build(part.key.ids, part.key.seam, part.key.tail);
+  auto e = step_build(*part.building);
+  if (!e) return false;
+  part.building.reset();
+  part.entry = cache_.insert(std::move(e));
   part.built = true;
+  return true;
 }
 
 PrefillResult PicEngine::prefill(const std::vector<std::vector<int32_t>>& segs, const PicOptions& opt) {

@@ -51,6 +51,11 @@ struct CacheReport {
   int64_t prefix_tokens = 0;    // of reused_tokens: from an exact-prefix snapshot (prefix, pic, naive)
 };
 
+// An entry being built in isolation over several calls (PicEngine::step_build): the segment's
+// tokens go through every layer build_chunk() at a time, so that a server can interleave a long
+// segment's build with other requests' work.
+struct EntryBuild;
+
 // One PIC request (pic and naive modes) as every caller runs it (CLI, eval, the server): each
 // context segment's part with its cache key, position and seams, the entry found or built for it,
 // and what is still missing. PicEngine::plan() looks every entry up once (memory, then disk),
@@ -61,6 +66,7 @@ struct PicPart {
   int64_t pos = 0, len = 0, head = 0, tail = 0;  // cached body: [head, len - tail)
   std::shared_ptr<const SegmentEntry> entry;     // pinned; null while missing, and without a body
   bool built = false;                            // made for this request (not a cache hit)
+  std::shared_ptr<EntryBuild> building;          // a build in steps under way (build_step)
   // A segment no longer than its seams is recomputed whole in context: nothing of it is worth
   // caching, so it has no entry (and costs no memory or isolated prefill).
   bool has_body() const { return head + tail < len; }
@@ -92,6 +98,8 @@ class PicEngine {
   // pic / naive in steps (the server interleaves the builds with other requests' work):
   PicPlan plan(const std::vector<std::vector<int32_t>>& segments, const PicOptions& opt);
   void build(PicPlan& plan, size_t part);  // the part's entry, prefilled in isolation and cached
+  // One step of that build (at most build_chunk() tokens); true once the entry is cached.
+  bool build_step(PicPlan& plan, size_t part);
   // Every part with a body must have its entry (throws otherwise). opt.skip_question is the plan's.
   PrefillResult compose(const std::vector<std::vector<int32_t>>& segments, const PicPlan& plan);
   SegmentCache& cache() { return cache_; }
@@ -115,6 +123,16 @@ class PicEngine {
 
   // The summary of one segment computed in isolation from position 0 (exposed for tests).
   std::shared_ptr<SegmentEntry> build_entry(const std::vector<int32_t>& ids, int seam, int tail = 0);
+  // The same in steps: start, then step until an entry comes back (not yet cached: insert it with
+  // cache().insert). Every build runs in chunks of build_chunk() tokens, the backend's prefill
+  // chunk, so an entry is the same whether built in one call or in steps.
+  std::shared_ptr<EntryBuild> start_build(const std::vector<int32_t>& ids, int seam, int tail = 0);
+  std::shared_ptr<SegmentEntry> step_build(EntryBuild& build);
+  int64_t build_chunk() const { return model_.backend().prefill_chunk(); }
+  // Memory, then the disk tier (verified): the cached entry for a key, or null.
+  std::shared_ptr<const SegmentEntry> find(const std::vector<int32_t>& ids, int seam, int tail = 0) {
+    return lookup(SegmentKey{model_.fingerprint(), seam, tail, ids});
+  }
   // The cached entry for a segment: memory, then the disk tier (verified against this model),
   // else built in isolation and inserted. Counts a hit or a miss in rep. The returned pointer
   // pins the entry.
@@ -125,6 +143,7 @@ class PicEngine {
   PrefillResult prefill_full(const std::vector<std::vector<int32_t>>& segs, bool skip_question);
   PrefillResult prefill_prefix(const std::vector<std::vector<int32_t>>& segs, bool skip_question);
   std::shared_ptr<const SegmentEntry> lookup(const SegmentKey& key);  // memory, then disk (verified)
+  void finish_entry(SegmentEntry& e);  // bf16 rounding (set_entry_rounding) and byte count
 
   Model& model_;
   SegmentCache cache_;

@@ -35,8 +35,9 @@ struct Scheduler::Seq {
   std::shared_ptr<Job> job;
   enum class Stage { Start, Warm, Compose, Chunked, Decode } stage = Stage::Start;
   // prefill progress
-  size_t warm_next = 0;           // segment posts: the next segment to look up or build
-  std::unique_ptr<PicPlan> plan;  // pic / naive: entries found or built so far (pinned)
+  size_t warm_next = 0;                   // segment posts: the next segment to look up or build
+  std::shared_ptr<EntryBuild> seg_build;  // segment posts: that segment's build under way
+  std::unique_ptr<PicPlan> plan;          // pic / naive: entries found or built so far (pinned)
   int hits = 0, misses = 0;
   std::vector<int32_t> flat;
   size_t flat_done = 0;
@@ -268,21 +269,12 @@ void Scheduler::remember(const std::shared_ptr<const SegmentEntry>& e) {
   x.bytes = e->bytes;
 }
 
-std::shared_ptr<const SegmentEntry> Scheduler::get_or_build(const std::vector<int32_t>& ids, int seam, bool& built) {
-  // The engine's own lookup: memory, then the disk tier (verified), else built in isolation.
-  CacheReport rep;
-  auto e = engine_.get_or_build(ids, seam, 0, rep);
-  built = rep.miss_segments > 0;
-  remember(e);
-  return e;
-}
-
 bool Scheduler::prefill_unit(Seq& s) {
   Job& j = *s.job;
   if (j.kind == Job::Kind::Segments) {
-    if (s.warm_next == 0) j.segments_result = nlohmann::json::array();
+    if (s.warm_next == 0 && !s.seg_build) j.segments_result = nlohmann::json::array();
     while (s.warm_next < j.segs.segments.size()) {
-      const auto& ids = j.segs.segments[s.warm_next++];
+      const auto& ids = j.segs.segments[s.warm_next];
       if (static_cast<int64_t>(ids.size()) <= j.segs.seam) {
         // No body past the seam: every request recomputes such a segment whole, so an entry
         // (megabytes of transition operators, whatever the length) would never be used.
@@ -293,10 +285,24 @@ bool Scheduler::prefill_unit(Seq& s) {
                                      {"seam", j.segs.seam},
                                      {"cached", false},
                                      {"stored", false}});
+        ++s.warm_next;
         continue;
       }
-      bool built = false;
-      auto e = get_or_build(ids, j.segs.seam, built);
+      std::shared_ptr<const SegmentEntry> e;
+      if (!s.seg_build) {
+        // Memory, then the disk tier (verified), else built in isolation in steps.
+        e = engine_.find(ids, j.segs.seam);
+        if (!e) s.seg_build = engine_.start_build(ids, j.segs.seam);
+      }
+      const bool built = !e;
+      if (built) {
+        auto done = engine_.step_build(*s.seg_build);  // one chunk of tokens per iteration
+        if (!done) return false;
+        s.seg_build.reset();
+        e = engine_.cache().insert(std::move(done));
+      }
+      remember(e);
+      ++s.warm_next;
       j.segments_result.push_back({{"id", hex64(e->key.hash())},
                                    {"tokens", ids.size()},
                                    {"bytes", e->bytes},
@@ -378,8 +384,8 @@ bool Scheduler::prefill_unit(Seq& s) {
         if (p.entry) remember(p.entry);
     }
     if (const size_t i = s.plan->next_missing(); i < s.plan->parts.size()) {
-      engine_.build(*s.plan, i);
-      remember(s.plan->parts[i].entry);
+      // One chunk of the build per iteration: a long segment does not hold the engine either.
+      if (engine_.build_step(*s.plan, i)) remember(s.plan->parts[i].entry);
       return false;
     }
     s.stage = Seq::Stage::Compose;

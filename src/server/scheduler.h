@@ -132,7 +132,6 @@ class Scheduler {
   void finish(Seq& s, const std::string& reason);
   void fail(Job& j, int status, const std::string& msg);
   void drop_cancelled_queued();  // fails and removes queued jobs whose client went away (mu_ held)
-  std::shared_ptr<const SegmentEntry> get_or_build(const std::vector<int32_t>& ids, int seam, bool& built);
   void remember(const std::shared_ptr<const SegmentEntry>& e);
   // "" when an entry loaded from disk fits this model's layer layout and shapes.
 

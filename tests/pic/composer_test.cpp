@@ -298,6 +298,42 @@ TEST_P(Pic, PlanInStepsEqualsOneCallAndShortSegmentsHaveNoEntry) {
   EXPECT_THROW(b.compose({segs_[0], segs_[4]}, plan), std::invalid_argument);
 }
 
+// A segment longer than the build chunk (the backend's prefill chunk, 1024 rows on the CPU) is built
+// a chunk at a time, its transition chained across chunks (T <- T_chunk T): composition stays
+// exact at layer 0, a build in steps takes one step per chunk and gives the one-call entry bitwise,
+// and a server can interleave those steps with other work.
+TEST_P(Pic, LongSegmentsAreBuiltInChunks) {
+  PicEngine eng(*lm_->model, 512 << 20);
+  const int64_t C = eng.build_chunk();
+  std::mt19937_64 rng(99);
+  const int64_t V = lm_->model->config().vocab_size;
+  const std::vector<std::vector<int32_t>> s = {segs_[0], rand_ids(static_cast<size_t>(2 * C + 300), V, rng),
+                                               rand_ids(static_cast<size_t>(C + 77), V, rng), segs_[4]};
+  SequenceState sf, sp;
+  run(eng, s, {PicMode::Full}, &sf);
+  run(eng, s, {PicMode::Pic, 8}, &sp);
+  EXPECT_LE(rel_l2(*lm_->backend, sp.layers[0].ssm, sf.layers[0].ssm), 1e-5);
+  EXPECT_LE(rel_l2(*lm_->backend, sp.layers[0].conv, sf.layers[0].conv), 1e-6);
+
+  auto whole = eng.build_entry(s[1], 8);
+  auto b = eng.start_build(s[1], 8);
+  int steps = 1;
+  std::shared_ptr<SegmentEntry> stepped;
+  while (!(stepped = eng.step_build(*b))) ++steps;
+  EXPECT_EQ(steps, 3);
+  EXPECT_THROW(eng.step_build(*b), std::logic_error);
+  ASSERT_EQ(stepped->layers.size(), whole->layers.size());
+  for (size_t l = 0; l < whole->layers.size(); ++l)
+    for (auto [x, y] :
+         {std::pair{&whole->layers[l].T, &stepped->layers[l].T}, std::pair{&whole->layers[l].S, &stepped->layers[l].S},
+          std::pair{&whole->layers[l].k, &stepped->layers[l].k}}) {
+      ASSERT_EQ(x->defined(), y->defined());
+      if (x->defined()) {
+        EXPECT_EQ(std::memcmp(x->raw(), y->raw(), x->nbytes()), 0) << "layer " << l;
+      }
+    }
+}
+
 INSTANTIATE_TEST_SUITE_P(Models, Pic, ::testing::Values("qwen3_5_dense", "qwen3_5_moe", "qwen3_next"),
                          [](const auto& i) { return i.param; });
 

@@ -507,6 +507,29 @@ TEST(Server, SegmentsWithoutABodyAreNotStored) {
   EXPECT_EQ(s.get("/v1/segments/" + post.second["data"][0]["id"].get<std::string>()).first, 404);
 }
 
+// A segment longer than the build chunk is built over several engine iterations (one chunk of its
+// tokens each), then served from the cache like any other.
+TEST(Server, LongSegmentsAreBuiltInSteps) {
+  TestServer s;
+  std::vector<int> ids(2600);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int>((i * 37 + 11) % 500);
+  const json body{{"segments", json::array({{{"ids", ids}}})}, {"seam", 8}};
+  auto cold = s.post("/v1/segments", body);
+  ASSERT_EQ(cold.first, 200) << cold.second.dump();
+  EXPECT_EQ(cold.second["data"][0]["cached"], false);
+  EXPECT_EQ(cold.second["data"][0]["tokens"], 2600);
+  auto warm = s.post("/v1/segments", body);
+  ASSERT_EQ(warm.first, 200) << warm.second.dump();
+  EXPECT_EQ(warm.second["data"][0]["cached"], true);
+  EXPECT_EQ(warm.second["data"][0]["id"], cold.second["data"][0]["id"]);
+  EXPECT_EQ(warm.second["data"][0]["bytes"], cold.second["data"][0]["bytes"]);
+  const std::string m = s.get_text("/metrics");
+  const std::string key = "\nhypic_prefill_steps_total ";
+  const size_t p = m.find(key);
+  ASSERT_NE(p, std::string::npos) << m;
+  EXPECT_GE(std::stoll(m.substr(p + key.size())), 3) << "one prefill step per chunk of 1024 tokens";
+}
+
 TEST(Server, SegmentsRoundTrip) {
   TestServer s;
   const std::string d1 = "A document about glaciers and how slowly they move across mountains.";
