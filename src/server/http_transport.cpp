@@ -282,6 +282,10 @@ class Session : public std::enable_shared_from_this<Session> {
     parser_.reset();
     HttpRequest req;
     req.method = std::string(msg.method_string());
+    if (req.method == "HEAD") {
+      req.method = "GET";
+      req.head = true;
+    }
     req.target = std::string(msg.target());
     req.path = percent_decode(req.target.substr(0, req.target.find('?')));
     req.remote_addr = addr_;
@@ -307,18 +311,31 @@ class Session : public std::enable_shared_from_this<Session> {
       s_.cb.refuse(res, 500, std::string("internal error: ") + e.what());
     }
     const bool close_after = res.close || !keep_alive_ || s_.stopping;
+    if (!res.stream) {
+      // The loop writes it: a client that does not read holds no thread, only its socket, until
+      // the write deadline. (Logged here, on the handler's thread, before the bytes go out.)
+      if (s_.cb.done) s_.cb.done(req, res);
+      auto out = std::make_shared<std::string>(response_head(res, close_after));
+      if (!req.head) *out += res.body;
+      net::post(stream_.get_executor(), [self = shared_from_this(), out, close_after] {
+        self->stream_.expires_after(ms(self->s_.lim.write_timeout_s));
+        net::async_write(self->stream_, net::buffer(*out), [self, out, close_after](beast::error_code ec, size_t) {
+          self->stream_.expires_never();
+          if (ec || close_after)
+            self->close();
+          else
+            self->read_head();
+        });
+      });
+      return;
+    }
     const int fd = stream_.socket().native_handle();
     const int wt = static_cast<int>(s_.lim.write_timeout_s * 1000);
-    bool ok;
-    if (res.stream) {
-      ok = send_all(fd, response_head(res, close_after), wt);
-      SocketSink sink(fd, wt);
-      ok = ok && res.stream(sink) && sink.ok();
-      static const std::string kEnd = "0\r\n\r\n";
-      ok = ok && send_all(fd, kEnd, wt);
-    } else {
-      ok = send_all(fd, response_head(res, close_after) + res.body, wt);
-    }
+    bool ok = send_all(fd, response_head(res, close_after), wt);
+    SocketSink sink(fd, wt);
+    ok = ok && res.stream(sink) && sink.ok();
+    static const std::string kEnd = "0\r\n\r\n";
+    ok = ok && send_all(fd, kEnd, wt);
     if (s_.cb.done) s_.cb.done(req, res);
     net::post(stream_.get_executor(), [self = shared_from_this(), again = ok && !close_after] {
       if (again)

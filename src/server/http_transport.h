@@ -11,7 +11,9 @@
 //    it when Content-Length says so), connections in total and per client address (503 past them),
 //    requests waiting for a worker (503).
 //  * Pipelined requests are answered in order, one at a time. Range headers are not implemented (the
-//    full response). Paths are percent-decoded.
+//    full response). Paths are percent-decoded. HEAD is answered as GET without the body.
+//  * A response with a body is written by the event loop (a client that does not read holds no
+//    thread); only streamed responses are written by their handler's thread.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -27,7 +29,8 @@ namespace hypic::server {
 using HttpHeaders = std::vector<std::pair<std::string, std::string>>;
 
 struct HttpRequest {
-  std::string method;  // as sent ("GET", "POST", ...)
+  std::string method;  // as sent ("GET", "POST", ...); a HEAD request arrives as "GET" with `head` set
+  bool head = false;   // HEAD: the GET answer's head only
   std::string target;  // as sent: path and query
   std::string path;    // percent-decoded, without the query
   std::string body;

@@ -973,6 +973,22 @@ TEST(Server, LogLinesEscapeControlCharacters) {
   EXPECT_TRUE(seen) << "the request was not logged";
 }
 
+// HEAD is answered as GET without the body (load balancers probe /health so).
+TEST(Server, HeadIsGetWithoutTheBody) {
+  TestServer s;
+  auto c = s.client();
+  auto get = c.Get("/health");
+  auto head = c.Head("/health");
+  ASSERT_TRUE(get);
+  ASSERT_TRUE(head);
+  EXPECT_EQ(head->status, 200);
+  EXPECT_TRUE(head->body.empty());
+  EXPECT_EQ(head->get_header_value("Content-Length"), std::to_string(get->body.size()));
+  auto again = c.Get("/v1/models");  // the connection stays usable after a HEAD
+  ASSERT_TRUE(again);
+  EXPECT_EQ(again->status, 200);
+}
+
 // A Range header (here many overlapping ranges) is ignored: the full response, once, not a
 // multipart copy many times its size.
 TEST(Server, RangeHeadersIgnored) {

@@ -5,7 +5,7 @@
 //   hypic_attack --server build/hypic --model models/default [--sockets 1024] [--deadline-s 1]
 //                [--rss-limit-mib 1024] [--only NAME,...] [--serve-arg ARG]... [--server-log FILE]
 // Attacks: idle_flood, keepalive_flood, slowloris, connection_cap, huge_chunked_body, huge_head,
-// range_header, pipelined, big_segment_post, chat_without_max_tokens, abandoned_queue,
+// range_header, pipelined, slow_readers, big_segment_post, chat_without_max_tokens, abandoned_queue,
 // tiny_segments, cross_origin.
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -326,6 +326,39 @@ void pipelined(const Args& a, Result& r) {
   finish(a, srv, r);
 }
 
+void slow_readers(const Args& a, Result& r) {
+  r.what = "8 connections pipelining 20000 GET /metrics each and reading none of the answers";
+  Attack srv(a, {});
+  std::string many;
+  for (int i = 0; i < 20000; ++i) many += "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n";
+  std::vector<int> fds;
+  for (int i = 0; i < 8; ++i) {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    const int small = 4096;
+    setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof small);
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons(static_cast<uint16_t>(srv.port()));
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0) {
+      close(fd);
+      continue;
+    }
+    timeval tv{3, 0};  // the sender gives up once the server stops reading requests
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    fds.push_back(fd);
+  }
+  std::vector<std::thread> senders;
+  for (int fd : fds) senders.emplace_back([fd, &many] { send_str(fd, many); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(2000));
+  const Reply health = request(srv.port(), "GET", "/health", "", "", a.deadline_s * 5 + 5);
+  r.check(health.status == 200 && health.seconds <= a.deadline_s, "GET /health not answered within the deadline");
+  normal(a, srv, r, "while the answers pile up");
+  for (auto& t : senders) t.join();
+  close_all(fds);
+  finish(a, srv, r);
+}
+
 void big_segment_post(const Args& a, Result& r) {
   r.what = "POST /v1/segments of 1000 documents while normal requests arrive";
   Attack srv(a, {});
@@ -408,6 +441,7 @@ const std::vector<std::pair<std::string, std::function<void(const Args&, Result&
     {"huge_head", huge_head},
     {"range_header", range_header},
     {"pipelined", pipelined},
+    {"slow_readers", slow_readers},
     {"big_segment_post", big_segment_post},
     {"chat_without_max_tokens", chat_without_max_tokens},
     {"abandoned_queue", abandoned_queue},
