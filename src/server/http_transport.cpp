@@ -446,7 +446,9 @@ HttpTransport::HttpTransport(HttpLimits limits, Callbacks cb) : impl_(std::make_
   }
   const int w = std::max(limits.workers, 1), lw = std::max(limits.light_workers, 1);
   impl_->heavy = std::make_unique<Pool>(w, static_cast<size_t>(w));
-  impl_->light = std::make_unique<Pool>(lw, static_cast<size_t>(std::max(64, 16 * lw)));
+  // Light requests never block their thread (answers are written by the loop), and a connection has
+  // one request in flight at a time: their wait list is bounded by the connections.
+  impl_->light = std::make_unique<Pool>(lw, static_cast<size_t>(std::max(impl_->lim.max_connections, 64)));
 }
 
 HttpTransport::~HttpTransport() {

@@ -219,6 +219,17 @@ void keepalive_flood(const Args& a, Result& r) {
   Attack srv(a, {});
   auto fds = open_sockets(srv.port(), a.sockets, "GET /health HTTP/1.1\r\nHost: x\r\n\r\n");
   normal(a, srv, r, "among kept-alive connections");
+  int answered = 0;  // every one of those requests got its 200 (none refused as busy)
+  for (int fd : fds) {
+    pollfd p{fd, POLLIN, 0};
+    char buf[512];
+    if (poll(&p, 1, 2000) > 0) {
+      const ssize_t n = recv(fd, buf, sizeof buf, MSG_DONTWAIT);
+      answered += n > 12 && std::string(buf, 12) == "HTTP/1.1 200";
+    }
+  }
+  r.check(answered == static_cast<int>(fds.size()),
+          std::to_string(fds.size() - answered) + " of the flood's own requests not answered 200");
   close_all(fds);
   finish(a, srv, r);
 }
