@@ -7,15 +7,27 @@
 # Usage (device, from the repository root, after scripts/pack-device.sh here):
 #   bash scripts/device-run.sh bash bench/gpu_compare.sh [shapes...]
 # Environment: PREFILL (default 4096,32768), PREFILL_LONG (for 35B-A3B, default 65536), CONTEXT
-# (4096), STEPS (16), BATCHES (1,32), REPEATS (2: timed runs after a warm-up), PEER=0 to skip
+# (4096), STEPS (16), BATCHES (1,32), REPEATS (2: timed runs after a warm-up), APPEND=1 (see
+# below), PEER=0 to skip
 # transformers, LLAMA=0 to skip llama.cpp (on by default when .peer/llama.cpp.tar.gz was packed;
 # LLAMA_SHAPES names the shapes it runs, default all three; 35B-A3B's GGUF is stretched from one layer
 # period, its large tensors zero: bench/llama_peer.sh). hypic loads each shape twice (prefill lengths, then decode batches).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-.}/gpu_compare.jsonl"
-: > "$out"
-[ "${PEER:-1}" = 1 ] && python3 tools/bench/transformers_bench.py --config x --ceilings >> "$out"
+# APPEND=1 keeps the figures in /tmp/hypic-gpu-compare.jsonl across calls on one warm machine (600 s
+# per call may not hold all three shapes with three engines; each call's $OUT starts empty) and
+# copies the whole file to $OUT at the end: one file, one table, one machine.
+if [ "${APPEND:-0}" = 1 ]; then
+  final="$out"
+  out=/tmp/hypic-gpu-compare.jsonl
+  touch "$out"
+else
+  : > "$out"
+fi
+if [ "${PEER:-1}" = 1 ] && ! grep -q '"ceilings"' "$out" 2>/dev/null; then
+  python3 tools/bench/transformers_bench.py --config x --ceilings >> "$out"
+fi
 shapes=("$@")
 [ ${#shapes[@]} -eq 0 ] && shapes=(qwen3_5_0_8b qwen3_5_9b qwen3_5_35b_a3b)
 prefill="${PREFILL:-4096,32768}"
@@ -42,4 +54,5 @@ for s in "${shapes[@]}"; do
       python3 -c "import json,sys; [print(json.dumps(dict(json.loads(l), shape='$s'))) for l in sys.stdin if l.startswith('{')]" >> "$out"
   fi
 done
+[ "${APPEND:-0}" = 1 ] && cp "$out" "$final"
 python3 tools/bench/compare_table.py "$out"
