@@ -280,9 +280,8 @@ std::shared_ptr<SegmentEntry> PicEngine::build_entry(const std::vector<int32_t>&
     if (auto e = step_build(*b)) return e;
 }
 
-void PicEngine::finish_entry(SegmentEntry& entry) {
+void PicEngine::finish_entry(SegmentEntry& e) {
   Backend& be = model_.backend();
-  auto* e = &entry;
   if (rounding_ != EntryRounding::None) {
     // bf16 values (round to nearest even) in the f32 tensors, through the host.
     auto round = [&be](Tensor& t) {
@@ -297,7 +296,7 @@ void PicEngine::finish_entry(SegmentEntry& entry) {
       }
       if (h.raw() != t.raw()) be.write(t, h.raw(), h.nbytes());  // the CPU's to_host is a view
     };
-    for (auto& l : e->layers) {
+    for (auto& l : e.layers) {
       round(l.T);
       if (rounding_ == EntryRounding::All) {
         round(l.S);
@@ -307,7 +306,7 @@ void PicEngine::finish_entry(SegmentEntry& entry) {
       }
     }
   }
-  e->account();
+  e.account();
 }
 
 void PicEngine::attach_store(std::shared_ptr<SegmentStore> store) {

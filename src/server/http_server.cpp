@@ -644,10 +644,6 @@ void HttpServer::stop() {
   impl_->http->stop();
 }
 
-int HttpServer::open_connections() const {
-  return impl_->http->open_connections();
-}
-
 const std::string& HttpServer::model_name() const {
   return impl_->facts.name;
 }

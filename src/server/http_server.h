@@ -59,7 +59,6 @@ class HttpServer {
   const std::string& model_name() const;
   Metrics& metrics();
   SegmentCacheStats cache_stats() const;  // memory and disk tiers
-  int open_connections() const;
 
  private:
   struct Impl;

@@ -28,15 +28,19 @@ using tcp = net::ip::tcp;
 
 namespace {
 
-bool iequal(std::string_view a, std::string_view b) {
-  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](char x, char y) {
-           return std::tolower(static_cast<unsigned char>(x)) == std::tolower(static_cast<unsigned char>(y));
-         });
+// ASCII case-insensitive, as header names compare (Beast's, on Boost 1.74's own string_view).
+bool iequals(std::string_view a, std::string_view b) {
+  return beast::iequals(beast::string_view(a.data(), a.size()), beast::string_view(b.data(), b.size()));
+}
+
+// The path of a request target: percent-decoded, without the query.
+std::string target_path(const std::string& target) {
+  return percent_decode(std::string_view(target).substr(0, target.find('?')));
 }
 
 std::string find_header(const HttpHeaders& h, std::string_view name) {
   for (const auto& [k, v] : h)
-    if (iequal(k, name)) return v;
+    if (iequals(k, name)) return v;
   return {};
 }
 
@@ -152,14 +156,14 @@ class Pool {
 }  // namespace
 
 bool HttpRequest::has_header(std::string_view name) const {
-  return std::any_of(headers.begin(), headers.end(), [&](const auto& h) { return iequal(h.first, name); });
+  return std::any_of(headers.begin(), headers.end(), [&](const auto& h) { return iequals(h.first, name); });
 }
 std::string HttpRequest::header(std::string_view name) const {
   return find_header(headers, name);
 }
 void HttpResponse::set_header(std::string name, std::string value) {
   for (auto& [k, v] : headers)
-    if (iequal(k, name)) {
+    if (iequals(k, name)) {
       v = std::move(value);
       return;
     }
@@ -247,7 +251,7 @@ class Session : public std::enable_shared_from_this<Session> {
       const auto& m = parser_->get();
       r.method = std::string(m.method_string());
       r.target = std::string(m.target());
-      r.path = percent_decode(r.target.substr(0, r.target.find('?')));
+      r.path = target_path(r.target);
     }
     return r;
   }
@@ -259,7 +263,7 @@ class Session : public std::enable_shared_from_this<Session> {
     if (const auto len = parser_->content_length(); len && *len > s_.lim.max_body_bytes)
       return refuse(413, "the request body is larger than the server's limit of " +
                              std::to_string(s_.lim.max_body_bytes) + " bytes (--max-body-mib)");
-    if (iequal(std::string(m[bhttp::field::expect]), "100-continue") && !parser_->is_done()) {
+    if (iequals(std::string(m[bhttp::field::expect]), "100-continue") && !parser_->is_done()) {
       static const std::string kContinue = "HTTP/1.1 100 Continue\r\n\r\n";
       ::send(stream_.socket().native_handle(), kContinue.data(), kContinue.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
     }
@@ -287,7 +291,7 @@ class Session : public std::enable_shared_from_this<Session> {
       req.head = true;
     }
     req.target = std::string(msg.target());
-    req.path = percent_decode(req.target.substr(0, req.target.find('?')));
+    req.path = target_path(req.target);
     req.remote_addr = addr_;
     req.remote_port = port_;
     req.fd = stream_.socket().native_handle();
@@ -489,11 +493,6 @@ void HttpTransport::stop() {
   s.heavy->stop();
   s.light->stop();
   s.ioc.stop();
-}
-
-int HttpTransport::open_connections() const {
-  std::lock_guard<std::mutex> lk(impl_->count_mu);
-  return impl_->open;
 }
 
 }  // namespace hypic::server

@@ -96,7 +96,6 @@ class HttpTransport {
   int bind(const std::string& host, int port);
   void run();   // serves until stop(); returns at once if stop() came first
   void stop();  // stops accepting, lets handlers finish, closes every connection
-  int open_connections() const;
 
   struct Impl;  // (public for the connection sessions of the .cpp)
 

@@ -89,6 +89,12 @@ std::string read_all(int fd, double timeout_s) {
   return out;
 }
 
+// The bytes of a JSON POST (kept alive unless `extra_headers` says otherwise).
+std::string json_post(const std::string& path, const std::string& body, const std::string& extra_headers = "") {
+  return "POST " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\n" + extra_headers +
+         "Content-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body;
+}
+
 struct Reply {
   int status = -1;  // -1: no answer in time
   std::string body;
@@ -102,11 +108,9 @@ Reply request(int port, const std::string& method, const std::string& path, cons
   const auto t0 = Clock::now();
   const int fd = connect_to(port);
   if (fd < 0) return r;
-  std::string req = method + " " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n" + extra_headers;
-  if (!body.empty() || method == "POST")
-    req += "Content-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) + "\r\n";
-  req += "\r\n" + body;
-  send_str(fd, req);
+  const std::string close_hdr = "Connection: close\r\n" + extra_headers;
+  send_str(fd, method == "POST" ? json_post(path, body, close_hdr)
+                                : method + " " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\n" + close_hdr + "\r\n");
   const std::string resp = read_all(fd, timeout_s);
   close(fd);
   r.seconds = since(t0);
@@ -322,11 +326,8 @@ void pipelined(const Args& a, Result& r) {
   Attack srv(a, {});
   const int fd = connect_to(srv.port());
   const std::string one = "GET /health HTTP/1.1\r\nHost: x\r\n\r\n";
-  const std::string post =
-      "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-      "Content-Length: " +
-      std::to_string(kNormal.size()) + "\r\n\r\n" + kNormal;
-  send_str(fd, one + post + "GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  send_str(fd, one + json_post("/v1/completions", kNormal) +
+                   "GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
   const std::string resp = read_all(fd, 10);
   close(fd);
   const size_t p1 = resp.find("HTTP/1.1 200"), p2 = resp.find("HTTP/1.1 200", p1 + 1),
@@ -392,8 +393,7 @@ void chat_without_max_tokens(const Args& a, Result& r) {
   std::vector<int> fds;
   for (int i = 0; i < 8; ++i) {
     const int fd = connect_to(srv.port());
-    send_str(fd, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: " +
-                     std::to_string(body.size()) + "\r\n\r\n" + body);
+    send_str(fd, json_post("/v1/chat/completions", body));
     fds.push_back(fd);
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
@@ -410,8 +410,7 @@ void abandoned_queue(const Args& a, Result& r) {
   const std::string body = R"({"prompt": "Go on", "max_tokens": 200, "ignore_eos": true})";
   for (int i = 0; i < 64; ++i) {
     const int fd = connect_to(srv.port());
-    send_str(fd, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: " +
-                     std::to_string(body.size()) + "\r\n\r\n" + body);
+    send_str(fd, json_post("/v1/completions", body));
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
     close(fd);
   }
