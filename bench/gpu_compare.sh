@@ -6,7 +6,7 @@
 # ./gpu_compare.jsonl) and prints one table with ratios (tools/bench/compare_table.py).
 # Usage (device, from the repository root, after scripts/pack-device.sh here):
 #   bash scripts/device-run.sh bash bench/gpu_compare.sh [shapes...]
-# Environment: PREFILL (default 4096,32768), PREFILL_LONG (for 35B-A3B, default 65536), CONTEXT
+# Environment: PREFILL (default 4096,32768), PREFILL_LONG (for 35B-A3B, default 65536; 0: none), CONTEXT
 # (4096), STEPS (16), BATCHES (1,32), REPEATS (2: timed runs after a warm-up), APPEND=1 (see
 # below), PEER=0 to skip
 # transformers, LLAMA=0 to skip llama.cpp (on by default when .peer/llama.cpp.tar.gz was packed;
@@ -42,7 +42,7 @@ fi
 for s in "${shapes[@]}"; do
   cfg="bench/configs/$s.json"
   lens="$prefill"
-  [ "$s" = qwen3_5_35b_a3b ] && lens="$prefill,${PREFILL_LONG:-65536}"
+  [ "$s" = qwen3_5_35b_a3b ] && [ "${PREFILL_LONG:-65536}" != 0 ] && lens="$prefill,${PREFILL_LONG:-65536}"
   tag="import json,sys; [print(json.dumps(dict(json.loads(l), peer='hypic', shape='$s'))) for l in sys.stdin if l.startswith('{')]"
   hypic bench prefill --backend cuda --config "$cfg" --random-weights --lengths "$lens" --repeats "$reps" --json |
     python3 -c "$tag" >> "$out"
