@@ -21,6 +21,17 @@
 
 namespace hypic {
 
+// The inputs of gated_delta_rule over a span (k [n, Hk, dk] before its L2 norm, v [n, Hv, dv],
+// g and beta [n, Hv]), kept so that the span can be run again later from another state: running
+// them from S gives T_C S + S(C|0) of the span exactly (it is the recurrence itself), in
+// n (Hk dk + Hv dv + 2 Hv) floats instead of the Hv dk (dk + dv) of T_C and S(C|0). The compact
+// form of a short segment body in a PIC entry.
+struct RecurrenceInputs {
+  Tensor k, v, g, beta;
+  bool defined() const { return k.defined(); }
+  int64_t rows() const { return k.defined() ? k.dim(0) : 0; }
+};
+
 // Routed experts of one MoE layer, one view per expert ([I,H], [I,H], [H,I]).
 struct ExpertWeights {
   std::vector<Tensor> gate, up, down;

@@ -52,11 +52,13 @@ struct ForwardOptions {
 // replayed: PIC composes a cached segment body into the running state there, between one seam and
 // the next, and keeps the state after the context as an exact-prefix snapshot. In order:
 struct SpanAfter {
-  const Tensor* T = nullptr;     // S <- T S + B ([Hv, dk, dk], [Hv, dk, dv]); T null: S <- S + B
-  const Tensor* B = nullptr;     //   (B null: the recurrent state is left alone)
+  const Tensor* T = nullptr;  // S <- T S + B ([Hv, dk, dk], [Hv, dk, dv]); T null: S <- S + B
+  const Tensor* B = nullptr;  //   (B null: the recurrent state is left alone)
+  // Or S <- the recurrence over these inputs from S (a body in compact form: the same T S + B).
+  const RecurrenceInputs* replay = nullptr;
   const Tensor* conv = nullptr;  // conv state <- conv (the cached body's conv tail)
   LayerState* keep = nullptr;    // copies of the recurrent and conv state are stored here
-  bool any() const { return B || conv || keep; }
+  bool any() const { return B || replay || conv || keep; }
 };
 
 // One sequence's share of a layer call: its state, the position of its first row, its rows.
@@ -64,8 +66,9 @@ struct LayerSpan {
   LayerState* state;
   int64_t pos0;
   int64_t rows;
-  Tensor* transition = nullptr;  // linear layers: receives T_C of this span when set
-  SpanAfter after;               // linear layers: applied right after this span's mixer
+  Tensor* transition = nullptr;        // linear layers: receives T_C of this span when set
+  SpanAfter after;                     // linear layers: applied right after this span's mixer
+  RecurrenceInputs* record = nullptr;  // linear layers: receives copies of this span's recurrence inputs
 };
 
 // One sequence in a batched forward: new tokens appended to its state.
@@ -118,6 +121,9 @@ class Model {
   Tensor logits(const Tensor& x);
   // Applies `a` to a linear layer's state (what layer_forward does after a span's mixer).
   void apply_after(LayerState& ls, const SpanAfter& a);
+  // Runs a linear layer's recurrence over recorded inputs (LayerSpan::record) from ssm [Hv, dk, dv],
+  // advancing it in place.
+  void replay(const RecurrenceInputs& in, Tensor& ssm);
 
   // Decode steps (forward_batch with one token per sequence, forward of one token) run each mixer
   // once over the batch from device tables of positions and state addresses; on a backend with

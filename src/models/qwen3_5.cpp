@@ -514,6 +514,17 @@ void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> s
       Tensor os = o.slice_rows(r0, r1);
       be_.gated_delta_rule(q.slice_rows(r0, r1), k.slice_rows(r0, r1), v.slice_rows(r0, r1), gdec.slice_rows(r0, r1),
                            beta.slice_rows(r0, r1), true, sp.state->ssm, os, sp.transition);
+      if (sp.record) {
+        RecurrenceInputs& rec = *sp.record;
+        rec.k = be_.alloc_uninit(DType::F32, {sp.rows, m.Hk, m.dk});
+        rec.v = be_.alloc_uninit(DType::F32, {sp.rows, m.Hv, m.dv});
+        rec.g = be_.alloc_uninit(DType::F32, {sp.rows, m.Hv});
+        rec.beta = be_.alloc_uninit(DType::F32, {sp.rows, m.Hv});
+        be_.copy(k.slice_rows(r0, r1), rec.k);
+        be_.copy(v.slice_rows(r0, r1), rec.v);
+        be_.copy(gdec.slice_rows(r0, r1), rec.g);
+        be_.copy(beta.slice_rows(r0, r1), rec.beta);
+      }
       if (sp.after.any()) apply_after(*sp.state, sp.after);
       r0 = r1;
     }
@@ -589,7 +600,14 @@ void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> s
   be_.add(x, mix, x);
 }
 
+void Model::replay(const RecurrenceInputs& in, Tensor& ssm) {
+  // q only shapes outputs nobody reads: the keys stand in for it.
+  Tensor out = be_.alloc_uninit(DType::F32, {in.rows(), ssm.dim(0), ssm.dim(2)});
+  be_.gated_delta_rule(in.k, in.k, in.v, in.g, in.beta, true, ssm, out);
+}
+
 void Model::apply_after(LayerState& ls, const SpanAfter& a) {
+  if (a.replay) replay(*a.replay, ls.ssm);
   if (a.B) {
     if (a.T) {
       // compose_state's output may not alias its input state.

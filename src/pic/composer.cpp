@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <list>
 #include <mutex>
@@ -162,8 +163,19 @@ struct EntryBuild {
   SequenceState st;
   std::vector<LayerState> at_head, at_body;
   std::vector<Tensor> T;  // per layer (linear): the body's transition so far
+  // A short body within one chunk is kept in compact form: per linear layer its recurrence inputs.
+  bool compact = false;
+  std::vector<RecurrenceInputs> body;
   bool finished = false;
 };
+
+// Whether a body of n tokens is smaller as its recurrence inputs than as T and S (both f32).
+bool PicEngine::compact_body(int64_t n) const {
+  const auto& c = model_.config();
+  const int64_t Hk = c.linear_num_key_heads, Hv = c.linear_num_value_heads, dk = c.linear_key_head_dim,
+                dv = c.linear_value_head_dim;
+  return compact_ && n > 0 && n * (Hk * dk + Hv * dv + 2 * Hv) < Hv * dk * (dk + dv);
+}
 
 std::shared_ptr<EntryBuild> PicEngine::start_build(const std::vector<int32_t>& ids, int seam, int tail) {
   const int64_t L = static_cast<int64_t>(ids.size());
@@ -180,6 +192,8 @@ std::shared_ptr<EntryBuild> PicEngine::start_build(const std::vector<int32_t>& i
   b->at_head.resize(n);
   b->at_body.resize(n);
   b->T.resize(n);
+  b->compact = L <= build_chunk() && compact_body(b->body_end - b->head);
+  if (b->compact) b->body.resize(n);
   return b;
 }
 
@@ -220,7 +234,10 @@ std::shared_ptr<SegmentEntry> PicEngine::step_build(EntryBuild& b) {
       const int64_t from = std::max(a, regions[r].from), to = std::min(e, regions[r].to);
       LayerSpan sp{&ls, from, to - from, nullptr, {}};
       if (r == 0 && to == b.head) sp.after.keep = &b.at_head[li];
-      if (r == 1) {
+      if (r == 1 && b.compact) {
+        if (to == b.body_end) sp.after.keep = &b.at_body[li];
+        sp.record = &b.body[li];
+      } else if (r == 1) {
         if (to == b.body_end) sp.after.keep = &b.at_body[li];
         chain = b.T[li].defined();
         sp.transition = chain ? &Tc : &b.T[li];
@@ -246,13 +263,18 @@ std::shared_ptr<SegmentEntry> PicEngine::step_build(EntryBuild& b) {
   out->key = SegmentKey{m.fingerprint(), b.seam, b.tail, b.ids};
   out->layers.resize(static_cast<size_t>(cfg.num_hidden_layers));
   // The cache stores the body's transition, its zero-start state S_body = S_end - T_body S_head
-  // (linearity) and the conv state at the end of the body.
+  // (linearity), or in compact form its recurrence inputs, and the conv state at the end of the body.
   for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
     const size_t li = static_cast<size_t>(l);
     auto& ls = b.st.layers[li];
     auto& o = out->layers[li];
     if (cfg.layer_types[li] == LayerKind::Linear) {
       const auto& sh = ls.ssm.shape();  // [Hv, dk, dv]
+      o.conv_tail = b.at_body[li].conv;
+      if (b.compact) {
+        o.body = std::move(b.body[li]);
+        continue;
+      }
       o.S = be.alloc(DType::F32, sh);
       if (b.head < b.body_end) {
         o.T = b.T[li];
@@ -261,7 +283,6 @@ std::shared_ptr<SegmentEntry> PicEngine::step_build(EntryBuild& b) {
         o.T = be.alloc(DType::F32, {sh[0], sh[1], sh[1]});
         be.set_identity(o.T);  // empty body: T = I, S = 0
       }
-      o.conv_tail = b.at_body[li].conv;
     } else {
       const auto& ks = ls.k.shape();
       o.k = be.alloc(DType::F32, {b.L, ks[1], ks[2]});
@@ -301,6 +322,7 @@ void PicEngine::finish_entry(SegmentEntry& e) {
       if (rounding_ == EntryRounding::All) {
         round(l.S);
         round(l.conv_tail);
+        for (Tensor* t : {&l.body.k, &l.body.v, &l.body.g, &l.body.beta}) round(*t);
         round(l.k);
         round(l.v);
       }
@@ -352,15 +374,31 @@ std::string PicEngine::check_entry(const SegmentEntry& e) const {
     };
     std::string why;
     if (cfg.layer_types[static_cast<size_t>(l)] == LayerKind::Linear) {
-      if (why.empty()) why = want(s.T, "T", expect_[x]);
-      if (why.empty()) why = want(s.S, "S", expect_[x + 1]);
+      if (s.body.defined()) {
+        // Compact form: the recurrence inputs of exactly the body's tokens, and no T or S.
+        const int64_t Hk = cfg.linear_num_key_heads, Hv = cfg.linear_num_value_heads;
+        const int64_t head = std::clamp<int64_t>(e.key.seam, 0, L);
+        const int64_t n = L - std::clamp<int64_t>(e.key.tail, 0, L - head) - head;
+        if (n <= 0) why = at + "a compact body in an entry without a body";
+        if (why.empty()) why = want(s.body.k, "body k", {n, Hk, cfg.linear_key_head_dim});
+        if (why.empty()) why = want(s.body.v, "body v", {n, Hv, cfg.linear_value_head_dim});
+        if (why.empty()) why = want(s.body.g, "body g", {n, Hv});
+        if (why.empty()) why = want(s.body.beta, "body beta", {n, Hv});
+        if (why.empty() && (s.T.defined() || s.S.defined())) why = at + "both a compact body and T/S";
+      } else {
+        if (why.empty()) why = want(s.T, "T", expect_[x]);
+        if (why.empty()) why = want(s.S, "S", expect_[x + 1]);
+        if (why.empty() && (s.body.v.defined() || s.body.g.defined() || s.body.beta.defined()))
+          why = at + "a partial compact body";
+      }
       if (why.empty()) why = want(s.conv_tail, "conv_tail", expect_[x + 2]);
       if (why.empty() && (s.k.defined() || s.v.defined())) why = at + "unexpected k/v in a linear layer";
       x += 3;
     } else {
       if (why.empty()) why = want(s.k, "k", {L, expect_[x][0], expect_[x][1]});
       if (why.empty()) why = want(s.v, "v", {L, expect_[x + 1][0], expect_[x + 1][1]});
-      if (why.empty() && (s.T.defined() || s.S.defined() || s.conv_tail.defined()))
+      if (why.empty() && (s.T.defined() || s.S.defined() || s.conv_tail.defined() || s.body.v.defined() ||
+                          s.body.g.defined() || s.body.beta.defined() || s.body.defined()))
         why = at + "unexpected linear state in a full-attention layer";
       x += 2;
     }
@@ -659,7 +697,8 @@ PrefillResult PicEngine::compose(const std::vector<std::vector<int32_t>>& segs, 
     const bool linear = cfg.layer_types[static_cast<size_t>(l)] == LayerKind::Linear;
     spans.clear();
     groups.clear();
-    int64_t snap_row = 0;  // next seam row of the snapshot (full layers)
+    std::deque<Tensor> naive_states;  // naive mode: compact bodies' zero-start states
+    int64_t snap_row = 0;             // next seam row of the snapshot (full layers)
     for (size_t i = 0; i < parts.size(); ++i) {
       const Part& p = parts[i];
       static const LayerSummary kNoBody;
@@ -671,8 +710,17 @@ PrefillResult PicEngine::compose(const std::vector<std::vector<int32_t>>& segs, 
         // previous segment's tail); now S <- T_body S + S_body and the conv tail moves on. Without
         // a cached body the running conv state already holds the true inputs before the tail.
         if (p.head + p.tail < p.len) {
-          after.T = naive ? nullptr : &sum.T;
-          after.B = &sum.S;
+          if (sum.body.defined() && naive) {
+            // naive adds the zero-start state, which the compact form gives by running from zero.
+            Tensor& zs = naive_states.emplace_back(be.alloc(DType::F32, ls.ssm.shape()));
+            m.replay(sum.body, zs);
+            after.B = &zs;
+          } else if (sum.body.defined()) {
+            after.replay = &sum.body;
+          } else {
+            after.T = naive ? nullptr : &sum.T;
+            after.B = &sum.S;
+          }
           after.conv = &sum.conv_tail;
         }
       } else {

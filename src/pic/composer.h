@@ -120,6 +120,10 @@ class PicEngine {
   // bf16 values, kept in f32. Measures what bf16 storage would cost in fidelity; saves no memory.
   enum class EntryRounding { None, T, All };
   void set_entry_rounding(EntryRounding r) { rounding_ = r; }
+  // Short bodies (fewer tokens than make their recurrence inputs as large as T and S, and within
+  // one build chunk) are kept in compact form by default; off: every body as T and S (tests, A/B).
+  void set_compact_entries(bool on) { compact_ = on; }
+  bool compact_body(int64_t body_tokens) const;
 
   // The summary of one segment computed in isolation from position 0 (exposed for tests).
   std::shared_ptr<SegmentEntry> build_entry(const std::vector<int32_t>& ids, int seam, int tail = 0);
@@ -152,6 +156,7 @@ class PicEngine {
   struct PrefixCache;
   std::unique_ptr<PrefixCache> prefix_;
   EntryRounding rounding_ = EntryRounding::None;
+  bool compact_ = true;
 };
 
 }  // namespace hypic

@@ -22,7 +22,7 @@ uint64_t SegmentKey::hash() const {
 void SegmentEntry::account() {
   bytes = key.ids.size() * sizeof(int32_t);
   for (auto& l : layers)
-    for (const Tensor* t : {&l.T, &l.S, &l.conv_tail, &l.k, &l.v})
+    for (const Tensor* t : {&l.T, &l.S, &l.conv_tail, &l.body.k, &l.body.v, &l.body.g, &l.body.beta, &l.k, &l.v})
       if (t->defined()) bytes += t->nbytes();
 }
 

@@ -1,8 +1,8 @@
 // Content-addressed cache of segment summaries. An entry is everything a later request needs to
 // reuse a segment at any position: per linear layer the transition operator T and zero-start
-// state S of the segment body plus the conv tail; per full-attention layer K (at
-// segment-relative positions) and V. Keys are (model fingerprint, seam width, exact token ids):
-// a hash finds candidates, a full comparison confirms a hit.
+// state S of the segment body (or, for a short body, its recurrence inputs) plus the conv tail; per full-attention
+// layer K (at segment-relative positions) and V. Keys are (model fingerprint, seam width, exact token ids): a hash
+// finds candidates, a full comparison confirms a hit.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -13,6 +13,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "backend/backend.h"
 #include "tensor/tensor.h"
 
 namespace hypic {
@@ -30,8 +31,11 @@ struct SegmentKey {
 
 struct LayerSummary {
   // Linear layers: T [Hv, dk, dk], S [Hv, dk, dv] of the body (tokens seam..L-tail-1) and the conv
-  // state at the end of the body [K-1, C] (the last K-1 pre-conv inputs before the tail).
+  // state at the end of the body [K-1, C] (the last K-1 pre-conv inputs before the tail). A short
+  // body is kept in compact form instead of T and S: its recurrence inputs (`body`), run again
+  // from the running state on reuse, so that the entry grows with the body's tokens.
   Tensor T, S, conv_tail;
+  RecurrenceInputs body;
   // Full layers: K, V [L, Hkv, D] at positions 0..L-1.
   Tensor k, v;
 };

@@ -27,19 +27,19 @@ static_assert(std::endian::native == std::endian::little, "the .hseg format is l
 namespace {
 
 constexpr char kMagic[8] = {'H', 'Y', 'P', 'I', 'C', 'S', 'E', 'G'};
-constexpr int kFields = 5;  // T, S, conv_tail, k, v
+constexpr int kFields = 9;  // T, S, conv_tail, k, v, then a compact body's recurrence inputs
 constexpr uint32_t kMaxLayers = 1u << 16;
 constexpr uint8_t kMaxDims = 8;
 constexpr int64_t kMaxDim = int64_t{1} << 40;
 constexpr int kDTypes = static_cast<int>(DType::U8) + 1;
 
 const char* field_name(int f) {
-  static const char* names[kFields] = {"T", "S", "conv_tail", "k", "v"};
+  static const char* names[kFields] = {"T", "S", "conv_tail", "k", "v", "body_k", "body_v", "body_g", "body_beta"};
   return names[f];
 }
 
 Tensor& field_of(LayerSummary& l, int f) {
-  Tensor* t[kFields] = {&l.T, &l.S, &l.conv_tail, &l.k, &l.v};
+  Tensor* t[kFields] = {&l.T, &l.S, &l.conv_tail, &l.k, &l.v, &l.body.k, &l.body.v, &l.body.g, &l.body.beta};
   return *t[f];
 }
 const Tensor& field_of(const LayerSummary& l, int f) {

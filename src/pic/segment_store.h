@@ -11,7 +11,8 @@
 //   i32 seam, i32 tail
 //   u32 n_ids, i32 ids[n_ids]
 //   u32 n_layers, u32 n_tensors
-//   n_tensors records:    u32 layer, u8 field (0 T, 1 S, 2 conv_tail, 3 k, 4 v), u8 dtype,
+//   n_tensors records:    u32 layer, u8 field (0 T, 1 S, 2 conv_tail, 3 k, 4 v; a compact body:
+//                         5 body_k, 6 body_v, 7 body_g, 8 body_beta), u8 dtype,
 //                         u8 ndim, u8 reserved, i64 shape[ndim], u64 nbytes, raw data[nbytes]
 //   u64 xxh64 (seed 0) of every byte above
 // The file must end exactly after the checksum.

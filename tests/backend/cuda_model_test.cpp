@@ -84,8 +84,11 @@ TEST_F(CudaModel, PicPrefillModesMatchCpu) {
       for (auto& t : s) t = static_cast<int32_t>(rng() % static_cast<uint32_t>(V));
       return s;
     };
-    auto sys = seg(20), d1 = seg(40), d2 = seg(33), d3 = seg(50), q1 = seg(9), q2 = seg(12);
-    const std::vector<std::vector<std::vector<int32_t>>> requests = {{sys, d1, d2, d3, q1}, {sys, d3, d1, d2, q2}};
+    // d4's 11-token body is kept compact (its recurrence inputs, replayed on reuse), the others as T and S.
+    auto sys = seg(20), d1 = seg(40), d2 = seg(33), d3 = seg(50), d4 = seg(15), q1 = seg(9), q2 = seg(12);
+    ASSERT_TRUE(ge.compact_body(11));
+    const std::vector<std::vector<std::vector<int32_t>>> requests = {{sys, d1, d4, d2, d3, q1},
+                                                                     {sys, d3, d1, d4, d2, q2}};
     for (PicMode mode : {PicMode::Full, PicMode::Prefix, PicMode::Pic, PicMode::Naive})
       for (const auto& req : requests) {
         PicOptions o;

@@ -334,6 +334,67 @@ TEST_P(Pic, LongSegmentsAreBuiltInChunks) {
     }
 }
 
+// Short bodies are kept as their recurrence inputs, run again from the running state on reuse
+// (issue 12: an entry's size grows with its tokens). That is T S + S(C|0) by another summation
+// order, so answers and states match the T/S form to f32 rounding, layer 0 stays exact against
+// full prefill, and a hit composes bitwise as the fresh entry did.
+TEST_P(Pic, CompactBodiesComposeAsTransitions) {
+  std::mt19937_64 rng(7);
+  const int64_t V = lm_->model->config().vocab_size;
+  const std::vector<std::vector<int32_t>> s = {rand_ids(10, V, rng), rand_ids(14, V, rng), segs_[1],
+                                               rand_ids(19, V, rng), segs_[4]};
+  PicEngine compact(*lm_->model, 64 << 20), dense(*lm_->model, 64 << 20);
+  dense.set_compact_entries(false);
+  // Bodies of 10, 6 and 11 tokens are compact on every test model, 62 is not.
+  ASSERT_TRUE(compact.compact_body(11));
+  ASSERT_FALSE(compact.compact_body(62));
+  ASSERT_FALSE(dense.compact_body(1));
+  ASSERT_FALSE(compact.compact_body(0));
+
+  const auto& types = lm_->model->config().layer_types;
+  PicOptions tail{PicMode::Pic, 4};
+  tail.tail_seam = 3;
+  for (const PicOptions& o : {PicOptions{PicMode::Pic, 4}, tail, PicOptions{PicMode::Naive}}) {
+    SequenceState sc, sd;
+    auto a = run(compact, s, o, &sc), b = run(dense, s, o, &sd);
+    EXPECT_LE(max_abs(a, b), 1e-4) << pic_mode_name(o.mode) << " tail " << o.tail_seam;
+    for (size_t l = 0; l < types.size(); ++l)
+      if (types[l] == LayerKind::Linear) {
+        EXPECT_LE(rel_l2(*lm_->backend, sc.layers[l].ssm, sd.layers[l].ssm), 1e-4) << "layer " << l;
+      }
+    PicEngine again(*lm_->model, 64 << 20);
+    CacheReport cold, warm;
+    auto c1 = run(again, s, o, nullptr, &cold);
+    auto shuffled = s;
+    std::swap(shuffled[1], shuffled[3]);
+    run(again, shuffled, o);  // another order: no exact-prefix snapshot fits the next request
+    PicEngine other(*lm_->model, 64 << 20);
+    auto swapped_cold = run(other, shuffled, o);
+    EXPECT_EQ(run(again, shuffled, o, nullptr, &warm), swapped_cold);
+    EXPECT_EQ(c1, a);
+  }
+  SequenceState sf, sp;
+  run(compact, s, {PicMode::Full}, &sf);
+  PicEngine fresh(*lm_->model, 64 << 20);
+  run(fresh, s, {PicMode::Pic, 4}, &sp);
+  EXPECT_LE(rel_l2(*lm_->backend, sp.layers[0].ssm, sf.layers[0].ssm), 1e-5);
+  EXPECT_LE(rel_l2(*lm_->backend, sp.layers[0].conv, sf.layers[0].conv), 1e-6);
+
+  // The entries: recurrence inputs of exactly the body's rows in place of T and S, fewer bytes,
+  // growing with the body.
+  auto c6 = compact.build_entry(s[1], 8), d6 = dense.build_entry(s[1], 8), c11 = compact.build_entry(s[3], 8);
+  for (size_t l = 0; l < types.size(); ++l) {
+    const auto &c = c6->layers[l], &d = d6->layers[l];
+    if (types[l] != LayerKind::Linear) continue;
+    EXPECT_TRUE(c.body.defined() && !c.T.defined() && !c.S.defined() && c.conv_tail.defined());
+    EXPECT_EQ(c.body.rows(), 6);
+    EXPECT_EQ(c11->layers[l].body.rows(), 11);
+    EXPECT_TRUE(!d.body.defined() && d.T.defined() && d.S.defined());
+  }
+  EXPECT_LT(c6->bytes, d6->bytes);
+  EXPECT_LT(c6->bytes, c11->bytes);
+}
+
 INSTANTIATE_TEST_SUITE_P(Models, Pic, ::testing::Values("qwen3_5_dense", "qwen3_5_moe", "qwen3_next"),
                          [](const auto& i) { return i.param; });
 
@@ -395,6 +456,7 @@ TEST(PicErrors, EntryRoundingRoundsTheTensorsAskedFor) {
   for (auto r : {PicEngine::EntryRounding::None, PicEngine::EntryRounding::T, PicEngine::EntryRounding::All}) {
     PicEngine eng(*lm.model, 64 << 20);
     eng.set_entry_rounding(r);
+    eng.set_compact_entries(false);  // an 8-token body would be kept compact, without T
     auto e = eng.build_entry(ids, 2);
     int64_t t_bits = 0, other_bits = 0;
     for (const auto& l : e->layers) {
@@ -402,6 +464,19 @@ TEST(PicErrors, EntryRoundingRoundsTheTensorsAskedFor) {
       for (const Tensor* x : {&l.S, &l.conv_tail, &l.k, &l.v})
         if (x->defined()) other_bits += low_bits(*x);
     }
+    // The compact form has no T: only All rounds its recurrence inputs.
+    PicEngine compact(*lm.model, 64 << 20);
+    compact.set_entry_rounding(r);
+    auto c = compact.build_entry(ids, 2);
+    int64_t body_bits = 0, bodies = 0;
+    for (const auto& l : c->layers)
+      for (const Tensor* x : {&l.body.k, &l.body.v, &l.body.g, &l.body.beta})
+        if (x->defined()) body_bits += low_bits(*x), ++bodies;
+    EXPECT_GT(bodies, 0);
+    if (r == PicEngine::EntryRounding::All)
+      EXPECT_EQ(body_bits, 0);
+    else
+      EXPECT_GT(body_bits, 0);
     if (r == PicEngine::EntryRounding::None) {
       EXPECT_GT(t_bits, 0);
       EXPECT_GT(other_bits, 0);

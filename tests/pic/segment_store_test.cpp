@@ -92,6 +92,10 @@ void expect_same_entry(Backend& be, const SegmentEntry& a, const SegmentEntry& b
     EXPECT_TRUE(same_tensor(be, x.conv_tail, y.conv_tail)) << "layer " << l << " conv_tail";
     EXPECT_TRUE(same_tensor(be, x.k, y.k)) << "layer " << l << " k";
     EXPECT_TRUE(same_tensor(be, x.v, y.v)) << "layer " << l << " v";
+    EXPECT_TRUE(same_tensor(be, x.body.k, y.body.k)) << "layer " << l << " body k";
+    EXPECT_TRUE(same_tensor(be, x.body.v, y.body.v)) << "layer " << l << " body v";
+    EXPECT_TRUE(same_tensor(be, x.body.g, y.body.g)) << "layer " << l << " body g";
+    EXPECT_TRUE(same_tensor(be, x.body.beta, y.body.beta)) << "layer " << l << " body beta";
   }
   EXPECT_EQ(a.bytes, b.bytes);
 }
@@ -370,6 +374,45 @@ TEST_F(Store, EntryThatDoesNotFitTheModelIsRejected) {
   EXPECT_EQ(run(eng, &rep), ref);
   EXPECT_EQ(eng.cache().stats().corrupt_files, 1u);
   EXPECT_TRUE(log.has({file_of(2).filename().string(), "expected f32"})) << log.dump();
+}
+
+// A short body's compact entry (its recurrence inputs) goes through the file bitwise; one whose
+// rows do not match its body is reported and recomputed, never composed.
+TEST_F(Store, CompactEntryRoundTripsAndIsChecked) {
+  PicEngine builder(model(), kMem);
+  const std::vector<int32_t> ids(segs_[2].begin(), segs_[2].begin() + 14);
+  auto e = builder.build_entry(ids, 8);
+  bool compact = false;
+  for (auto& l : e->layers) compact |= l.body.defined();
+  ASSERT_TRUE(compact);
+  {
+    SegmentStore s(dir_.string(), be());
+    ASSERT_TRUE(s.save(*e));
+    EXPECT_EQ(fs::file_size(s.path_for(e->key)), SegmentStore::file_size(*e));
+    auto back = s.load(e->key);
+    ASSERT_NE(back, nullptr);
+    expect_same_entry(be(), *e, *back);
+  }
+  PicEngine eng(model(), kMem);
+  eng.attach_cache_dir(dir_.string());
+  auto hit = eng.find(ids, 8);
+  ASSERT_NE(hit, nullptr);
+  expect_same_entry(be(), *e, *hit);
+
+  for (auto& l : e->layers)
+    if (l.body.defined()) l.body.v = l.body.v.slice_rows(0, l.body.v.dim(0) - 1);
+  e->account();
+  fs::remove_all(dir_);
+  {
+    SegmentStore s(dir_.string(), be());
+    ASSERT_TRUE(s.save(*e));
+  }
+  LogCapture log;
+  PicEngine eng2(model(), kMem);
+  eng2.attach_cache_dir(dir_.string());
+  EXPECT_EQ(eng2.find(ids, 8), nullptr);
+  EXPECT_EQ(eng2.cache().stats().corrupt_files, 1u);
+  EXPECT_TRUE(log.has({"body v", "expected f32"})) << log.dump();
 }
 
 TEST_F(Store, UnwritableDirDoesNotFailRequests) {
