@@ -57,7 +57,8 @@ void on_signal(int) {
 void register_serve(CLI::App& app) {
   struct Opts {
     std::string model = default_model_dir(), host = "127.0.0.1", mode = "pic", name, backend = "cpu";
-    int port = 8080, seam = 8, max_queue = 64, max_running = 8, threads = 0, prefill_chunk = 512, http_threads = 0;
+    int port = 8080, seam = 8, max_queue = 64, max_running = 8, threads = 0, prefill_chunk = 512, http_threads = 0,
+        compose_chunk = 0;
     double cache_mib = 0, max_body_mib = 32;  // cache_mib: set from the machine unless given
     int max_json_depth = 64;
     bool mask_padded = false;
@@ -96,6 +97,10 @@ void register_serve(CLI::App& app) {
   c->add_option("--max-queue", o->max_queue, "Requests waiting for the engine before 429")->capture_default_str();
   c->add_option("--max-running", o->max_running, "Requests prefilled/decoded concurrently")->capture_default_str();
   c->add_option("--prefill-chunk", o->prefill_chunk, "Prompt tokens prefilled per engine iteration (non-PIC prompts)")
+      ->capture_default_str();
+  c->add_option("--compose-chunk", o->compose_chunk,
+                "Seam rows of a PIC composition per engine iteration (0: --prefill-chunk / 8 on the CPU, "
+                "--prefill-chunk on a GPU)")
       ->capture_default_str();
   c->add_option("--threads", o->threads, "CPU threads for the model (0: all cores)")->capture_default_str();
   c->add_option("--http-threads", o->http_threads,
@@ -160,6 +165,7 @@ void register_serve(CLI::App& app) {
       so.sched.max_queue = o->max_queue;
       so.sched.max_running = o->max_running;
       so.sched.prefill_chunk = o->prefill_chunk;
+      so.sched.compose_chunk = o->compose_chunk;
       so.http_threads = o->http_threads;
       if (!(o->head_timeout_s > 0)) throw std::invalid_argument("--head-timeout-s must be positive");
       if (o->max_connections < 1) throw std::invalid_argument("--max-connections must be >= 1");
@@ -186,6 +192,7 @@ void register_serve(CLI::App& app) {
       if (o->max_running < 1) throw std::invalid_argument("--max-running must be >= 1");
       if (o->max_queue < 1) throw std::invalid_argument("--max-queue must be >= 1");
       if (o->prefill_chunk < 1) throw std::invalid_argument("--prefill-chunk must be >= 1");
+      if (o->compose_chunk < 0) throw std::invalid_argument("--compose-chunk must be >= 0");
 
       // SIGINT / SIGTERM: a handler (which may run on any thread, including OpenBLAS's, which exist
       // before main) writes to a pipe; a watcher thread reads it and stops the server.

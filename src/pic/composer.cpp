@@ -8,6 +8,7 @@
 #include <functional>
 #include <list>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <unordered_map>
 
@@ -567,23 +568,57 @@ size_t PicEngine::cached_prefix_segments(const std::vector<std::vector<int32_t>>
   return snap ? snap->bounds.size() : 0;
 }
 
+// A composition under way (start_compose, step_compose): the request's state, the plan's parts with
+// their entries pinned, and how far the steps have gone.
+struct ComposeRun {
+  struct Part {
+    std::shared_ptr<const SegmentEntry> e;  // null: no body, the whole segment is its seam
+    int64_t pos, len, head, tail;           // cached body: [head, len - tail)
+    bool restored;                          // covered by the snapshot: seam rows come from it
+    std::vector<int32_t> rows;              // the seam rows this request computes
+  };
+  PicOptions opt;
+  std::vector<Part> parts;
+  std::vector<int32_t> question;  // empty when opt.skip_question
+  PrefillResult r;
+  SequenceState snap;  // handles to the snapshot's immutable tensors
+  size_t next = 0;     // the first part not yet composed
+  int64_t pos = 0;     // the context's length
+  int64_t seam_rows = 0;
+  // The snapshot of this context for the next request that starts with these segments.
+  bool keep = false;
+  SequenceState end;
+  std::vector<int32_t> ctx;
+  std::vector<size_t> bounds;
+  uint64_t tag = 0;
+  bool finished = false;
+};
+
 PrefillResult PicEngine::compose(const std::vector<std::vector<int32_t>>& segs, const PicPlan& plan) {
+  auto run = start_compose(segs, plan);
+  while (true)
+    if (auto r = step_compose(*run, std::numeric_limits<int64_t>::max())) return std::move(*r);
+}
+
+std::shared_ptr<ComposeRun> PicEngine::start_compose(const std::vector<std::vector<int32_t>>& segs,
+                                                     const PicPlan& plan) {
   Model& m = model_;
   Backend& be = m.backend();
   const auto& cfg = m.config();
   const PicOptions& opt = plan.opt;
-  const bool naive = opt.mode == PicMode::Naive;
   if (segs.empty() || plan.parts.size() + 1 != segs.size())
     throw std::invalid_argument("compose: a plan of " + std::to_string(plan.parts.size()) +
                                 " context segments for a prompt of " + std::to_string(segs.size()) + " segments");
   if (const size_t i = plan.next_missing(); i < plan.parts.size())
     throw std::logic_error("compose: segment " + std::to_string(i) + " has no entry yet (PicEngine::build)");
+  auto run = std::make_shared<ComposeRun>();
+  ComposeRun& c = *run;
+  c.opt = opt;
   int64_t total = 0;
   for (auto& s : segs) total += static_cast<int64_t>(s.size());
-  PrefillResult r;
+  PrefillResult& r = c.r;
   r.state = m.new_state(total);
   SequenceState& st = r.state;
-  const int rot = static_cast<int>(cfg.rotary_dim());
 
   // The longest exact prefix this composition already produced: a snapshot of the composed state
   // after the request's first segments, under the same options. It holds what the segment entries
@@ -592,39 +627,29 @@ PrefillResult PicEngine::compose(const std::vector<std::vector<int32_t>>& segs, 
   // would). Starting from it gives the state composing those segments again gives, bit for bit,
   // so only the segments after it are composed. It covers `first` segments.
   const size_t n_ctx = segs.size() - 1;
-  std::vector<int32_t> ctx;
-  std::vector<size_t> bounds;
   for (size_t i = 0; i < n_ctx; ++i) {
-    ctx.insert(ctx.end(), segs[i].begin(), segs[i].end());
-    bounds.push_back(ctx.size());
+    c.ctx.insert(c.ctx.end(), segs[i].begin(), segs[i].end());
+    c.bounds.push_back(c.ctx.size());
   }
-  const uint64_t tag = composed_tag(opt);
+  c.tag = composed_tag(opt);
   size_t first = 0;
-  SequenceState snap;  // handles to the snapshot's immutable tensors
   {
     std::lock_guard<std::mutex> g(prefix_->mu);
-    if (const auto* s = prefix_->longest(ctx, bounds, tag)) {
+    if (const auto* s = prefix_->longest(c.ctx, c.bounds, c.tag)) {
       first = s->bounds.size();
-      snap = s->state;
+      c.snap = s->state;
     }
   }
   for (int64_t l = 0; first > 0 && l < cfg.num_hidden_layers; ++l)
     if (cfg.layer_types[static_cast<size_t>(l)] == LayerKind::Linear) {
       auto& ls = st.layers[static_cast<size_t>(l)];
-      be.copy(snap.layers[static_cast<size_t>(l)].ssm, ls.ssm);
-      be.copy(snap.layers[static_cast<size_t>(l)].conv, ls.conv);
+      be.copy(c.snap.layers[static_cast<size_t>(l)].ssm, ls.ssm);
+      be.copy(c.snap.layers[static_cast<size_t>(l)].conv, ls.conv);
     }
 
   // The plan's entries, and the rows this request computes: the seams of the segments after the
   // snapshot, then the question.
-  struct Part {
-    std::shared_ptr<const SegmentEntry> e;  // null: no body, the whole segment is its seam
-    int64_t pos, len, head, tail;           // cached body: [head, len - tail)
-    bool restored;                          // covered by the snapshot: seam rows come from it
-  };
-  std::vector<Part> parts;
-  std::vector<int32_t> rows;
-  int64_t pos = 0, seam_rows = 0;
+  int64_t pos = 0;
   for (size_t i = 0; i < n_ctx; ++i) {
     const PicPart& pp = plan.parts[i];
     const auto& ids = segs[i];
@@ -643,24 +668,63 @@ PrefillResult PicEngine::compose(const std::vector<std::vector<int32_t>>& segs, 
     // Only entries that were already cached count as reused; one built for this request was
     // computed. Seam rows are reused from the snapshot, computed otherwise.
     if (hit) r.report.reused_tokens += L - head - tl;
+    ComposeRun::Part part{pp.entry, pos, L, head, tl, restored, {}};
     if (restored) {
       r.report.reused_tokens += head + tl;
       r.report.prefix_tokens += (hit ? L - head - tl : 0) + head + tl;
     } else {
       r.report.computed_tokens += head + tl;
-      rows.insert(rows.end(), ids.begin(), ids.begin() + head);
-      rows.insert(rows.end(), ids.end() - tl, ids.end());
+      part.rows.insert(part.rows.end(), ids.begin(), ids.begin() + head);
+      part.rows.insert(part.rows.end(), ids.end() - tl, ids.end());
     }
-    seam_rows += head + tl;
-    parts.push_back({pp.entry, pos, L, head, tl, restored});
+    c.seam_rows += head + tl;
+    c.parts.push_back(std::move(part));
     pos += L;
   }
-  const bool with_q = !opt.skip_question;
-  const int64_t Q = static_cast<int64_t>(segs.back().size());
-  if (with_q) {
-    rows.insert(rows.end(), segs.back().begin(), segs.back().end());
-    r.report.computed_tokens += Q;
+  c.pos = pos;
+  if (!opt.skip_question) {
+    c.question = segs.back();
+    r.report.computed_tokens += static_cast<int64_t>(c.question.size());
   }
+  c.keep = first < n_ctx;  // kept when this request composes any segment itself
+  if (c.keep) {
+    c.end.layers.resize(st.layers.size());
+    c.end.n_past = pos;
+  }
+  return run;
+}
+
+std::optional<PrefillResult> PicEngine::step_compose(ComposeRun& c, int64_t max_rows) {
+  if (c.finished) throw std::logic_error("step_compose: the composition is already finished");
+  Model& m = model_;
+  Backend& be = m.backend();
+  const auto& cfg = m.config();
+  const PicOptions& opt = c.opt;
+  const bool naive = opt.mode == PicMode::Naive;
+  const int rot = static_cast<int>(cfg.rotary_dim());
+  SequenceState& st = c.r.state;
+  const size_t n_ctx = c.parts.size();
+
+  // This step's parts: the next ones while their seam rows fit max_rows (at least one part with
+  // rows; parts without rows, like those the snapshot covers, cost nothing here). The question
+  // comes with the last parts if it fits beside them, else in a step of its own. Going through every
+  // layer a group of parts at a time is the same computation as all at once (a row depends only
+  // on the rows before it), so a server can interleave other work between the steps.
+  const size_t p0 = c.next;
+  size_t p1 = p0;
+  int64_t n_rows = 0;
+  for (; p1 < n_ctx; ++p1) {
+    const int64_t k = static_cast<int64_t>(c.parts[p1].rows.size());
+    if (k > 0 && n_rows > 0 && n_rows + k > max_rows) break;
+    n_rows += k;
+  }
+  const int64_t Q = static_cast<int64_t>(c.question.size());
+  const bool with_q = !opt.skip_question;
+  const bool finish = p1 == n_ctx && (!with_q || n_rows == 0 || n_rows + Q <= max_rows);
+  std::vector<int32_t> rows;
+  for (size_t i = p0; i < p1; ++i) rows.insert(rows.end(), c.parts[i].rows.begin(), c.parts[i].rows.end());
+  if (finish && with_q) rows.insert(rows.end(), c.question.begin(), c.question.end());
+  const bool q_here = finish && with_q;
 
   // One pass over the layers; in each layer the token mixers walk the segments in order, and each
   // segment's cached body is composed in right after its seam (LayerSpan::after), all rows in one
@@ -683,15 +747,7 @@ PrefillResult PicEngine::compose(const std::vector<std::vector<int32_t>>& segs, 
   if (!rows.empty()) x = m.embed(rows);
   std::vector<LayerSpan> spans;
   std::vector<std::pair<size_t, int64_t>> groups;  // (end of the group's spans, its rows)
-  // The snapshot of this context for the next request that starts with these segments (the next
-  // turn of a conversation, a repeat): linear layers' state right after the last context span,
-  // full layers' seam rows. Kept when this request composed any segment itself.
-  const bool keep = first < n_ctx;
-  SequenceState end;
-  if (keep) {
-    end.layers.resize(st.layers.size());
-    end.n_past = pos;
-  }
+  const bool keep_here = c.keep && finish;
   for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
     LayerState& ls = st.layers[static_cast<size_t>(l)];
     const bool linear = cfg.layer_types[static_cast<size_t>(l)] == LayerKind::Linear;
@@ -699,8 +755,8 @@ PrefillResult PicEngine::compose(const std::vector<std::vector<int32_t>>& segs, 
     groups.clear();
     std::deque<Tensor> naive_states;  // naive mode: compact bodies' zero-start states
     int64_t snap_row = 0;             // next seam row of the snapshot (full layers)
-    for (size_t i = 0; i < parts.size(); ++i) {
-      const Part& p = parts[i];
+    for (size_t i = p0; i < p1; ++i) {
+      const ComposeRun::Part& p = c.parts[i];
       static const LayerSummary kNoBody;
       const LayerSummary& sum = p.e ? p.e->layers[static_cast<size_t>(l)] : kNoBody;
       SpanAfter after;
@@ -737,8 +793,9 @@ PrefillResult PicEngine::compose(const std::vector<std::vector<int32_t>>& segs, 
           }
         }
         if (p.restored) {
-          // The seam rows as the composition that made the snapshot computed them.
-          const auto& sl = snap.layers[static_cast<size_t>(l)];
+          // The seam rows as the composition that made the snapshot computed them (the restored
+          // parts all come in the first step).
+          const auto& sl = c.snap.layers[static_cast<size_t>(l)];
           for (auto [a, n] : {std::pair<int64_t, int64_t>{p.pos, p.head}, {p.pos + p.len - p.tail, p.tail}}) {
             if (n == 0) continue;
             Tensor kd = ls.k.slice_rows(a, a + n), vd = ls.v.slice_rows(a, a + n);
@@ -754,21 +811,21 @@ PrefillResult PicEngine::compose(const std::vector<std::vector<int32_t>>& segs, 
       if (p.tail > 0) spans.push_back(LayerSpan{&ls, p.pos + p.len - p.tail, p.tail, nullptr, {}});
       groups.emplace_back(spans.size(), p.head + p.tail);
     }
-    if (keep && linear) {
+    if (keep_here && linear) {
       SpanAfter snap_after;
-      snap_after.keep = &end.layers[static_cast<size_t>(l)];
-      spans.push_back(LayerSpan{&ls, pos, 0, nullptr, snap_after});
+      snap_after.keep = &c.end.layers[static_cast<size_t>(l)];
+      spans.push_back(LayerSpan{&ls, c.pos, 0, nullptr, snap_after});
       groups.emplace_back(spans.size(), 0);
     }
-    if (with_q) {
-      spans.push_back(LayerSpan{&ls, pos, Q, nullptr, {}});
+    if (q_here) {
+      spans.push_back(LayerSpan{&ls, c.pos, Q, nullptr, {}});
       groups.emplace_back(spans.size(), Q);
     }
     if (!per_segment && x.defined()) {
       // One call for the context's rows (each span's `after` applied in order). Under
       // row-independent products the question is a call of its own with the usual products: its
       // rows depend only on themselves and on the composed state, which is the same either way.
-      if (row_independent.on && with_q)
+      if (row_independent.on && q_here)
         groups.assign({{spans.size() - 1, x.dim(0) - Q}, {spans.size(), Q}});
       else
         groups.assign(1, {spans.size(), x.dim(0)});
@@ -776,7 +833,7 @@ PrefillResult PicEngine::compose(const std::vector<std::vector<int32_t>>& segs, 
     size_t s0 = 0;
     int64_t r0 = 0;
     for (const auto& [s1, n] : groups) {
-      if (row_independent.on) be.set_row_independent(!(with_q && s1 == spans.size()));
+      if (row_independent.on) be.set_row_independent(!(q_here && s1 == spans.size()));
       if (n == 0) {
         for (size_t i = s0; i < s1; ++i)
           if (spans[i].after.any()) m.apply_after(*spans[i].state, spans[i].after);
@@ -787,13 +844,13 @@ PrefillResult PicEngine::compose(const std::vector<std::vector<int32_t>>& segs, 
       s0 = s1;
       r0 += n;
     }
-    if (keep && !linear && seam_rows > 0) {
+    if (keep_here && !linear && c.seam_rows > 0) {
       // Every context segment's seam rows, in order (the K/V rows no entry holds).
-      LayerState& e = end.layers[static_cast<size_t>(l)];
-      e.k = be.alloc(DType::F32, {seam_rows, ls.k.dim(1), ls.k.dim(2)});
-      e.v = be.alloc(DType::F32, {seam_rows, ls.v.dim(1), ls.v.dim(2)});
+      LayerState& e = c.end.layers[static_cast<size_t>(l)];
+      e.k = be.alloc(DType::F32, {c.seam_rows, ls.k.dim(1), ls.k.dim(2)});
+      e.v = be.alloc(DType::F32, {c.seam_rows, ls.v.dim(1), ls.v.dim(2)});
       int64_t o = 0;
-      for (const Part& p : parts)
+      for (const auto& p : c.parts)
         for (auto [a, n] : {std::pair<int64_t, int64_t>{p.pos, p.head}, {p.pos + p.len - p.tail, p.tail}}) {
           if (n == 0) continue;
           Tensor kd = e.k.slice_rows(o, o + n), vd = e.v.slice_rows(o, o + n);
@@ -803,13 +860,17 @@ PrefillResult PicEngine::compose(const std::vector<std::vector<int32_t>>& segs, 
         }
     }
   }
-  st.n_past = pos + (with_q ? Q : 0);
-  if (with_q) r.logits = m.logits(x.slice_rows(x.dim(0) - 1, x.dim(0)));
-  if (keep) {
+  c.next = p1;
+  if (!finish) return std::nullopt;
+  c.finished = true;
+  st.n_past = c.pos + (with_q ? Q : 0);
+  if (q_here) c.r.logits = m.logits(x.slice_rows(x.dim(0) - 1, x.dim(0)));
+  if (c.keep) {
     std::lock_guard<std::mutex> g(prefix_->mu);
-    prefix_->put(std::move(ctx), std::move(end), tag, std::move(bounds));
+    prefix_->put(std::move(c.ctx), std::move(c.end), c.tag, std::move(c.bounds));
   }
-  return r;
+  c.parts.clear();  // unpins the entries
+  return std::move(c.r);
 }
 
 }  // namespace hypic

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -55,6 +56,8 @@ struct CacheReport {
 // tokens go through every layer build_chunk() at a time, so that a server can interleave a long
 // segment's build with other requests' work.
 struct EntryBuild;
+// A composition being run over several calls (PicEngine::step_compose).
+struct ComposeRun;
 
 // One PIC request (pic and naive modes) as every caller runs it (CLI, eval, the server): each
 // context segment's part with its cache key, position and seams, the entry found or built for it,
@@ -102,6 +105,12 @@ class PicEngine {
   bool build_step(PicPlan& plan, size_t part);
   // Every part with a body must have its entry (throws otherwise). opt.skip_question is the plan's.
   PrefillResult compose(const std::vector<std::vector<int32_t>>& segments, const PicPlan& plan);
+  // The same in steps (the server's fairness: a prompt of many segments does not hold the engine):
+  // each step composes the next segments whose seam rows total at most max_rows (at least one),
+  // through every layer; the question comes in the last step. The result comes back with the last
+  // step. The same computation as compose(): bitwise on the CPU, to rounding on the GPU.
+  std::shared_ptr<ComposeRun> start_compose(const std::vector<std::vector<int32_t>>& segments, const PicPlan& plan);
+  std::optional<PrefillResult> step_compose(ComposeRun& run, int64_t max_rows);
   SegmentCache& cache() { return cache_; }
   // pic / naive: how many leading context segments an exact-prefix snapshot covers for this
   // request now (their seams are not recomputed; their bodies' K/V still come from the entries);

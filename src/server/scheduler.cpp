@@ -38,6 +38,7 @@ struct Scheduler::Seq {
   size_t warm_next = 0;                   // segment posts: the next segment to look up or build
   std::shared_ptr<EntryBuild> seg_build;  // segment posts: that segment's build under way
   std::unique_ptr<PicPlan> plan;          // pic / naive: entries found or built so far (pinned)
+  std::shared_ptr<ComposeRun> compose;    // pic / naive: the composition under way
   int hits = 0, misses = 0;
   std::vector<int32_t> flat;
   size_t flat_done = 0;
@@ -60,6 +61,9 @@ Scheduler::Scheduler(Model& model, const Tokenizer* tok, SchedulerOptions opt, M
   if (opt_.max_running < 1) throw std::invalid_argument("--max-running must be >= 1");
   if (opt_.max_queue < 1) throw std::invalid_argument("--max-queue must be >= 1");
   if (opt_.prefill_chunk < 1) throw std::invalid_argument("--prefill-chunk must be >= 1");
+  if (opt_.compose_chunk < 0) throw std::invalid_argument("--compose-chunk must be >= 0");
+  if (opt_.compose_chunk == 0)
+    opt_.compose_chunk = model.backend().name() == "cpu" ? std::max(opt_.prefill_chunk / 8, 1) : opt_.prefill_chunk;
   if (!opt_.cache_dir.empty()) engine_.attach_cache_dir(opt_.cache_dir, opt_.disk_budget_bytes);
   if (tok_) {
     try {
@@ -391,13 +395,20 @@ bool Scheduler::prefill_unit(Seq& s) {
     s.stage = Seq::Stage::Compose;
   }
   if (s.stage == Seq::Stage::Compose) {
-    // Composition of the context from the plan's entries. The engine runs the seams and the
-    // question in one pass; a question longer than a prefill chunk is left out and prefilled in
+    // Composition of the context from the plan's entries, at most compose_chunk seam rows per
+    // iteration (a prompt of many segments does not hold the engine either), the question with
+    // the last of them; a question longer than a prefill chunk is left out and prefilled in
     // chunks after.
-    s.plan->opt.skip_question = segs.back().size() > static_cast<size_t>(opt_.prefill_chunk);
-    const bool skip_question = s.plan->opt.skip_question;
-    PrefillResult r = engine_.compose(segs, *s.plan);
-    s.plan.reset();
+    if (!s.compose) {
+      s.plan->opt.skip_question = segs.back().size() > static_cast<size_t>(opt_.prefill_chunk);
+      s.compose = engine_.start_compose(segs, *s.plan);
+      s.plan.reset();  // the composition pins the entries now
+    }
+    const bool skip_question = segs.back().size() > static_cast<size_t>(opt_.prefill_chunk);
+    std::optional<PrefillResult> done = engine_.step_compose(*s.compose, opt_.compose_chunk);
+    if (!done) return false;
+    s.compose.reset();
+    PrefillResult r = std::move(*done);
     s.st = std::move(r.state);
     model_.reserve(s.st, std::max<int64_t>(cap, 1));
     const CacheReport& rep = r.report;

@@ -7,7 +7,8 @@
 //   2. drops jobs whose client went away (their sequence state is freed);
 //   3. runs ONE prefill unit for the oldest job still prefilling: a span of at most
 //      prefill_chunk tokens (full mode, or a prompt without segments), one missing segment built
-//      in isolation (pic / naive, and the segments API), or the final composition;
+//      in isolation (pic / naive, and the segments API; a long one a chunk at a time), or a step
+//      of the final composition (at most compose_chunk seam rows);
 //   4. advances every decoding sequence by one token (decode_step: one Model::forward per
 //      sequence today; a batched Model call replaces that one function).
 // So a long prompt is spread over many iterations and never stalls the streams already running.
@@ -82,6 +83,9 @@ struct SchedulerOptions {
   int max_queue = 64;
   int max_running = 8;
   int prefill_chunk = 512;
+  // Seam rows per engine iteration of a PIC composition; 0: prefill_chunk / 8 on the CPU, whose
+  // composition products run row-independent (several times a GEMM row's time), else prefill_chunk.
+  int compose_chunk = 0;
   // Persistent segment store (--cache-dir): "" = memory only. Segments missing from memory are
   // looked up on disk before being computed; new ones are written through.
   std::string cache_dir;

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 #include <random>
 
 #include "engine/generate.h"
@@ -296,6 +297,49 @@ TEST_P(Pic, PlanInStepsEqualsOneCallAndShortSegmentsHaveNoEntry) {
   EXPECT_EQ(max_abs(cold2, warm2), 0.0);
   EXPECT_THROW(b.plan(s, {PicMode::Full}), std::invalid_argument);
   EXPECT_THROW(b.compose({segs_[0], segs_[4]}, plan), std::invalid_argument);
+}
+
+// Composition in steps of at most max_rows seam rows (what the server runs, so that a prompt of
+// many segments does not hold the engine) is the one-call composition bitwise on the CPU: with
+// both-ends seams, naive, an exact-prefix snapshot restored, and the question in a step of its own.
+TEST_P(Pic, ComposeInStepsEqualsOneCall) {
+  PicOptions tail{PicMode::Pic, 8};
+  tail.tail_seam = 4;
+  for (const PicOptions& o : {PicOptions{PicMode::Pic, 8}, tail, PicOptions{PicMode::Naive}}) {
+    PicEngine one(*lm_->model, 64 << 20);
+    CacheReport ro;
+    const auto want = run(one, segs_, o, nullptr, &ro);
+    auto next_turn = segs_;
+    next_turn.back() = segs_[2];  // the last question becomes context
+    next_turn.push_back(segs_[4]);
+    const auto want2 = run(one, next_turn, o);
+    for (int64_t max_rows : {1, 9, 20, 1 << 20}) {
+      PicEngine eng(*lm_->model, 64 << 20);
+      int steps = 0;
+      auto stepped = [&](const std::vector<std::vector<int32_t>>& s, CacheReport* rep) {
+        PicPlan plan = eng.plan(s, o);
+        for (size_t i = plan.next_missing(); i < plan.parts.size(); i = plan.next_missing()) eng.build(plan, i);
+        auto c = eng.start_compose(s, plan);
+        std::optional<PrefillResult> r;
+        steps = 1;
+        while (!(r = eng.step_compose(*c, max_rows))) ++steps;
+        EXPECT_THROW(eng.step_compose(*c, max_rows), std::logic_error);
+        if (rep) *rep = r->report;
+        return host_logprobs(*lm_->backend, r->logits);
+      };
+      CacheReport rs;
+      EXPECT_EQ(stepped(segs_, &rs), want) << pic_mode_name(o.mode) << " max_rows " << max_rows;
+      EXPECT_EQ(rs.computed_tokens, ro.computed_tokens);
+      EXPECT_EQ(rs.reused_tokens, ro.reused_tokens);
+      // Seam rows 8 (+4) for each of segments 1..3; the question alone when it does not fit.
+      if (max_rows == 9 && o.mode == PicMode::Pic && o.tail_seam == 0) EXPECT_EQ(steps, 4);
+      if (max_rows == 1 << 20) EXPECT_EQ(steps, 1);
+      // The next turn starts from the snapshot this composition kept.
+      CacheReport r2;
+      EXPECT_EQ(stepped(next_turn, &r2), want2) << pic_mode_name(o.mode) << " max_rows " << max_rows;
+      if (o.mode == PicMode::Pic) EXPECT_GT(r2.prefix_tokens, 0);
+    }
+  }
 }
 
 // A segment longer than the build chunk (the backend's prefill chunk, 1024 rows on the CPU) is built

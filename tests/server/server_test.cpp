@@ -530,6 +530,46 @@ TEST(Server, LongSegmentsAreBuiltInSteps) {
   EXPECT_GE(std::stoll(m.substr(p + key.size())), 3) << "one prefill step per chunk of 1024 tokens";
 }
 
+// A prompt of many cached segments is composed at most compose_chunk seam rows per engine
+// iteration, so it does not hold the engine; the answer is the one-iteration answer.
+TEST(Server, ManySegmentPromptsAreComposedInSteps) {
+  auto prompt = [](bool reversed) {
+    std::string p = "You answer from the documents.";
+    for (int k = 0; k < 24; ++k) {
+      const int i = reversed ? 23 - k : k;
+      p += "<<PIC_SEP>>Document " + std::to_string(i) + ": item " + std::to_string(i * 7) + " is stored in room " +
+           std::to_string(i % 5) + " next to the red boxes.";
+    }
+    return p + "<<PIC_SEP>>Where is 21?";
+  };
+  auto steps = [](TestServer& s) {
+    const std::string m = s.get_text("/metrics"), key = "\nhypic_prefill_steps_total ";
+    const size_t p = m.find(key);
+    return p == std::string::npos ? -1LL : std::stoll(m.substr(p + key.size()));
+  };
+  json text[2];
+  long long composed[2];
+  for (int c = 0; c < 2; ++c) {
+    ServerOptions o;
+    o.sched.compose_chunk = c == 0 ? 4096 : 24;  // 24: three 8-token seams per iteration
+    TestServer s(o);
+    // The documents cached in another order: every segment hits, and no exact-prefix snapshot fits.
+    auto cold = s.post("/v1/completions", greedy({{"prompt", prompt(true)}, {"max_tokens", 1}}));
+    ASSERT_EQ(cold.first, 200) << cold.second.dump();
+    const long long before = steps(s);
+    auto warm = s.post("/v1/completions", greedy({{"prompt", prompt(false)}, {"max_tokens", 6}, {"logprobs", 2}}));
+    ASSERT_EQ(warm.first, 200) << warm.second.dump();
+    EXPECT_EQ(warm.second["pic"]["hit_segments"], 25);
+    EXPECT_EQ(warm.second["pic"]["prefix_tokens"], 0);
+    ASSERT_LE(warm.second["pic"]["computed_tokens"].get<int>(), 24 * 8 + 24) << "a question longer than a chunk";
+    composed[c] = steps(s) - before;
+    text[c] = warm.second["choices"][0];
+  }
+  EXPECT_EQ(text[0], text[1]);
+  EXPECT_EQ(composed[0], 1);  // 24 seams and the question in one step
+  EXPECT_GE(composed[1], 8);  // three seams a step
+}
+
 TEST(Server, SegmentsRoundTrip) {
   TestServer s;
   const std::string d1 = "A document about glaciers and how slowly they move across mountains.";

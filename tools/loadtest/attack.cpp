@@ -5,7 +5,8 @@
 //   hypic_attack --server build/hypic --model models/default [--sockets 1024] [--deadline-s 1]
 //                [--rss-limit-mib 1024] [--only NAME,...] [--serve-arg ARG]... [--server-log FILE]
 // Attacks: idle_flood, keepalive_flood, slowloris, connection_cap, huge_chunked_body, huge_head,
-// range_header, pipelined, slow_readers, big_segment_post, chat_without_max_tokens, abandoned_queue,
+// range_header, pipelined, slow_readers, big_segment_post, many_segment_prompt, chat_without_max_tokens,
+// abandoned_queue,
 // tiny_segments, short_segments, cross_origin.
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -181,13 +182,18 @@ std::vector<int> open_sockets(int port, int n, const std::string& first_bytes = 
   return fds;
 }
 
-std::string docs_post(int n, int words, int seed) {
-  json segs = json::array();
+std::vector<std::string> docs(int n, int words, int seed) {
+  std::vector<std::string> out;
   for (int i = 0; i < n; ++i) {
     std::string t = "Document " + std::to_string(seed * 100000 + i) + ":";
     for (int w = 0; w < words; ++w) t += " w" + std::to_string((i * 31 + w * 7) % 997);
-    segs.push_back(json{{"text", t}});
+    out.push_back(std::move(t));
   }
+  return out;
+}
+std::string docs_post(int n, int words, int seed) {
+  json segs = json::array();
+  for (auto& t : docs(n, words, seed)) segs.push_back(json{{"text", t}});
   return json{{"segments", segs}}.dump();
 }
 
@@ -385,6 +391,32 @@ void big_segment_post(const Args& a, Result& r) {
   finish(a, srv, r);
 }
 
+// A prompt of many cached documents: its composition (every document's seam through every layer)
+// runs at most --prefill-chunk seam rows per engine iteration, so a normal request is served
+// between the steps.
+void many_segment_prompt(const Args& a, Result& r) {
+  r.what = "a completion over 60 cached documents while normal requests arrive";
+  Attack srv(a, {});
+  const Reply post = request(srv.port(), "POST", "/v1/segments", docs_post(60, 8, 2), "", 600);
+  r.check(post.status == 200, "the segment post got " + std::to_string(post.status));
+  std::string prompt = "Answer from the documents.";
+  for (auto& t : docs(60, 8, 2)) prompt += "<<PIC_SEP>>" + t;
+  prompt += "<<PIC_SEP>>Which document mentions w5?";
+  Reply big;
+  const std::string body = json{{"prompt", prompt}, {"max_tokens", 2}, {"temperature", 0}}.dump();
+  std::thread t([&] { big = request(srv.port(), "POST", "/v1/completions", body, "", 600); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  normal(a, srv, r, "during its composition");
+  t.join();
+  r.check(big.status == 200, "the prompt got " + std::to_string(big.status));
+  if (big.status == 200) {
+    const json b = json::parse(big.body, nullptr, false);
+    const int hits = b.contains("pic") ? b["pic"].value("hit_segments", 0) : 0;
+    r.check(hits == 60, std::to_string(hits) + " of the 60 documents were cache hits");
+  }
+  finish(a, srv, r);
+}
+
 void chat_without_max_tokens(const Args& a, Result& r) {
   r.what = "8 streamed chats without max_tokens (ignore_eos), then the clients vanish";
   Attack srv(a, {}, 16);
@@ -490,6 +522,7 @@ const std::vector<std::pair<std::string, std::function<void(const Args&, Result&
     {"pipelined", pipelined},
     {"slow_readers", slow_readers},
     {"big_segment_post", big_segment_post},
+    {"many_segment_prompt", many_segment_prompt},
     {"chat_without_max_tokens", chat_without_max_tokens},
     {"abandoned_queue", abandoned_queue},
     {"tiny_segments", tiny_segments},
