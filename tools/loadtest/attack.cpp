@@ -7,7 +7,8 @@
 // Attacks: idle_flood, keepalive_flood, slowloris, connection_cap, huge_chunked_body, huge_head,
 // range_header, pipelined, slow_readers, big_segment_post, many_segment_prompt, chat_without_max_tokens,
 // abandoned_queue,
-// tiny_segments, short_segments, cross_origin.
+// tiny_segments, short_segments, cross_origin, fifo_in_cache_dir, log_injection, form_content_type,
+// delete_during_pic.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -15,10 +16,13 @@
 #include <poll.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -147,10 +151,11 @@ struct Result {
 class Attack {
  public:
   // `running`: --max-running (the queue holds four times as many).
-  Attack(const Args& a, std::vector<std::string> extra, int running = 4) {
+  // `log`: the server's log file (default --server-log).
+  Attack(const Args& a, std::vector<std::string> extra, int running = 4, const std::string& log = "") {
     std::vector<std::string> args = a.serve_args;
     for (auto& e : extra) args.push_back(e);
-    pid_ = start_server(a.server, a.model, args, running, port_, a.log);
+    pid_ = start_server(a.server, a.model, args, running, port_, log.empty() ? a.log : log);
   }
   ~Attack() {
     kill(pid_, SIGKILL);
@@ -501,6 +506,120 @@ void short_segments(const Args& a, Result& r) {
   finish(a, srv, r);
 }
 
+// A FIFO planted in --cache-dir under an entry's file name: the entry is a miss and recomputed,
+// nothing hangs (the store opens files with O_NONBLOCK and checks they are regular files).
+void fifo_in_cache_dir(const Args& a, Result& r) {
+  r.what = "a FIFO planted in --cache-dir under a cached entry's file name";
+  char tmpl[] = "/tmp/hypic_attack_fifo_XXXXXX";
+  const char* dir = mkdtemp(tmpl);
+  if (!dir) {
+    r.check(false, "mkdtemp failed");
+    return;
+  }
+  const std::string post =
+      R"({"segments": [{"text": "A document that is cached on disk, long enough to have a body."}]})";
+  std::string id;
+  {
+    Attack first(a, {"--cache-dir", dir});
+    const Reply p = request(first.port(), "POST", "/v1/segments", post, "", 60);
+    r.check(p.status == 200, "the first post got " + std::to_string(p.status));
+    const json j = json::parse(p.body, nullptr, false);
+    if (j.contains("data") && !j["data"].empty()) id = j["data"][0].value("id", "");
+  }
+  const std::string file = std::string(dir) + "/" + id + ".hseg";
+  r.check(!id.empty() && std::filesystem::exists(file), "no entry file " + file);
+  std::filesystem::remove(file);
+  r.check(mkfifo(file.c_str(), 0644) == 0, "mkfifo failed");
+  {
+    Attack srv(a, {"--cache-dir", dir});
+    const Reply p = request(srv.port(), "POST", "/v1/segments", post, "", 10);
+    r.check(p.status == 200 && p.body.find("\"cached\":false") != std::string::npos,
+            "the post over the FIFO got " + std::to_string(p.status) + " " + p.body.substr(0, 200));
+    const Reply h = request(srv.port(), "GET", "/health", "", "", 5);
+    r.check(h.status == 200, "/health got " + std::to_string(h.status));
+    normal(a, srv, r, "after it");
+    finish(a, srv, r);
+  }
+  std::filesystem::remove_all(dir);
+}
+
+// A URL with %0A cannot forge a line in the server's log: control bytes are escaped.
+void log_injection(const Args& a, Result& r) {
+  r.what = "GET of a URL with %0A and an escape sequence, to forge a log line";
+  char tmpl[] = "/tmp/hypic_attack_log_XXXXXX";
+  const int fd = mkstemp(tmpl);
+  if (fd >= 0) close(fd);
+  {
+    Attack srv(a, {}, 4, tmpl);
+    const Reply g = request(srv.port(), "GET", "/v1/nothing%0A2026-12-01%20forged%20line%1B[31m", "", "", 5);
+    r.check(g.status == 404, "got " + std::to_string(g.status));
+    normal(a, srv, r, "after it");
+    finish(a, srv, r);
+  }
+  std::ifstream in(tmpl);
+  bool escaped = false;
+  for (std::string line; std::getline(in, line);) {
+    r.check(line.rfind("2026-12-01 forged", 0) != 0, "a forged log line: " + line);
+    r.check(line.find('\x1b') == std::string::npos, "an escape byte in the log: " + line);
+    escaped |= line.find("\\x0a2026-12-01 forged line") != std::string::npos;
+  }
+  r.check(escaped, "the request's line (escaped) is not in the log");
+  std::remove(tmpl);
+}
+
+// `curl -d` sends JSON as application/x-www-form-urlencoded: read as JSON at any size up to the limit.
+void form_content_type(const Args& a, Result& r) {
+  r.what = "a 20 KB JSON completion sent as application/x-www-form-urlencoded (curl -d)";
+  Attack srv(a, {});
+  std::string body = kNormal;
+  body.insert(body.size() - 1, std::string(20000, ' '));
+  const int fd = connect_to(srv.port());
+  send_str(fd,
+           "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+           "Content-Type: application/x-www-form-urlencoded\r\nContent-Length: " +
+               std::to_string(body.size()) + "\r\n\r\n" + body);
+  const std::string resp = read_all(fd, 30);
+  close(fd);
+  r.check(resp.rfind("HTTP/1.1 200", 0) == 0, "got " + resp.substr(0, 60));
+  finish(a, srv, r);
+}
+
+// DELETE /v1/segments while PIC requests run: every answer's cache report stays whole (each context
+// segment a hit or a miss), nothing is answered with an error, nothing crashes.
+void delete_during_pic(const Args& a, Result& r) {
+  r.what = "DELETE /v1/segments every 20 ms during 24 PIC requests";
+  Attack srv(a, {});
+  std::string prompt = "Answer from the documents.";
+  for (auto& t : docs(4, 20, 3)) prompt += "<<PIC_SEP>>" + t;
+  prompt += "<<PIC_SEP>>Which document mentions w7?";
+  const std::string body = json{{"prompt", prompt}, {"max_tokens", 2}, {"temperature", 0}}.dump();
+  std::atomic<bool> stop{false};
+  std::thread deleter([&] {
+    while (!stop) {
+      request(srv.port(), "DELETE", "/v1/segments", "", "", 10);
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  });
+  int bad = 0, wrong = 0;
+  for (int i = 0; i < 24; ++i) {
+    const Reply p = request(srv.port(), "POST", "/v1/completions", body, "", 60);
+    if (p.status != 200) {
+      ++bad;
+      continue;
+    }
+    const json j = json::parse(p.body, nullptr, false);
+    const int hits = j.contains("pic") ? j["pic"].value("hit_segments", -1) : -1,
+              misses = j.contains("pic") ? j["pic"].value("miss_segments", -1) : -1;
+    if (hits < 0 || misses < 0 || hits + misses != 5) ++wrong;
+  }
+  stop = true;
+  deleter.join();
+  r.check(bad == 0, std::to_string(bad) + " of 24 requests failed");
+  r.check(wrong == 0, std::to_string(wrong) + " of 24 cache reports do not count 5 segments");
+  normal(a, srv, r, "after it");
+  finish(a, srv, r);
+}
+
 void cross_origin(const Args& a, Result& r) {
   r.what = "a browser's cross-origin text/plain POST and DELETE /v1/segments";
   Attack srv(a, {});
@@ -528,6 +647,10 @@ const std::vector<std::pair<std::string, std::function<void(const Args&, Result&
     {"tiny_segments", tiny_segments},
     {"short_segments", short_segments},
     {"cross_origin", cross_origin},
+    {"fifo_in_cache_dir", fifo_in_cache_dir},
+    {"log_injection", log_injection},
+    {"form_content_type", form_content_type},
+    {"delete_during_pic", delete_during_pic},
 };
 
 Args parse_args(int argc, char** argv) {
