@@ -13,6 +13,7 @@
 # Environment: CONFIG (bench/configs/qwen3_5_35b_a3b.json), BACKEND (cuda), SEGMENTS (16),
 # SEGMENT_TOKENS (2048), REQUESTS (5), SWEEP ("1 2 4 8 16 32 64"), SWEEP_TOKENS (1024), PEER (1),
 # RATES (0.5,1,2,4,8), DURATION (60 s per rate), TRACE_ARGS (more hypic_rag_trace arguments),
+# CACHE_MIB (32768: the segment cache of ttft and sweep; 64 entries of 1k tokens take ~12.5 GB on 35B-A3B),
 # TOKENIZER (a tokenizer folder; default: .peer/tokenizer.tar.gz unpacked).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +31,8 @@ for w in "${what[@]}"; do
     ttft)
       segs="${SEGMENTS:-16}" toks="${SEGMENT_TOKENS:-2048}"
       hypic bench ttft --backend "$be" --config "$cfg" --random-weights --segments "$segs" --segment-tokens "$toks" \
-        --query-tokens 64 --prefix-tokens 32 --requests "${REQUESTS:-5}" --modes full,prefix,pic --json | tag ttft >> "$j"
+        --query-tokens 64 --prefix-tokens 32 --requests "${REQUESTS:-5}" --modes full,prefix,pic \
+        --cache-budget-mib "${CACHE_MIB:-32768}" --json | tag ttft >> "$j"
       if [ "${PEER:-1}" = 1 ]; then
         PYTHONUNBUFFERED=1 python3 tools/bench/transformers_bench.py --config "$cfg" \
           --prefill "$((32 + segs * toks + 64))" --decode-batches "" --repeats 2 | tag ttft >> "$j"
@@ -40,7 +42,7 @@ for w in "${what[@]}"; do
       for n in ${SWEEP:-1 2 4 8 16 32 64}; do
         hypic bench ttft --backend "$be" --config "$cfg" --random-weights --segments "$n" \
           --segment-tokens "${SWEEP_TOKENS:-1024}" --query-tokens 64 --prefix-tokens 32 --requests 3 \
-          --modes prefix,pic --json | tag sweep >> "$j"
+          --modes prefix,pic --cache-budget-mib "${CACHE_MIB:-32768}" --json | tag sweep >> "$j"
       done
       ;;
     serve)
