@@ -96,7 +96,9 @@ void register_generate(CLI::App& app) {
   };
   auto o = std::make_shared<Opts>();
   auto* c = app.add_subcommand("generate", "Prefill a prompt and generate tokens");
-  c->add_option("--model", o->model, "Model folder (Hugging Face layout)")->capture_default_str();
+  c->add_option("--model", o->model,
+                "Model folder (Hugging Face layout), or a GGUF file of llama.cpp (qwen35 / qwen35moe)")
+      ->capture_default_str();
   auto* p = c->add_option("--prompt", o->prompt, "Prompt text");
   auto* pi = c->add_option("--prompt-ids", o->prompt_ids, "Prompt as comma-separated token ids");
   auto* sf = c->add_option("--segments-file", o->segments_file,
@@ -152,7 +154,7 @@ void register_generate(CLI::App& app) {
       req.sampling = {o->temperature, o->top_k, o->top_p, o->seed};
       req.stop = o->stop;
       req.logprobs = o->logprobs;
-      if (!o->ignore_eos) req.eos_ids = lm.dir->config.eos_token_ids;
+      if (!o->ignore_eos) req.eos_ids = lm.model->config().eos_token_ids;
       if (o->mask_padded) req.masked_ids = padded_ids_to_mask(*lm.model, lm.tokenizer.get());
       const bool stream = !o->json;
       // Validate sampling and lengths before any work (generate() repeats these checks).
@@ -235,7 +237,7 @@ void register_info(CLI::App& app) {
   };
   auto o = std::make_shared<Opts>();
   auto* c = app.add_subcommand("info", "Describe a model: architecture, layer map, parameters, bytes");
-  c->add_option("--model", o->model, "Model folder")->capture_default_str();
+  c->add_option("--model", o->model, "Model folder, or a GGUF file (qwen35 / qwen35moe)")->capture_default_str();
   c->add_flag("--json", o->json, "Print JSON");
   c->callback([o] {
     guarded([&] {
@@ -284,7 +286,7 @@ void register_tokenize(CLI::App& app) {
   };
   auto o = std::make_shared<Opts>();
   auto* c = app.add_subcommand("tokenize", "Encode text to ids (or decode --ids back to text)");
-  c->add_option("--model", o->model, "Model folder")->capture_default_str();
+  c->add_option("--model", o->model, "Model folder, or a GGUF file (qwen35 / qwen35moe)")->capture_default_str();
   auto* t = c->add_option("--text", o->text, "Text to encode");
   auto* i = c->add_option("--ids", o->ids, "Comma-separated ids to decode");
   t->excludes(i);

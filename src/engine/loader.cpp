@@ -2,8 +2,10 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 
 #include "io/safetensors.h"
+#include "models/gguf_checkpoint.h"
 
 namespace hypic {
 
@@ -12,7 +14,37 @@ std::string default_model_dir() {
   return std::string(HYPIC_SOURCE_DIR) + "/models/default";
 }
 
+namespace {
+
+// A regular file that starts with GGUF's magic.
+bool is_gguf_file(const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) return false;
+  std::ifstream f(path, std::ios::binary);
+  char magic[4] = {};
+  f.read(magic, 4);
+  return f && std::string(magic, 4) == "GGUF";
+}
+
+LoadedModel load_gguf(const std::string& path, const std::string& backend, int threads) {
+  LoadedModel lm;
+  lm.backend = make_backend(backend, threads);
+  lm.gguf = std::make_shared<const GgufFile>(path);
+  const ModelConfig cfg = gguf_model_config(*lm.gguf);
+  lm.source = weights_from_gguf(lm.gguf, cfg);
+  lm.model = std::make_unique<Model>(cfg, *lm.source, *lm.backend);
+  if (lm.gguf->has("tokenizer.ggml.model")) {
+    const TokenizerTexts t = gguf_tokenizer_texts(*lm.gguf);
+    lm.tokenizer = std::make_unique<Tokenizer>(Tokenizer::from_json_text(t.tokenizer_json, t.config_json, path));
+  }
+  lm.description = path;
+  return lm;
+}
+
+}  // namespace
+
 LoadedModel load_model(const std::string& dir, const std::string& backend, int threads) {
+  if (is_gguf_file(dir) || (dir.size() > 5 && dir.ends_with(".gguf"))) return load_gguf(dir, backend, threads);
   LoadedModel lm;
   lm.backend = make_backend(backend, threads);
   lm.dir.emplace(open_model_dir(dir));

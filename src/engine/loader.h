@@ -5,6 +5,7 @@
 #include <string>
 
 #include "backend/backend.h"
+#include "io/gguf.h"
 #include "io/model_dir.h"
 #include "models/model.h"
 #include "tokenizer/tokenizer.h"
@@ -13,7 +14,8 @@ namespace hypic {
 
 struct LoadedModel {
   std::unique_ptr<Backend> backend;
-  std::optional<ModelDir> dir;  // absent for --random-weights
+  std::optional<ModelDir> dir;           // absent for --random-weights and GGUF files
+  std::shared_ptr<const GgufFile> gguf;  // a GGUF file's mapping (its float weights are views of it)
   std::unique_ptr<WeightSource> source;
   std::unique_ptr<Model> model;
   std::unique_ptr<Tokenizer> tokenizer;  // null when the folder has no tokenizer.json
@@ -23,7 +25,9 @@ struct LoadedModel {
 // The bundled default model: $HYPIC_MODEL, else models/default in the source tree.
 std::string default_model_dir();
 
-LoadedModel load_model(const std::string& dir, const std::string& backend = "cpu", int threads = 0);
+// `path`: a checkpoint folder (config.json, safetensors, tokenizer.json), or a GGUF file written by
+// llama.cpp's converter for qwen35 / qwen35moe (models/gguf_checkpoint.h).
+LoadedModel load_model(const std::string& path, const std::string& backend = "cpu", int threads = 0);
 // Seeded random weights for a bare config.json (benchmarks on real shapes).
 LoadedModel load_random_model(const std::string& config_json, uint64_t seed, DType dtype,
                               const std::string& backend = "cpu", int threads = 0);

@@ -97,7 +97,7 @@ struct HttpServer::Impl {
     if (facts.name.empty()) {
       std::filesystem::path p(lm.dir ? lm.dir->dir : lm.description);
       if (!p.has_filename()) p = p.parent_path();
-      facts.name = p.filename().string();
+      facts.name = (p.extension() == ".gguf" ? p.stem() : p.filename()).string();
       if (facts.name.empty()) facts.name = "hypic";
     }
     facts.context = cfg.max_position_embeddings;

@@ -759,8 +759,7 @@ std::string decode_token(std::string_view tok, const std::vector<DecodeStep>& st
   return cur;
 }
 
-void load_tokenizer_json(TokenizerImpl& t, const std::string& path) {
-  json j = read_json(path);
+void load_tokenizer_json(TokenizerImpl& t, const json& j, const std::string& path) {
   if (!j.is_object()) throw std::runtime_error("tokenizer: '" + path + "': top level is not a JSON object");
   if (!j.contains("model")) throw std::runtime_error("tokenizer: '" + path + "': no \"model\" section");
   const json& m = j.at("model");
@@ -881,8 +880,7 @@ void load_tokenizer_json(TokenizerImpl& t, const std::string& path) {
   }
 }
 
-void load_config(TokenizerImpl& t, const std::string& path) {
-  json c = read_json(path);
+void load_config(TokenizerImpl& t, const json& c, const std::string& path) {
   if (!c.is_object()) throw std::runtime_error("tokenizer: '" + path + "': top level is not a JSON object");
   try {
     if (auto it = c.find("chat_template"); it != c.end() && !it->is_null()) {
@@ -909,11 +907,25 @@ void load_config(TokenizerImpl& t, const std::string& path) {
 Tokenizer Tokenizer::load(const std::string& tokenizer_json_path, const std::string& tokenizer_config_path) {
   auto impl = std::make_shared<TokenizerImpl>();
   try {
-    load_tokenizer_json(*impl, tokenizer_json_path);
+    load_tokenizer_json(*impl, read_json(tokenizer_json_path), tokenizer_json_path);
   } catch (const json::exception& e) {
     throw std::runtime_error("tokenizer: '" + tokenizer_json_path + "': " + e.what());
   }
-  if (!tokenizer_config_path.empty()) load_config(*impl, tokenizer_config_path);
+  if (!tokenizer_config_path.empty()) load_config(*impl, read_json(tokenizer_config_path), tokenizer_config_path);
+  Tokenizer t;
+  t.impl_ = std::move(impl);
+  return t;
+}
+
+Tokenizer Tokenizer::from_json_text(const std::string& tokenizer_json, const std::string& config_json,
+                                    const std::string& name) {
+  auto impl = std::make_shared<TokenizerImpl>();
+  try {
+    load_tokenizer_json(*impl, json::parse(tokenizer_json), name);
+    if (!config_json.empty()) load_config(*impl, json::parse(config_json), name);
+  } catch (const json::exception& e) {
+    throw std::runtime_error("tokenizer: '" + name + "': " + e.what());
+  }
   Tokenizer t;
   t.impl_ = std::move(impl);
   return t;

@@ -43,6 +43,10 @@ class Tokenizer {
   // Throws std::runtime_error naming the file and the problem (missing file, malformed JSON,
   // unsupported model / normalizer / pre-tokenizer / decoder type).
   static Tokenizer load(const std::string& tokenizer_json_path, const std::string& tokenizer_config_path = "");
+  // The same from the two files' texts (a GGUF's tokenizer, rebuilt from its metadata); `name`
+  // names the source in errors.
+  static Tokenizer from_json_text(const std::string& tokenizer_json, const std::string& config_json,
+                                  const std::string& name);
 
   // Special / added tokens in the text are matched when parse_special (see the header comment).
   std::vector<int32_t> encode(std::string_view text, bool parse_special = true) const;

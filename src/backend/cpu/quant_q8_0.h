@@ -3,8 +3,8 @@
 // A product with f32 activations quantizes the activations to Q8_0 blocks too (as llama.cpp
 // does) and sums int8 x int8 in integers, one block at a time: AVX-512 VNNI / AVX-VNNI where the
 // CPU has them, a plain loop otherwise. The plain loop (`*_ref`) is also the reference the fast
-// kernels are tested against. Not wired into the model yet: loading Q8_0 tensors from GGUF comes
-// with the name mapping.
+// kernels are tested against. Not wired into the model yet: GGUF files' Q8_0 tensors are
+// dequantized at load for now (models/gguf_checkpoint.h).
 #pragma once
 #include <cstdint>
 

@@ -1,0 +1,49 @@
+// llama.cpp's GGUF checkpoints of the architectures hypic runs (issue 17): files written by
+// llama.cpp's convert_hf_to_gguf.py for `qwen35` (Qwen3.5 dense) and `qwen35moe` (Qwen3.5 MoE),
+// read as a model: the config from the metadata, the weights mapped back onto the Hugging Face
+// names and layouts the model code loads, and the tokenizer from the vocabulary.
+//
+// The converter changes some tensors on the way in; weights_from_gguf() undoes each:
+//  - the decoder's RMSNorm weights (input / post-attention, q / k norms, final norm) are stored
+//    plus one (llama.cpp multiplies by w, Qwen3.5 by 1 + w): minus one;
+//  - A_log is stored as -exp(A_log): log(-a);
+//  - with fewer key than value heads, a linear layer's value heads are stored in (repeat, key head)
+//    order instead of (key head, repeat): in the v rows of in_proj_qkv, the rows of in_proj_z,
+//    in_proj_b and in_proj_a, in A_log and dt_bias, the v channels of conv1d and the columns of
+//    out_proj; they are put back;
+//  - conv1d [C, 1, K] is stored [C, K]; the experts of a layer are stacked [E, I, H] (served as
+//    per-expert views); a model with tied embeddings has no output.weight.
+// Q8_0 tensors are dequantized to f32 at load for now (exact: a block scale times int8); products
+// on the quantized blocks come next. Qwen3-Next GGUFs (`qwen3next`) are refused: llama.cpp's
+// converter cannot write the mlp-only layers of the committed reference checkpoint, so there is
+// nothing to test a mapping against.
+#pragma once
+#include <memory>
+#include <string>
+
+#include "io/gguf.h"
+#include "models/config.h"
+#include "models/model.h"
+
+namespace hypic {
+
+// The config a GGUF's metadata describes. Throws naming the file and the missing or unsupported
+// key (an architecture other than qwen35 / qwen35moe included).
+ModelConfig gguf_model_config(const GgufFile& f);
+
+// The file's tensors under the Hugging Face names and shapes the model code asks for. The file
+// must outlive the source (float tensors that need no change are views of its mapping).
+std::unique_ptr<WeightSource> weights_from_gguf(std::shared_ptr<const GgufFile> f, const ModelConfig& cfg);
+
+// The file's tensor a Hugging Face name is read from (null when none): its storage type, shape.
+const GgufTensorInfo* gguf_tensor_for(const GgufFile& f, const ModelConfig& cfg, const std::string& hf_name);
+
+// tokenizer.json and tokenizer_config.json texts equivalent to the GGUF's tokenizer metadata
+// (tokenizer.ggml.model "gpt2", pre-tokenizers "qwen2" and "qwen35"; the chat template, eos, bos
+// and pad tokens). Throws naming the key when the tokenizer is absent or of another kind.
+struct TokenizerTexts {
+  std::string tokenizer_json, config_json;
+};
+TokenizerTexts gguf_tokenizer_texts(const GgufFile& f);
+
+}  // namespace hypic
