@@ -101,8 +101,8 @@ void register_serve(CLI::App& app) {
   c->add_option("--prefill-chunk", o->prefill_chunk, "Prompt tokens prefilled per engine iteration (non-PIC prompts)")
       ->capture_default_str();
   c->add_option("--compose-chunk", o->compose_chunk,
-                "Seam rows of a PIC composition per engine iteration (0: --prefill-chunk / 8 on the CPU, "
-                "--prefill-chunk on a GPU)")
+                "PIC work per engine iteration, in rows through every layer: a composition's seam rows, a "
+                "segment build's tokens x layers (0: --prefill-chunk / 8 on the CPU, --prefill-chunk on a GPU)")
       ->capture_default_str();
   c->add_option("--threads", o->threads, "CPU threads for the model (0: all cores)")->capture_default_str();
   c->add_option("--http-threads", o->http_threads,

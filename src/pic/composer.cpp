@@ -161,6 +161,9 @@ struct EntryBuild {
   int seam = 0, tail = 0;
   int64_t L = 0, head = 0, body_end = 0;
   int64_t done = 0;  // tokens through every layer
+  // The chunk under way, [a, e): its activations after `layer` layers (a step may end between layers).
+  int64_t a = 0, e = 0, layer = 0;
+  Tensor x;
   SequenceState st;
   std::vector<LayerState> at_head, at_body;
   std::vector<Tensor> T;  // per layer (linear): the body's transition so far
@@ -203,14 +206,23 @@ std::shared_ptr<EntryBuild> PicEngine::start_build(const std::vector<int32_t>& i
 // where it sits), so a segment within one chunk takes exactly the single pass it always took; the
 // state is kept after the head and after the body, and the body's transition is chained across
 // chunks (T <- T_chunk T).
-std::shared_ptr<SegmentEntry> PicEngine::step_build(EntryBuild& b) {
+std::shared_ptr<SegmentEntry> PicEngine::step_build(EntryBuild& b, int64_t max_token_layers) {
   if (b.finished) throw std::logic_error("step_build: the build is already finished");
   Model& m = model_;
   Backend& be = m.backend();
   const auto& cfg = m.config();
-  const int64_t a = b.done, e = std::min(b.L, b.done + std::max<int64_t>(build_chunk(), 1));
-  std::span<const int32_t> chunk(b.ids.data() + a, static_cast<size_t>(e - a));
-  Tensor x = m.embed(chunk);
+  if (b.layer == 0) {
+    b.a = b.done;
+    b.e = std::min(b.L, b.done + std::max<int64_t>(build_chunk(), 1));
+    std::span<const int32_t> chunk(b.ids.data() + b.a, static_cast<size_t>(b.e - b.a));
+    b.x = m.embed(chunk);
+  }
+  const int64_t a = b.a, e = b.e;
+  Tensor& x = b.x;
+  // Whole layers up to the step's budget, at least one: the same computation in any steps.
+  const int64_t l0 = b.layer;
+  const int64_t n_layers =
+      std::clamp<int64_t>(max_token_layers / std::max<int64_t>(e - a, 1), 1, cfg.num_hidden_layers - l0);
   struct Region {
     int64_t from, to;
   };
@@ -219,7 +231,7 @@ std::shared_ptr<SegmentEntry> PicEngine::step_build(EntryBuild& b) {
     if (r.from == r.to) return r.from >= a && (r.from < e || e == b.L);  // an empty region, once
     return r.from < e && r.to > a;
   };
-  for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
+  for (int64_t l = l0; l < l0 + n_layers; ++l) {
     const size_t li = static_cast<size_t>(l);
     auto& ls = b.st.layers[li];
     if (cfg.layer_types[li] != LayerKind::Linear) {
@@ -256,6 +268,10 @@ std::shared_ptr<SegmentEntry> PicEngine::step_build(EntryBuild& b) {
       b.T[li] = next;
     }
   }
+  b.layer = l0 + n_layers;
+  if (b.layer < cfg.num_hidden_layers) return nullptr;
+  b.layer = 0;
+  b.x = Tensor();
   b.done = e;
   if (b.done < b.L) return nullptr;
 
@@ -472,11 +488,11 @@ void PicEngine::build(PicPlan& plan, size_t i) {
   }
 }
 
-bool PicEngine::build_step(PicPlan& plan, size_t i) {
+bool PicEngine::build_step(PicPlan& plan, size_t i, int64_t max_token_layers) {
   PicPart& part = plan.parts.at(i);
   if (!part.missing()) return true;
   if (!part.building) part.building = start_build(part.key.ids, part.key.seam, part.key.tail);
-  auto e = step_build(*part.building);
+  auto e = step_build(*part.building, max_token_layers);
   if (!e) return false;
   part.building.reset();
   part.entry = cache_.insert(std::move(e));

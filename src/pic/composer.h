@@ -101,8 +101,9 @@ class PicEngine {
   // pic / naive in steps (the server interleaves the builds with other requests' work):
   PicPlan plan(const std::vector<std::vector<int32_t>>& segments, const PicOptions& opt);
   void build(PicPlan& plan, size_t part);  // the part's entry, prefilled in isolation and cached
-  // One step of that build (at most build_chunk() tokens); true once the entry is cached.
-  bool build_step(PicPlan& plan, size_t part);
+  // One step of that build (at most build_chunk() tokens through as many whole layers as
+  // max_token_layers allows, at least one); true once the entry is cached.
+  bool build_step(PicPlan& plan, size_t part, int64_t max_token_layers = std::numeric_limits<int64_t>::max());
   // Every part with a body must have its entry (throws otherwise). opt.skip_question is the plan's.
   PrefillResult compose(const std::vector<std::vector<int32_t>>& segments, const PicPlan& plan);
   // The same in steps (the server's fairness: a prompt of many segments does not hold the engine):
@@ -139,8 +140,12 @@ class PicEngine {
   // The same in steps: start, then step until an entry comes back (not yet cached: insert it with
   // cache().insert). Every build runs in chunks of build_chunk() tokens, the backend's prefill
   // chunk, so an entry is the same whether built in one call or in steps.
+  // A step takes the next chunk through as many whole layers as max_token_layers (tokens times
+  // layers) allows, at least one, so a server can bound the time of one step; the entry is the
+  // same whatever the steps.
   std::shared_ptr<EntryBuild> start_build(const std::vector<int32_t>& ids, int seam, int tail = 0);
-  std::shared_ptr<SegmentEntry> step_build(EntryBuild& build);
+  std::shared_ptr<SegmentEntry> step_build(EntryBuild& build,
+                                           int64_t max_token_layers = std::numeric_limits<int64_t>::max());
   int64_t build_chunk() const { return model_.backend().prefill_chunk(); }
   // Memory, then the disk tier (verified): the cached entry for a key, or null.
   std::shared_ptr<const SegmentEntry> find(const std::vector<int32_t>& ids, int seam, int tail = 0) {

@@ -205,13 +205,31 @@ void Scheduler::step() {
     }
   // One prefill unit per iteration, taken in turn from the sequences still prefilling (round
   // robin): a large segment post or a long prompt cannot hold back a short request that arrives
-  // after it, which waits for at most one unit of each other prefill.
+  // after it. A short prompt (one segment of at most one prefill chunk: a chat turn, a plain
+  // completion) goes ahead of the turn, so its first token waits for at most the unit in flight;
+  // every fourth unit still follows the round robin, so short prompts arriving without pause
+  // cannot starve a long prompt or a segment post.
   const size_t n_run = running_.size();
+  auto prefilling = [](const Seq& s) { return !s.finished && s.stage != Seq::Stage::Decode; };
+  size_t first = n_run;
+  if (short_first_ < 3)
+    for (size_t i = 0; i < n_run && first == n_run; ++i) {
+      const Seq& s = *running_[i];
+      const GenSpec& g = s.job->gen;
+      if (prefilling(s) && s.job->kind == Job::Kind::Generate && s.stage == Seq::Stage::Start &&
+          g.segments.size() == 1 && g.prompt_tokens <= opt_.prefill_chunk)
+        first = i;
+    }
   for (size_t k = 0; k < n_run; ++k) {
-    const size_t i = (next_prefill_ + k) % n_run;
+    const size_t i = first < n_run ? first : (next_prefill_ + k) % n_run;
     auto& s = running_[i];
-    if (s->finished || s->stage == Seq::Stage::Decode) continue;
-    next_prefill_ = i + 1;
+    if (!prefilling(*s)) continue;
+    if (first < n_run) {
+      ++short_first_;
+    } else {
+      short_first_ = 0;
+      next_prefill_ = i + 1;
+    }
     metrics_.prefill_chunks++;
     try {
       if (prefill_unit(*s) && s->job->kind == Job::Kind::Generate) start_decode(*s);
@@ -300,7 +318,7 @@ bool Scheduler::prefill_unit(Seq& s) {
       }
       const bool built = !e;
       if (built) {
-        auto done = engine_.step_build(*s.seg_build);  // one chunk of tokens per iteration
+        auto done = engine_.step_build(*s.seg_build, build_budget());  // a bounded step per iteration
         if (!done) return false;
         s.seg_build.reset();
         e = engine_.cache().insert(std::move(done));
@@ -389,7 +407,7 @@ bool Scheduler::prefill_unit(Seq& s) {
     }
     if (const size_t i = s.plan->next_missing(); i < s.plan->parts.size()) {
       // One chunk of the build per iteration: a long segment does not hold the engine either.
-      if (engine_.build_step(*s.plan, i)) remember(s.plan->parts[i].entry);
+      if (engine_.build_step(*s.plan, i, build_budget())) remember(s.plan->parts[i].entry);
       return false;
     }
     s.stage = Seq::Stage::Compose;

@@ -83,8 +83,10 @@ struct SchedulerOptions {
   int max_queue = 64;
   int max_running = 8;
   int prefill_chunk = 512;
-  // Seam rows per engine iteration of a PIC composition; 0: prefill_chunk / 8 on the CPU, whose
-  // composition products run row-independent (several times a GEMM row's time), else prefill_chunk.
+  // PIC work per engine iteration, in rows through every layer: a composition step's seam rows, and
+  // a segment build step's token-layers (whole layers of its chunk, at least one). 0:
+  // prefill_chunk / 8 on the CPU (its composition products run row-independent, several times a
+  // GEMM row's time), else prefill_chunk.
   int compose_chunk = 0;
   // Persistent segment store (--cache-dir): "" = memory only. Segments missing from memory are
   // looked up on disk before being computed; new ones are written through.
@@ -123,10 +125,14 @@ class Scheduler {
   std::atomic<int64_t> beat_ns_{0};  // steady clock at the start of the current iteration
   std::atomic<bool> busy_{false};
   size_t next_prefill_ = 0;  // where the round robin over prefilling sequences resumes
+  int short_first_ = 0;      // short prompts run ahead of the round robin in a row
   void beat();
   void loop();
   void step();
   bool prefill_unit(Seq& s);  // true when the sequence is ready to decode (or finished)
+  // PIC work per iteration: compose_chunk rows through every layer; a segment build's step takes
+  // as many whole layers of its chunk as that many token-layers allow.
+  int64_t build_budget() const { return int64_t{opt_.compose_chunk} * model_.config().num_hidden_layers; }
   void start_decode(Seq& s);
   void decode_sample(Seq& s);              // samples from s.logits (or takes s.picked), emits; may finish the job
   bool device_greedy(const Seq& s) const;  // greedy, no log-probs, no mask: argmax on the device

@@ -344,8 +344,9 @@ TEST_P(Pic, ComposeInStepsEqualsOneCall) {
 
 // A segment longer than the build chunk (the backend's prefill chunk, 1024 rows on the CPU) is built
 // a chunk at a time, its transition chained across chunks (T <- T_chunk T): composition stays
-// exact at layer 0, a build in steps takes one step per chunk and gives the one-call entry bitwise,
-// and a server can interleave those steps with other work.
+// exact at layer 0, a build in steps takes one step per chunk (or per chunk and layer, under a
+// budget of token-layers) and gives the one-call entry bitwise, and a server can interleave those
+// steps with other work.
 TEST_P(Pic, LongSegmentsAreBuiltInChunks) {
   PicEngine eng(*lm_->model, 512 << 20);
   const int64_t C = eng.build_chunk();
@@ -366,16 +367,24 @@ TEST_P(Pic, LongSegmentsAreBuiltInChunks) {
   while (!(stepped = eng.step_build(*b))) ++steps;
   EXPECT_EQ(steps, 3);
   EXPECT_THROW(eng.step_build(*b), std::logic_error);
-  ASSERT_EQ(stepped->layers.size(), whole->layers.size());
-  for (size_t l = 0; l < whole->layers.size(); ++l)
-    for (auto [x, y] :
-         {std::pair{&whole->layers[l].T, &stepped->layers[l].T}, std::pair{&whole->layers[l].S, &stepped->layers[l].S},
-          std::pair{&whole->layers[l].k, &stepped->layers[l].k}}) {
-      ASSERT_EQ(x->defined(), y->defined());
-      if (x->defined()) {
-        EXPECT_EQ(std::memcmp(x->raw(), y->raw(), x->nbytes()), 0) << "layer " << l;
+  // Steps of one layer each (a budget of one token-layer): the same entry, a step per chunk and layer.
+  auto b1 = eng.start_build(s[1], 8);
+  int layer_steps = 1;
+  std::shared_ptr<SegmentEntry> layered;
+  while (!(layered = eng.step_build(*b1, 1))) ++layer_steps;
+  EXPECT_EQ(layer_steps, 3 * lm_->model->config().num_hidden_layers);
+  for (const auto& other : {stepped, layered}) {
+    ASSERT_EQ(other->layers.size(), whole->layers.size());
+    for (size_t l = 0; l < whole->layers.size(); ++l)
+      for (auto [x, y] :
+           {std::pair{&whole->layers[l].T, &other->layers[l].T}, std::pair{&whole->layers[l].S, &other->layers[l].S},
+            std::pair{&whole->layers[l].k, &other->layers[l].k}}) {
+        ASSERT_EQ(x->defined(), y->defined());
+        if (x->defined()) {
+          EXPECT_EQ(std::memcmp(x->raw(), y->raw(), x->nbytes()), 0) << "layer " << l;
+        }
       }
-    }
+  }
 }
 
 // Short bodies are kept as their recurrence inputs, run again from the running state on reuse
