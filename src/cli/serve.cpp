@@ -102,7 +102,7 @@ void register_serve(CLI::App& app) {
       ->capture_default_str();
   c->add_option("--compose-chunk", o->compose_chunk,
                 "PIC work per engine iteration, in rows through every layer: a composition's seam rows, a "
-                "segment build's tokens x layers (0: --prefill-chunk / 8 on the CPU, --prefill-chunk on a GPU)")
+                "segment build's tokens x layers (0: --prefill-chunk / 32 on the CPU, --prefill-chunk on a GPU)")
       ->capture_default_str();
   c->add_option("--threads", o->threads, "CPU threads for the model (0: all cores)")->capture_default_str();
   c->add_option("--http-threads", o->http_threads,

@@ -63,7 +63,7 @@ Scheduler::Scheduler(Model& model, const Tokenizer* tok, SchedulerOptions opt, M
   if (opt_.prefill_chunk < 1) throw std::invalid_argument("--prefill-chunk must be >= 1");
   if (opt_.compose_chunk < 0) throw std::invalid_argument("--compose-chunk must be >= 0");
   if (opt_.compose_chunk == 0)
-    opt_.compose_chunk = model.backend().name() == "cpu" ? std::max(opt_.prefill_chunk / 8, 1) : opt_.prefill_chunk;
+    opt_.compose_chunk = model.backend().name() == "cpu" ? std::max(opt_.prefill_chunk / 32, 1) : opt_.prefill_chunk;
   if (!opt_.cache_dir.empty()) engine_.attach_cache_dir(opt_.cache_dir, opt_.disk_budget_bytes);
   if (tok_) {
     try {
