@@ -1,11 +1,14 @@
 // A GGUF file (checkpoints are outside input): header, metadata of every type, the tensor table
 // and its offsets are checked before anything is read; every metadata value and every tensor's
-// last byte is then touched.
+// last byte is then touched. Then the model layer's reading of it: the config from the metadata,
+// and the tokenizer rebuilt from tokenizer.ggml.* (seed: a qwen35 file with a 16-token vocabulary).
 #include <cstdint>
 #include <string>
 
 #include "fuzz_common.h"
 #include "io/gguf.h"
+#include "models/gguf_checkpoint.h"
+#include "tokenizer/tokenizer.h"
 
 using namespace hypic;
 
@@ -28,6 +31,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         }
       }
     }
+    try {
+      (void)gguf_model_config(f);
+    } catch (const std::exception&) {
+    }
+    const TokenizerTexts t = gguf_tokenizer_texts(f);
+    Tokenizer tok = Tokenizer::from_json_text(t.tokenizer_json, t.config_json, path);
+    (void)tok.decode(tok.encode("Hello, world! <|im_end|> 123"));
   } catch (const std::exception&) {
   }
   return 0;
