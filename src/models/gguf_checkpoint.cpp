@@ -6,6 +6,8 @@
 #include <optional>
 #include <stdexcept>
 
+#include "backend/cpu/quant_q8_0.h"
+
 namespace hypic {
 
 namespace {
@@ -18,41 +20,14 @@ using json = nlohmann::json;
 
 constexpr uint32_t kGgmlQ8_0 = 8;
 
-// A Q8_0 tensor as f32 (each block of 32: an f16 scale and 32 int8; scale * q is exact in f32).
+// A Q8_0 tensor as f32 (a block's f16 scale times its int8 values: exact in f32).
 Tensor dequantize_q8_0(const GgufFile& f, const GgufTensorInfo& t) {
   Tensor out = Tensor::empty(DType::F32, t.shape());
   const int64_t n = out.numel();
-  if (n % 32 != 0) fail(f, "tensor " + t.name + ": Q8_0 with " + std::to_string(n) + " elements (not blocks of 32)");
-  const uint8_t* p = f.data(t);
-  float* o = out.data<float>();
-  for (int64_t b = 0; b < n / 32; ++b, p += 34) {
-    uint16_t d;
-    std::memcpy(&d, p, 2);
-    const float scale = f16_to_f32(d);
-    for (int i = 0; i < 32; ++i) o[b * 32 + i] = scale * static_cast<float>(static_cast<int8_t>(p[2 + i]));
-  }
+  if (n % q8_0::kBlock != 0)
+    fail(f, "tensor " + t.name + ": Q8_0 with " + std::to_string(n) + " elements (not blocks of 32)");
+  q8_0::dequantize(reinterpret_cast<const q8_0::Block*>(f.data(t)), n, out.data<float>());
   return out;
-}
-
-Tensor to_f32(const Tensor& t) {
-  if (t.dtype() == DType::F32) {
-    Tensor c = Tensor::empty(DType::F32, t.shape());
-    std::memcpy(c.raw(), t.raw(), t.nbytes());
-    return c;
-  }
-  Tensor c = Tensor::empty(DType::F32, t.shape());
-  float* o = c.data<float>();
-  const int64_t n = t.numel();
-  if (t.dtype() == DType::BF16) {
-    const auto* s = t.data<uint16_t>();
-    for (int64_t i = 0; i < n; ++i) o[i] = bf16_to_f32(s[i]);
-  } else if (t.dtype() == DType::F16) {
-    const auto* s = t.data<uint16_t>();
-    for (int64_t i = 0; i < n; ++i) o[i] = f16_to_f32(s[i]);
-  } else {
-    throw std::runtime_error(std::string("gguf: cannot convert a ") + dtype_name(t.dtype()) + " tensor to f32");
-  }
-  return c;
 }
 
 // Where a Hugging Face tensor comes from in the file, and what undoes the converter's change.
@@ -64,23 +39,8 @@ struct Source {
   int64_t from = 0, hd = 0;  // from this index, in blocks of hd
 };
 
-class GgufWeights : public WeightSource {
- public:
-  GgufWeights(std::shared_ptr<const GgufFile> f, const ModelConfig& c) : f_(std::move(f)), c_(c) {}
-  bool has(const std::string& name) const override {
-    auto s = resolve(name);
-    return s && f_->find(s->tensor);
-  }
-  Tensor get(const std::string& name, const Shape& expected) const override;
-  std::string describe() const override { return "gguf " + f_->path(); }
-  std::optional<Source> resolve(const std::string& name) const;
-
- private:
-  std::shared_ptr<const GgufFile> f_;
-  ModelConfig c_;
-};
-
-std::optional<Source> GgufWeights::resolve(const std::string& name) const {
+// The file's tensor for a Hugging Face name under config c, and what undoes the converter's change.
+std::optional<Source> resolve(const ModelConfig& c_, const std::string& name) {
   using Fix = Source::Fix;
   if (name == "model.embed_tokens.weight") return Source{"token_embd.weight"};
   if (name == "lm_head.weight") return Source{"output.weight"};
@@ -150,9 +110,24 @@ std::optional<Source> GgufWeights::resolve(const std::string& name) const {
   return std::nullopt;
 }
 
+class GgufWeights : public WeightSource {
+ public:
+  GgufWeights(std::shared_ptr<const GgufFile> f, const ModelConfig& c) : f_(std::move(f)), c_(c) {}
+  bool has(const std::string& name) const override {
+    auto s = resolve(c_, name);
+    return s && f_->find(s->tensor);
+  }
+  Tensor get(const std::string& name, const Shape& expected) const override;
+  std::string describe() const override { return "gguf " + f_->path(); }
+
+ private:
+  std::shared_ptr<const GgufFile> f_;
+  ModelConfig c_;
+};
+
 Tensor GgufWeights::get(const std::string& name, const Shape& expected) const {
   const GgufFile& f = *f_;
-  const auto s = resolve(name);
+  const auto s = resolve(c_, name);
   if (!s) fail(f, "no GGUF tensor corresponds to " + name);
   const GgufTensorInfo* info = f.find(s->tensor);
   if (!info) fail(f, "missing tensor " + s->tensor + " (for " + name + ")");
@@ -171,7 +146,7 @@ Tensor GgufWeights::get(const std::string& name, const Shape& expected) const {
     t = t.reshape({sh[0] * sh[1], sh[2]}).slice_rows(s->expert * sh[1], (s->expert + 1) * sh[1]);
   }
   if (s->fix != Source::Fix::None) {
-    t = to_f32(t);
+    t = t.dtype() == DType::F32 ? t.clone() : t.to_f32();  // a copy: views of the mapping are read-only
     float* p = t.data<float>();
     for (int64_t i = 0; i < t.numel(); ++i) {
       if (s->fix == Source::Fix::MinusOne) {
@@ -191,9 +166,8 @@ Tensor GgufWeights::get(const std::string& name, const Shape& expected) const {
     if (s->from + nv * s->hd > along)
       fail(f, "tensor " + s->tensor + " " + shape_str(sh) + " is too small for " + std::to_string(nv) +
                   " value heads of " + std::to_string(s->hd));
-    Tensor src = t;
-    t = Tensor::empty(src.dtype(), sh);
-    std::memcpy(t.raw(), src.raw(), src.nbytes());
+    const Tensor src = t;
+    t = src.clone();
     const size_t es = dtype_size(src.dtype());
     const auto* in = static_cast<const char*>(src.raw());
     auto* out = static_cast<char*>(t.raw());
@@ -306,9 +280,7 @@ ModelConfig gguf_model_config(const GgufFile& f) {
 }
 
 const GgufTensorInfo* gguf_tensor_for(const GgufFile& f, const ModelConfig& cfg, const std::string& hf_name) {
-  // A non-owning view of the file for the lookup only.
-  const GgufWeights w(std::shared_ptr<const GgufFile>(&f, [](const GgufFile*) {}), cfg);
-  const auto s = w.resolve(hf_name);
+  const auto s = resolve(cfg, hf_name);
   return s ? f.find(s->tensor) : nullptr;
 }
 

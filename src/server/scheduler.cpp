@@ -299,7 +299,7 @@ bool Scheduler::prefill_unit(Seq& s) {
       const auto& ids = j.segs.segments[s.warm_next];
       if (static_cast<int64_t>(ids.size()) <= j.segs.seam) {
         // No body past the seam: every request recomputes such a segment whole, so an entry
-        // (megabytes of transition operators, whatever the length) would never be used.
+        // would never be used.
         const SegmentKey key{engine_.model().fingerprint(), j.segs.seam, 0, ids};
         j.segments_result.push_back({{"id", hex64(key.hash())},
                                      {"tokens", ids.size()},
@@ -406,7 +406,7 @@ bool Scheduler::prefill_unit(Seq& s) {
         if (p.entry) remember(p.entry);
     }
     if (const size_t i = s.plan->next_missing(); i < s.plan->parts.size()) {
-      // One chunk of the build per iteration: a long segment does not hold the engine either.
+      // One bounded step of the build per iteration: a long segment does not hold the engine either.
       if (engine_.build_step(*s.plan, i, build_budget())) remember(s.plan->parts[i].entry);
       return false;
     }
@@ -417,12 +417,12 @@ bool Scheduler::prefill_unit(Seq& s) {
     // iteration (a prompt of many segments does not hold the engine either), the question with
     // the last of them; a question longer than a prefill chunk is left out and prefilled in
     // chunks after.
+    const bool skip_question = segs.back().size() > static_cast<size_t>(opt_.prefill_chunk);
     if (!s.compose) {
-      s.plan->opt.skip_question = segs.back().size() > static_cast<size_t>(opt_.prefill_chunk);
+      s.plan->opt.skip_question = skip_question;
       s.compose = engine_.start_compose(segs, *s.plan);
       s.plan.reset();  // the composition pins the entries now
     }
-    const bool skip_question = segs.back().size() > static_cast<size_t>(opt_.prefill_chunk);
     std::optional<PrefillResult> done = engine_.step_compose(*s.compose, opt_.compose_chunk);
     if (!done) return false;
     s.compose.reset();

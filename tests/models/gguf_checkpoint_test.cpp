@@ -41,15 +41,6 @@ double max_abs_f32(const Tensor& a, const Tensor& b) {
   return e;
 }
 
-Tensor f32(const Tensor& t) {
-  Tensor o = Tensor::empty(DType::F32, t.shape());
-  for (int64_t i = 0; i < t.numel(); ++i)
-    o.data<float>()[i] = t.dtype() == DType::F32    ? t.data<float>()[i]
-                         : t.dtype() == DType::BF16 ? bf16_to_f32(t.data<uint16_t>()[i])
-                                                    : f16_to_f32(t.data<uint16_t>()[i]);
-  return o;
-}
-
 // Every position's log-probs of both reference prompts: the worst max-abs error over the vocabulary,
 // and the share of positions whose top token is the reference's.
 std::pair<double, double> prompt_error(LoadedModel& lm, const SafetensorsFile& ref) {
@@ -119,7 +110,7 @@ TEST(GgufCheckpoint, F32FileMapsBackOntoTheCheckpoint) {
         ADD_FAILURE() << "no GGUF tensor for " << key;
         continue;
       }
-      Tensor a = f32(st.get(key)), b = f32(ws->get(key, st.get(key).shape()));
+      Tensor a = st.get(key).to_f32(), b = ws->get(key, st.get(key).shape()).to_f32();
       const bool approx = key.find("norm.weight") != std::string::npos || key.find("A_log") != std::string::npos;
       EXPECT_LE(max_abs_f32(a, b), approx ? 1e-6 : 0.0) << key;
       ++compared;
@@ -149,7 +140,7 @@ TEST(GgufCheckpoint, QuantizedFilesHoldTheCheckpointWithinTheirRounding) {
       ASSERT_TRUE(ws->has(key)) << fname << ": no GGUF tensor for " << key;
       const GgufTensorInfo* info = gguf_tensor_for(*file, c, key);
       ASSERT_NE(info, nullptr) << key;
-      Tensor a = f32(st.get(key)), b = f32(ws->get(key, st.get(key).shape()));
+      Tensor a = st.get(key).to_f32(), b = ws->get(key, st.get(key).shape()).to_f32();
       const int64_t rows = a.shape().empty() ? 1 : a.shape()[0], cols = a.numel() / rows;
       const bool q = std::string(info->type->name) == "Q8_0";
       q8 += q;
