@@ -14,7 +14,8 @@
 #include <vector>
 
 #include "backend/cpu/cpu_backend.h"
-#include "backend/cpu/quant_q8_0.h"
+#include "backend/cpu/quant_dot.h"
+#include "tensor/quant.h"
 
 using namespace hypic;
 using Clock = std::chrono::steady_clock;
@@ -84,23 +85,29 @@ int main(int argc, char** argv) {
       double s = time_it([&] { be.matmul(x, w, y); });
       rows.push_back({"backend_matmul", dtype_name(dt), M, K, N, s * 1e3, 2.0 * M * N * K / s / 1e9});
     }
-  // Decode products on one thread: bf16 weights (the backend) against Q8_0 weights (integer dot
-  // products, activations quantized per block). Weight bytes per second is what bounds decode.
+  // Quantized weights (backend matmul): the GEMV path below CpuBackend::kQuantGemvRows rows and
+  // the dequantized-panel sgemm above it; these rows place the cut-over.
+  for (DType dt : {DType::Q8_0, DType::Q4_K, DType::Q6_K})
+    for (int64_t M : {512, 64, 32, 16, 8, 1}) {
+      Tensor x = randn({M, K}, 1), wf = randn({N, K}, 2), w = Tensor::empty(dt, {N, K}),
+             y = Tensor::empty(DType::F32, {M, N});
+      quant::quantize(dt, wf.data<float>(), N * K, w.raw());
+      double s = time_it([&] { be.matmul(x, w, y); });
+      rows.push_back({"backend_matmul", dtype_name(dt), M, K, N, s * 1e3, 2.0 * M * N * K / s / 1e9});
+    }
+  // Decode products on one thread, by weight type: weight bytes per second is what bounds decode.
   {
     cpu::CpuBackend one(1);
     for (auto [k, n] : {std::pair<int64_t, int64_t>{1024, 3584}, {3584, 1024}, {2048, 2048}}) {
-      Tensor x = randn({1, k}, 1), wf = randn({n, k}, 2), w = as(wf, DType::BF16),
-             y = Tensor::empty(DType::F32, {1, n});
-      const double sb = time_it([&] { one.matmul(x, w, y); });
-      std::vector<q8_0::Block> wq(static_cast<size_t>(n * k / q8_0::kBlock)), xq(static_cast<size_t>(k / q8_0::kBlock));
-      q8_0::quantize(wf.data<float>(), n * k, wq.data());
-      const double sq = time_it([&] {
-        q8_0::quantize(x.data<float>(), k, xq.data());
-        q8_0::gemv_rows(wq.data(), xq.data(), k, 0, n, y.data<float>());
-      });
-      rows.push_back({"gemv_1thread_weight_GB/s", "bf16", 1, k, n, sb * 1e3, 2.0 * n * k / sb / 1e9});
-      rows.push_back({std::string("gemv_1thread_weight_GB/s_") + q8_0::dot_kernel(), "q8_0", 1, k, n, sq * 1e3,
-                      34.0 / 32.0 * n * k / sq / 1e9});
+      Tensor x = randn({1, k}, 1), wf = randn({n, k}, 2), y = Tensor::empty(DType::F32, {1, n});
+      for (DType dt : {DType::BF16, DType::Q8_0, DType::Q4_K, DType::Q6_K}) {
+        Tensor w = dt == DType::BF16 ? as(wf, dt) : Tensor::empty(dt, {n, k});
+        if (dt != DType::BF16) quant::quantize(dt, wf.data<float>(), n * k, w.raw());
+        const double sb = time_it([&] { one.matmul(x, w, y); });
+        const std::string kernel = dt == DType::BF16 ? "" : std::string("_") + quant::dot_kernel();
+        rows.push_back({"gemv_1thread_weight_GB/s" + kernel, dtype_name(dt), 1, k, n, sb * 1e3,
+                        static_cast<double>(w.nbytes()) / sb / 1e9});
+      }
     }
   }
   // Causal prefill attention (Qwen3.5-like full-attention layer: 16 q heads, 2 kv heads, d 256).

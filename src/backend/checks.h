@@ -37,6 +37,15 @@ inline void need_float(const char* op, const char* name, const Tensor& t, Device
   if (!is_half_or_f32(t.dtype())) fail(op, std::string(name) + " " + t.str() + ": must be f32, bf16 or f16");
 }
 
+// A weight of a product: a float dtype, or on the CPU a quantized one (tensor/quant.h).
+inline void need_weight(const char* op, const char* name, const Tensor& t, DeviceKind dev) {
+  need_def(op, name, t, dev);
+  if (dtype_is_quantized(t.dtype()) && dev == DeviceKind::CPU) return;
+  if (!is_half_or_f32(t.dtype()))
+    fail(op, std::string(name) + " " + t.str() + ": must be f32, bf16 or f16" +
+                 (dev == DeviceKind::CPU ? ", or q8_0, q4_k or q6_k" : " (quantized weights run on the CPU only)"));
+}
+
 inline void need_ndim(const char* op, const char* name, const Tensor& t, int nd) {
   if (t.ndim() != nd)
     fail(op, std::string(name) + " " + t.str() + ": expected " + std::to_string(nd) + " dims, got " +

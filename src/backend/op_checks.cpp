@@ -9,7 +9,7 @@ namespace hypic::checks {
 void check_matmul(const Tensor& x, const Tensor& w, const Tensor& y, DeviceKind dev) {
   const char* op = "matmul";
   need_f32(op, "x", x, dev);
-  need_float(op, "w", w, dev);
+  need_weight(op, "w", w, dev);
   need_f32(op, "y", y, dev);
   need_ndim(op, "x", x, 2);
   need_ndim(op, "w", w, 2);
@@ -23,7 +23,7 @@ void check_matmul(const Tensor& x, const Tensor& w, const Tensor& y, DeviceKind 
 
 void check_embedding(const Tensor& table, std::span<const int32_t> ids, const Tensor& out, DeviceKind dev) {
   const char* op = "embedding";
-  need_float(op, "table", table, dev);
+  need_weight(op, "table", table, dev);
   need_f32(op, "out", out, dev);
   need_ndim(op, "table", table, 2);
   const int64_t V = table.dim(0), H = table.dim(1), n = static_cast<int64_t>(ids.size());
@@ -235,9 +235,9 @@ int64_t check_moe(const Tensor& x, const Tensor& router_logits, int top_k, const
   int64_t I = -1;
   for (int64_t e = 0; e < E; ++e) {
     const Tensor &gt = experts.gate[e], &ut = experts.up[e], &dt = experts.down[e];
-    need_float(op, "gate", gt, dev);
-    need_float(op, "up", ut, dev);
-    need_float(op, "down", dt, dev);
+    need_weight(op, "gate", gt, dev);
+    need_weight(op, "up", ut, dev);
+    need_weight(op, "down", dt, dev);
     if (gt.ndim() != 2 || gt.dim(1) != H || (I >= 0 && gt.dim(0) != I))
       fail(op, "expert " + std::to_string(e) + " gate " + gt.str() + " does not match x " + x.str());
     I = gt.dim(0);

@@ -337,11 +337,21 @@ Tensor GgufFile::get(const std::string& name) const {
     case 28:
       dt = DType::F64;
       break;
+    case 8:
+      dt = DType::Q8_0;
+      break;
+    case 12:
+      dt = DType::Q4_K;
+      break;
+    case 14:
+      dt = DType::Q6_K;
+      break;
     default:
       throw std::runtime_error("gguf " + path_ + ": tensor " + name + " is " + t->type->name +
-                               "; only F32, F16, BF16 and F64 tensors can be read as float tensors");
+                               "; hypic reads F32, F16, BF16, F64, Q8_0, Q4_K and Q6_K tensors");
   }
-  if ((data_offset_ + t->offset) % dtype_size(dt) != 0)
+  // Quantized blocks are packed structs, read without alignment.
+  if (!dtype_is_quantized(dt) && (data_offset_ + t->offset) % dtype_size(dt) != 0)
     throw std::runtime_error("gguf " + path_ + ": tensor " + name + " is misaligned for its type");
   return Tensor(map_, static_cast<size_t>(data_offset_ + t->offset), dt, t->shape());
 }

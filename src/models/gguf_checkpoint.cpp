@@ -1,12 +1,11 @@
 #include "models/gguf_checkpoint.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <stdexcept>
-
-#include "backend/cpu/quant_q8_0.h"
 
 namespace hypic {
 
@@ -16,18 +15,6 @@ using json = nlohmann::json;
 
 [[noreturn]] void fail(const GgufFile& f, const std::string& what) {
   throw std::runtime_error("gguf " + f.path() + ": " + what);
-}
-
-constexpr uint32_t kGgmlQ8_0 = 8;
-
-// A Q8_0 tensor as f32 (a block's f16 scale times its int8 values: exact in f32).
-Tensor dequantize_q8_0(const GgufFile& f, const GgufTensorInfo& t) {
-  Tensor out = Tensor::empty(DType::F32, t.shape());
-  const int64_t n = out.numel();
-  if (n % q8_0::kBlock != 0)
-    fail(f, "tensor " + t.name + ": Q8_0 with " + std::to_string(n) + " elements (not blocks of 32)");
-  q8_0::dequantize(reinterpret_cast<const q8_0::Block*>(f.data(t)), n, out.data<float>());
-  return out;
 }
 
 // Where a Hugging Face tensor comes from in the file, and what undoes the converter's change.
@@ -131,13 +118,13 @@ Tensor GgufWeights::get(const std::string& name, const Shape& expected) const {
   if (!s) fail(f, "no GGUF tensor corresponds to " + name);
   const GgufTensorInfo* info = f.find(s->tensor);
   if (!info) fail(f, "missing tensor " + s->tensor + " (for " + name + ")");
-  Tensor t;
-  if (info->type->id == kGgmlQ8_0)
-    t = dequantize_q8_0(f, *info);
-  else if (info->type->id == 0 || info->type->id == 1 || info->type->id == 30)  // F32, F16, BF16
-    t = f.get(s->tensor);
-  else
-    fail(f, "tensor " + s->tensor + " is " + info->type->name + ": only F32, F16, BF16 and Q8_0 tensors load yet");
+  static constexpr uint32_t kLoads[] = {0, 1, 30, 8, 12, 14};  // F32, F16, BF16, Q8_0, Q4_K, Q6_K
+  if (std::find(std::begin(kLoads), std::end(kLoads), info->type->id) == std::end(kLoads))
+    fail(f, "tensor " + s->tensor + " is " + info->type->name + ": hypic loads F32, F16, BF16, Q8_0, Q4_K and Q6_K");
+  Tensor t = f.get(s->tensor);
+  // Quantized blocks stay quantized in products and embeddings (the model's 2-D weights); any
+  // other tensor is used as f32.
+  if (dtype_is_quantized(t.dtype()) && expected.size() != 2) t = t.to_f32();
 
   if (s->expert >= 0) {
     const Shape sh = t.shape();
@@ -166,19 +153,22 @@ Tensor GgufWeights::get(const std::string& name, const Shape& expected) const {
     if (s->from + nv * s->hd > along)
       fail(f, "tensor " + s->tensor + " " + shape_str(sh) + " is too small for " + std::to_string(nv) +
                   " value heads of " + std::to_string(s->hd));
+    // Quantized columns move in whole blocks only; heads narrower than a block go through f32.
+    if (s->axis == 1 && s->hd % dtype_block(t.dtype()) != 0) t = t.to_f32();
     const Tensor src = t;
     t = src.clone();
-    const size_t es = dtype_size(src.dtype());
+    const DType dt = src.dtype();
+    auto bytes = [dt](int64_t n) { return dtype_bytes(dt, n); };  // n: a whole number of blocks
     const auto* in = static_cast<const char*>(src.raw());
     auto* out = static_cast<char*>(t.raw());
     for (int64_t h = 0; h < nv; ++h) {
       const int64_t g = h / r, j = h % r, p = j * nk + g;
       const int64_t dst0 = s->from + h * s->hd, src0 = s->from + p * s->hd;
       if (s->axis == 0) {
-        std::memcpy(out + dst0 * cols * es, in + src0 * cols * es, static_cast<size_t>(s->hd * cols) * es);
+        std::memcpy(out + bytes(dst0 * cols), in + bytes(src0 * cols), bytes(s->hd * cols));
       } else {
         for (int64_t row = 0; row < rows; ++row)
-          std::memcpy(out + (row * cols + dst0) * es, in + (row * cols + src0) * es, static_cast<size_t>(s->hd) * es);
+          std::memcpy(out + bytes(row * cols + dst0), in + bytes(row * cols + src0), bytes(s->hd));
       }
     }
   }

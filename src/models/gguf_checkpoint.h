@@ -13,10 +13,10 @@
 //    out_proj; they are put back;
 //  - conv1d [C, 1, K] is stored [C, K]; the experts of a layer are stacked [E, I, H] (served as
 //    per-expert views); a model with tied embeddings has no output.weight.
-// Q8_0 tensors are dequantized to f32 at load for now (exact: a block scale times int8); products
-// on the quantized blocks come next. Qwen3-Next GGUFs (`qwen3next`) are refused: llama.cpp's
-// converter cannot write the mlp-only layers of the committed reference checkpoint, so there is
-// nothing to test a mapping against.
+// Q8_0, Q4_K and Q6_K matrices stay quantized (products and embeddings on the CPU backend run on
+// the blocks); quantized tensors of other ranks are dequantized at load. Qwen3-Next GGUFs (`qwen3next`) are refused:
+// llama.cpp's converter cannot write the mlp-only layers of the committed reference checkpoint, so there is nothing to
+// test a mapping against.
 #pragma once
 #include <memory>
 #include <string>

@@ -106,7 +106,7 @@ class RandomSource : public WeightSource {
 // Host-side row gather used to repack fused projections at load time.
 Tensor gather_rows(const Tensor& w, const std::vector<int64_t>& rows) {
   const int64_t cols = w.dim(1);
-  const size_t rb = static_cast<size_t>(cols) * dtype_size(w.dtype());
+  const size_t rb = dtype_bytes(w.dtype(), cols);
   Tensor out = Tensor::empty(w.dtype(), {static_cast<int64_t>(rows.size()), cols});
   for (size_t r = 0; r < rows.size(); ++r)
     std::memcpy(static_cast<char*>(out.raw()) + r * rb, static_cast<const char*>(w.raw()) + rows[r] * rb, rb);

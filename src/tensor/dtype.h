@@ -7,8 +7,21 @@
 
 namespace hypic {
 
-enum class DType : uint8_t { F32, F16, BF16, F64, I32, I64, U8 };
+// Q8_0, Q4_K and Q6_K are ggml's block-quantized weight formats, stored as GGUF files hold them
+// (backend/cpu/quant.h): a block of dtype_block() values takes dtype_size() bytes. Only weights are
+// quantized, only the CPU backend runs them, and a row's length is a whole number of blocks.
+enum class DType : uint8_t { F32, F16, BF16, F64, I32, I64, U8, Q8_0, Q4_K, Q6_K };
 
+inline bool dtype_is_quantized(DType t) {
+  return t == DType::Q8_0 || t == DType::Q4_K || t == DType::Q6_K;
+}
+
+// Values per block: 1 for plain types.
+inline int64_t dtype_block(DType t) {
+  return t == DType::Q8_0 ? 32 : (t == DType::Q4_K || t == DType::Q6_K) ? 256 : 1;
+}
+
+// Bytes per block (per value for plain types).
 inline size_t dtype_size(DType t) {
   switch (t) {
     case DType::F32:
@@ -25,8 +38,19 @@ inline size_t dtype_size(DType t) {
       return 8;
     case DType::U8:
       return 1;
+    case DType::Q8_0:
+      return 34;
+    case DType::Q4_K:
+      return 144;
+    case DType::Q6_K:
+      return 210;
   }
   return 0;
+}
+
+// Bytes of n values (n a multiple of dtype_block(t) for quantized types).
+inline size_t dtype_bytes(DType t, int64_t n) {
+  return static_cast<size_t>(n / dtype_block(t)) * dtype_size(t);
 }
 
 inline const char* dtype_name(DType t) {
@@ -45,6 +69,12 @@ inline const char* dtype_name(DType t) {
       return "i64";
     case DType::U8:
       return "u8";
+    case DType::Q8_0:
+      return "q8_0";
+    case DType::Q4_K:
+      return "q4_k";
+    case DType::Q6_K:
+      return "q6_k";
   }
   return "?";
 }

@@ -5,6 +5,8 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "tensor/quant.h"
+
 namespace hypic {
 
 std::string Device::str() const {
@@ -33,7 +35,10 @@ namespace {
 Tensor host_tensor(DType dt, Shape shape, int fill) {
   for (auto d : shape)
     if (d < 0) throw std::invalid_argument("negative dimension in shape " + shape_str(shape));
-  size_t bytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dt);
+  if (dtype_is_quantized(dt) && (shape.empty() || shape.back() % dtype_block(dt) != 0))
+    throw std::invalid_argument(std::string(dtype_name(dt)) + shape_str(shape) + ": rows must be whole blocks of " +
+                                std::to_string(dtype_block(dt)));
+  size_t bytes = dtype_bytes(dt, shape_numel(shape));
   size_t alloc = (bytes + 63) / 64 * 64;
   void* p = std::aligned_alloc(64, alloc ? alloc : 64);
   if (!p) throw std::bad_alloc();
@@ -64,7 +69,7 @@ Tensor Tensor::uninitialized(DType dt, Shape shape) {
 }
 
 Tensor Tensor::borrow(void* data, DType dt, Shape shape, Device dev) {
-  size_t bytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dt);
+  size_t bytes = dtype_bytes(dt, shape_numel(shape));
   auto st = std::make_shared<Storage>(data, bytes, dev, nullptr);
   return Tensor(std::move(st), 0, dt, std::move(shape));
 }
@@ -81,7 +86,7 @@ Tensor Tensor::slice_rows(int64_t begin, int64_t end) const {
                             shape_str(shape_));
   Shape s = shape_;
   s[0] = end - begin;
-  size_t row = static_cast<size_t>(shape_numel(shape_) / std::max<int64_t>(shape_[0], 1)) * dtype_size(dtype_);
+  size_t row = dtype_bytes(dtype_, shape_numel(shape_) / std::max<int64_t>(shape_[0], 1));
   return Tensor(storage_, offset_ + static_cast<size_t>(begin) * row, dtype_, std::move(s));
 }
 
@@ -123,6 +128,11 @@ void convert_to_f32(const void* src, DType dt, float* dst, size_t n) {
       for (size_t i = 0; i < n; ++i) dst[i] = static_cast<float>(s[i]);
       return;
     }
+    case DType::Q8_0:
+    case DType::Q4_K:
+    case DType::Q6_K:
+      quant::dequantize(dt, src, static_cast<int64_t>(n), dst);
+      return;
     default:
       throw std::invalid_argument(std::string("convert_to_f32: not a float dtype: ") + dtype_name(dt));
   }

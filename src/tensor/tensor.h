@@ -69,7 +69,7 @@ class Tensor {
   int64_t dim(int i) const { return shape_[i < 0 ? shape_.size() + i : i]; }
   int ndim() const { return static_cast<int>(shape_.size()); }
   int64_t numel() const { return shape_numel(shape_); }
-  size_t nbytes() const { return static_cast<size_t>(numel()) * dtype_size(dtype_); }
+  size_t nbytes() const { return dtype_bytes(dtype_, numel()); }
   Device device() const { return storage_ ? storage_->device() : Device{}; }
   bool is_cpu() const { return device().kind == DeviceKind::CPU; }
 
@@ -97,7 +97,7 @@ class Tensor {
   Shape shape_;
 };
 
-// Converts n elements of any float dtype to f32.
+// Converts n elements of any float or quantized dtype to f32.
 void convert_to_f32(const void* src, DType dt, float* dst, size_t n);
 void convert_from_f32(const float* src, DType dt, void* dst, size_t n);
 

@@ -15,9 +15,11 @@
 #include <vector>
 
 #include "backend/checks.h"
+#include "backend/cpu/quant_dot.h"
 #include "backend/moe_routing.h"
 #include "linear/gated_delta.h"
 #include "linear/recurrence.h"
+#include "tensor/quant.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -45,6 +47,10 @@ inline float ld(const uint16_t* p, DType dt) {
 
 // Converts n elements of a float dtype to f32 (vectorised for bf16/f16).
 void to_f32_row(const void* src, DType dt, float* dst, int64_t n) {
+  if (dtype_is_quantized(dt)) {
+    quant::dequantize(dt, src, n, dst);
+    return;
+  }
   if (dt == DType::F32) {
     std::memcpy(dst, src, static_cast<size_t>(n) * 4);
     return;
@@ -370,6 +376,10 @@ void CpuBackend::matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accumu
   }
   const float* xp = x.data<float>();
   const DType wd = w.dtype();
+  if (dtype_is_quantized(wd)) {
+    matmul_quantized(x, w, y, accumulate);
+    return;
+  }
 
   // Few rows: the fused kernel, looping over row blocks of up to 7 inside 16-row tiles of W so a
   // tile stays in L1 while every block of x passes over it. For half-precision weights this
@@ -443,11 +453,73 @@ void CpuBackend::matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accumu
   });
 }
 
+// Quantized weights (Q8_0, Q4_K, Q6_K).
+//  * Few rows (or row-independent mode): each row of x is quantized per block (Q8_0 or Q8_K, as
+//    llama.cpp does) and dotted with W's rows in integers (quant_dot.h); W is read in tiles of 16
+//    rows that stay in L1 while every row of x passes over them.
+//  * Many rows: W dequantized panel by panel into f32 and multiplied with sgemm, as for bf16 (the
+//    dequantization is O(N K) against the product's O(M N K), and the activations stay f32).
+// The cut-over is measured by bench/gemm_bench.cpp (docs/perf-notes.md).
+void CpuBackend::matmul_quantized(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate) {
+  const int64_t M = x.dim(0), K = x.dim(1), N = w.dim(0);
+  const DType wd = w.dtype();
+  const float* xp = x.data<float>();
+  float* yp = y.data<float>();
+  if (row_independent_ || M < kQuantGemvRows) {
+    const size_t ab = quant::act_bytes(wd, K), rb = dtype_bytes(wd, K);
+    thread_local std::vector<char> xq;
+    if (xq.size() < ab * static_cast<size_t>(M)) xq.resize(ab * static_cast<size_t>(M));
+    char* xqp = xq.data();  // the caller's buffer: pool threads read it while this thread waits
+    pool_.parallel_for(M, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m) quant::quantize_act(wd, xp + m * K, K, xqp + static_cast<size_t>(m) * ab);
+    });
+    const char* wp = static_cast<const char*>(w.raw());
+    pool_.parallel_for(
+        N,
+        [&](int64_t n0, int64_t n1) {
+          float tmp[16];
+          for (int64_t t0 = n0; t0 < n1; t0 += 16) {
+            const int64_t t1 = std::min(n1, t0 + 16);
+            for (int64_t m = 0; m < M; ++m) {
+              const char* xm = xqp + static_cast<size_t>(m) * ab;
+              if (!accumulate) {
+                quant::gemv_rows(wd, wp, xm, K, t0, t1, yp + m * N);
+              } else {
+                quant::gemv_rows(wd, wp + static_cast<size_t>(t0) * rb, xm, K, 0, t1 - t0, tmp);
+                for (int64_t n = t0; n < t1; ++n) yp[m * N + n] += tmp[n - t0];
+              }
+            }
+          }
+        },
+        std::max<int64_t>(1, 4096 / std::max<int64_t>(1, K)));
+    return;
+  }
+  const float beta = accumulate ? 1.f : 0.f;
+  const int64_t per_thread = (N + 2 * pool_.size() - 1) / (2 * pool_.size());
+  const int64_t nb = std::clamp<int64_t>((per_thread + 15) / 16 * 16, 64, 256);
+  const int64_t panels = (N + nb - 1) / nb;
+  const size_t rb = dtype_bytes(wd, K);
+  const char* wp = static_cast<const char*>(w.raw());
+  std::atomic<int64_t> next{0};
+  pool_.parallel_for(pool_.size(), [&](int64_t, int64_t) {
+    float* buf = scratch(t_panel, static_cast<size_t>(nb * K));
+    for (;;) {
+      const int64_t p = next.fetch_add(1);
+      if (p >= panels) break;
+      const int64_t n0 = p * nb, n1 = std::min(N, n0 + nb);
+      quant::dequantize(wd, wp + static_cast<size_t>(n0) * rb, (n1 - n0) * K, buf);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(M), static_cast<int>(n1 - n0),
+                  static_cast<int>(K), 1.f, xp, static_cast<int>(K), buf, static_cast<int>(K), beta, yp + n0,
+                  static_cast<int>(N));
+    }
+  });
+}
+
 void CpuBackend::embedding(const Tensor& table, std::span<const int32_t> ids, Tensor& out) {
   check_embedding(table, ids, out, DeviceKind::CPU);
   const int64_t H = table.dim(1), n = static_cast<int64_t>(ids.size());
   const char* tp = static_cast<const char*>(table.raw());
-  const size_t row = static_cast<size_t>(H) * dtype_size(table.dtype());
+  const size_t row = dtype_bytes(table.dtype(), H);
   float* op_ = out.data<float>();
   pool_.parallel_for(n, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) to_f32_row(tp + static_cast<size_t>(ids[i]) * row, table.dtype(), op_ + i * H, H);

@@ -374,7 +374,11 @@ Tensor CudaBackend::alloc_uninit(DType dt, Shape shape) {
   impl_->bind();
   for (auto d : shape)
     if (d < 0) throw std::invalid_argument("alloc: negative dimension in shape " + shape_str(shape));
-  const size_t bytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dt);
+  if (dtype_is_quantized(dt))
+    throw std::invalid_argument(
+        std::string("cuda: ") + dtype_name(dt) +
+        " weights run on the CPU backend only (--backend cpu), or load an f32, f16 or bf16 file");
+  const size_t bytes = dtype_bytes(dt, shape_numel(shape));
   auto mem = impl_->mem;
   std::shared_ptr<Storage> st;
   const size_t nb = std::max<size_t>(bytes, 1);

@@ -1,0 +1,263 @@
+#include "backend/cpu/quant_dot.h"
+
+#include <immintrin.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "tensor/quant.h"
+
+namespace hypic::quant {
+
+namespace {
+
+void need_blocks(DType w, int64_t K) {
+  if (!dtype_is_quantized(w))
+    throw std::invalid_argument(std::string("quantized product: ") + dtype_name(w) + " is not a quantized dtype");
+  if (K % dtype_block(w) != 0)
+    throw std::invalid_argument(std::string("quantized product: rows of ") + std::to_string(K) +
+                                " values are not whole " + dtype_name(w) + " blocks of " +
+                                std::to_string(dtype_block(w)));
+}
+
+// ---- plain references -------------------------------------------------------------------------
+
+float dot_q8_0_ref(const BlockQ8_0* a, const BlockQ8_0* b, int64_t nb) {
+  float s = 0.f;
+  for (int64_t k = 0; k < nb; ++k) {
+    int32_t isum = 0;
+    for (int i = 0; i < kQ8_0; ++i) isum += static_cast<int32_t>(a[k].q[i]) * static_cast<int32_t>(b[k].q[i]);
+    s += f16_to_f32(a[k].d) * f16_to_f32(b[k].d) * static_cast<float>(isum);
+  }
+  return s;
+}
+
+// sum_j d sc_j (q . x)_j - dmin m_j (sum x)_j, times x's scale, per super-block.
+float dot_q4_k_ref(const BlockQ4_K* w, const BlockQ8_K* x, int64_t nb) {
+  float s = 0.f;
+  for (int64_t k = 0; k < nb; ++k) {
+    int32_t sumi = 0, summ = 0;
+    for (int j = 0; j < 8; ++j) {
+      int sc, m;
+      q4_k_scale_min(w[k].scales, j, sc, m);
+      const uint8_t* qs = w[k].qs + (j / 2) * 32;
+      int32_t dot = 0, xs = 0;
+      for (int i = 0; i < 32; ++i) {
+        const int q = j % 2 ? qs[i] >> 4 : qs[i] & 0xF;
+        dot += q * x[k].q[j * 32 + i];
+        xs += x[k].q[j * 32 + i];
+      }
+      sumi += sc * dot;
+      summ += m * xs;
+    }
+    s += x[k].d * (f16_to_f32(w[k].d) * static_cast<float>(sumi) - f16_to_f32(w[k].dmin) * static_cast<float>(summ));
+  }
+  return s;
+}
+
+// sum_s d sc_s ((q - 32) . x)_s, times x's scale, per super-block.
+float dot_q6_k_ref(const BlockQ6_K* w, const BlockQ8_K* x, int64_t nb) {
+  float s = 0.f;
+  for (int64_t k = 0; k < nb; ++k) {
+    int32_t sumi = 0;
+    for (int sb = 0; sb < 16; ++sb) {
+      int32_t dot = 0;
+      for (int i = 0; i < 16; ++i) {
+        const int e = sb * 16 + i, h = e / 128, r = e % 128, l = r % 32, quarter = r / 32;
+        const uint8_t lo = w[k].ql[h * 64 + l + (quarter % 2) * 32];
+        const int q = ((quarter < 2 ? lo & 0xF : lo >> 4) | (((w[k].qh[h * 32 + l] >> (2 * quarter)) & 3) << 4)) - 32;
+        dot += q * x[k].q[e];
+      }
+      sumi += w[k].scales[sb] * dot;
+    }
+    s += x[k].d * f16_to_f32(w[k].d) * static_cast<float>(sumi);
+  }
+  return s;
+}
+
+float dot_ref(DType w, const void* row, const void* xq, int64_t K) {
+  switch (w) {
+    case DType::Q8_0:
+      return dot_q8_0_ref(static_cast<const BlockQ8_0*>(row), static_cast<const BlockQ8_0*>(xq), K / kQ8_0);
+    case DType::Q4_K:
+      return dot_q4_k_ref(static_cast<const BlockQ4_K*>(row), static_cast<const BlockQ8_K*>(xq), K / kQK);
+    default:
+      return dot_q6_k_ref(static_cast<const BlockQ6_K*>(row), static_cast<const BlockQ8_K*>(xq), K / kQK);
+  }
+}
+
+// ---- AVX2 kernels ---------------------------------------------------------------------------------
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define HYPIC_QUANT_AVX2 1
+inline float hsum(__m256 acc) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+inline int32_t hsum_i32(__m256i v) {
+  __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+  return _mm_cvtsi128_si32(h);
+}
+// 8 int32 partial sums of ux . sw: ux unsigned (|x|), sw the other operand carrying x's signs.
+inline __m256i dot_signed(__m256i ux, __m256i sw) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), ux, sw);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), ux, sw);
+#else
+  // u8 x s8 pairs to s16 (|q| <= 127, so no saturation), then pairs to s32.
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(ux, sw), _mm256_set1_epi16(1));
+#endif
+}
+inline __m256i load(const void* q) {
+  return _mm256_loadu_si256(static_cast<const __m256i*>(q));
+}
+
+float dot_q8_0(const BlockQ8_0* a, const BlockQ8_0* b, int64_t nb) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t k = 0; k < nb; ++k) {
+    const __m256i va = load(a[k].q), vb = load(b[k].q);
+    const __m256 s = _mm256_set1_ps(_cvtsh_ss(a[k].d) * _cvtsh_ss(b[k].d));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_signed(_mm256_sign_epi8(va, va), _mm256_sign_epi8(vb, va))), s, acc);
+  }
+  return hsum(acc);
+}
+
+// Four rows at a time: each activation block is loaded and made unsigned once (|x|, with x's
+// signs moved onto the weights) for four rows' weight blocks.
+void gemv_q8_0(const BlockQ8_0* w, const BlockQ8_0* xq, int64_t nb, int64_t n0, int64_t n1, float* y) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    const BlockQ8_0* r[4] = {w + n * nb, w + (n + 1) * nb, w + (n + 2) * nb, w + (n + 3) * nb};
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t k = 0; k < nb; ++k) {
+      const __m256i vx = load(xq[k].q);
+      const __m256i ux = _mm256_sign_epi8(vx, vx);
+      const float dx = _cvtsh_ss(xq[k].d);
+      for (int i = 0; i < 4; ++i) {
+        const __m256 s = _mm256_set1_ps(dx * _cvtsh_ss(r[i][k].d));
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_signed(ux, _mm256_sign_epi8(load(r[i][k].q), vx))), s, acc[i]);
+      }
+    }
+    for (int i = 0; i < 4; ++i) y[n + i] = hsum(acc[i]);
+  }
+  for (; n < n1; ++n) y[n] = dot_q8_0(w + n * nb, xq, nb);
+}
+
+// Q4_K: the nibbles of 32 bytes are 64 values (two sub-blocks); u8 nibbles x s8 activations
+// through maddubs (|pair sums| <= 2 * 15 * 127), then times the sub-block's scale into int32.
+float dot_q4_k(const BlockQ4_K* w, const BlockQ8_K* x, int64_t nb) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  __m256 acc = _mm256_setzero_ps();
+  float accm = 0.f;
+  for (int64_t k = 0; k < nb; ++k) {
+    int sc[8], m[8];
+    for (int j = 0; j < 8; ++j) q4_k_scale_min(w[k].scales, j, sc[j], m[j]);
+    __m256i isum = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = load(w[k].qs + 32 * c);
+      const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+      const __m256i plo = _mm256_maddubs_epi16(lo, load(x[k].q + 64 * c));
+      const __m256i phi = _mm256_maddubs_epi16(hi, load(x[k].q + 64 * c + 32));
+      isum = _mm256_add_epi32(isum, _mm256_madd_epi16(plo, _mm256_set1_epi16(static_cast<int16_t>(sc[2 * c]))));
+      isum = _mm256_add_epi32(isum, _mm256_madd_epi16(phi, _mm256_set1_epi16(static_cast<int16_t>(sc[2 * c + 1]))));
+    }
+    int32_t summ = 0;
+    for (int j = 0; j < 8; ++j) summ += m[j] * (x[k].bsums[2 * j] + x[k].bsums[2 * j + 1]);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(x[k].d * _cvtsh_ss(w[k].d)), acc);
+    accm += x[k].d * _cvtsh_ss(w[k].dmin) * static_cast<float>(summ);
+  }
+  return hsum(acc) - accm;
+}
+
+// Q6_K: 6-bit values rebuilt from ql and qh as u8 in [0, 63] (the -32 offset is taken out
+// afterwards with the 16-value sums of x); u8 x s8 through maddubs (|pair sums| <= 2 * 63 * 127),
+// then times the two 16-value sub-blocks' scales into int32.
+float dot_q6_k(const BlockQ6_K* w, const BlockQ8_K* x, int64_t nb) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+  float acc = 0.f;
+  for (int64_t k = 0; k < nb; ++k) {
+    __m256i isum = _mm256_setzero_si256();
+    for (int h = 0; h < 2; ++h) {
+      const __m256i ql0 = load(w[k].ql + 64 * h), ql1 = load(w[k].ql + 64 * h + 32), qh = load(w[k].qh + 32 * h);
+      const __m256i v[4] = {_mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30)),
+                            _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30)),
+                            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m30)),
+                            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                                            _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30))};
+      for (int i = 0; i < 4; ++i) {
+        const __m256i p = _mm256_maddubs_epi16(v[i], load(x[k].q + 128 * h + 32 * i));
+        const int s = 8 * h + 2 * i;
+        const __m256i scv = _mm256_set_m128i(_mm_set1_epi16(w[k].scales[s + 1]), _mm_set1_epi16(w[k].scales[s]));
+        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, scv));
+      }
+    }
+    int32_t corr = 0;
+    for (int s = 0; s < 16; ++s) corr += w[k].scales[s] * x[k].bsums[s];
+    acc += x[k].d * _cvtsh_ss(w[k].d) * static_cast<float>(hsum_i32(isum) - 32 * corr);
+  }
+  return acc;
+}
+#endif
+
+}  // namespace
+
+size_t act_bytes(DType w, int64_t K) {
+  need_blocks(w, K);
+  return w == DType::Q8_0 ? static_cast<size_t>(K / kQ8_0) * sizeof(BlockQ8_0)
+                          : static_cast<size_t>(K / kQK) * sizeof(BlockQ8_K);
+}
+
+void quantize_act(DType w, const float* x, int64_t K, void* xq) {
+  need_blocks(w, K);
+  if (w == DType::Q8_0)
+    quantize_q8_0(x, K, static_cast<BlockQ8_0*>(xq));
+  else
+    quantize_q8_k(x, K, static_cast<BlockQ8_K*>(xq));
+}
+
+void gemv_rows_ref(DType w, const void* W, const void* xq, int64_t K, int64_t n0, int64_t n1, float* y) {
+  need_blocks(w, K);
+  const size_t rb = dtype_bytes(w, K);
+  for (int64_t n = n0; n < n1; ++n) y[n] = dot_ref(w, static_cast<const char*>(W) + static_cast<size_t>(n) * rb, xq, K);
+}
+
+void gemv_rows(DType w, const void* W, const void* xq, int64_t K, int64_t n0, int64_t n1, float* y) {
+#ifdef HYPIC_QUANT_AVX2
+  need_blocks(w, K);
+  const size_t rb = dtype_bytes(w, K);
+  auto row = [&](int64_t n) { return static_cast<const char*>(W) + static_cast<size_t>(n) * rb; };
+  switch (w) {
+    case DType::Q8_0:
+      gemv_q8_0(static_cast<const BlockQ8_0*>(W), static_cast<const BlockQ8_0*>(xq), K / kQ8_0, n0, n1, y);
+      return;
+    case DType::Q4_K:
+      for (int64_t n = n0; n < n1; ++n)
+        y[n] = dot_q4_k(reinterpret_cast<const BlockQ4_K*>(row(n)), static_cast<const BlockQ8_K*>(xq), K / kQK);
+      return;
+    default:
+      for (int64_t n = n0; n < n1; ++n)
+        y[n] = dot_q6_k(reinterpret_cast<const BlockQ6_K*>(row(n)), static_cast<const BlockQ8_K*>(xq), K / kQK);
+      return;
+  }
+#else
+  gemv_rows_ref(w, W, xq, K, n0, n1, y);
+#endif
+}
+
+const char* dot_kernel() {
+#if !defined(HYPIC_QUANT_AVX2)
+  return "plain";
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return "avx512-vnni";
+#elif defined(__AVXVNNI__)
+  return "avx-vnni";
+#else
+  return "avx2";
+#endif
+}
+
+}  // namespace hypic::quant
