@@ -89,7 +89,7 @@ double measure_gemm_gflops(Backend& be, DType wdt = DType::F32) {
 }
 
 struct BenchOpts {
-  std::string model = default_model_dir(), config, dtype = "bf16", backend = "cpu";
+  std::string model = default_model_dir(), config, dtype = "bf16", backend = "cpu", quantize;
   bool random = false, json = false;
   int tokens = 512, repeats = 3, context = 128, threads = 0, batch = 1;
   std::string lengths, batches;  // several prefill lengths / decode batch sizes over one model load
@@ -99,14 +99,9 @@ struct BenchOpts {
 LoadedModel open(const BenchOpts& o) {
   if (o.random || !o.config.empty()) {
     if (o.config.empty()) throw std::invalid_argument("--random-weights needs --config FILE");
-    DType dt = o.dtype == "bf16"  ? DType::BF16
-               : o.dtype == "f16" ? DType::F16
-               : o.dtype == "f32" ? DType::F32
-                                  : DType::U8;
-    if (dt == DType::U8) throw std::invalid_argument("--dtype must be bf16, f16 or f32");
-    return load_random_model(o.config, o.seed, dt, o.backend, o.threads);
+    return load_random_model(o.config, o.seed, parse_weight_dtype(o.dtype, "--dtype"), o.backend, o.threads);
   }
-  return load_model(o.model, o.backend, o.threads);
+  return load_model(o.model, o.backend, o.threads, quantize_option(o.quantize));
 }
 
 std::vector<int32_t> random_ids(int64_t n, int64_t vocab, uint64_t seed) {
@@ -121,7 +116,9 @@ void add_common(CLI::App* c, BenchOpts& o) {
   c->add_option("--model", o.model, "Model folder, or a GGUF file (qwen35 / qwen35moe)")->capture_default_str();
   c->add_option("--config", o.config, "Bare config.json (with --random-weights)");
   c->add_flag("--random-weights", o.random, "Seeded random weights generated in memory");
-  c->add_option("--dtype", o.dtype, "Weight dtype for --random-weights: bf16, f16, f32")->capture_default_str();
+  c->add_option("--dtype", o.dtype, "Weight dtype for --random-weights: bf16, f16, f32, q8_0, q4_k, q6_k")
+      ->capture_default_str();
+  c->add_option("--quantize", o.quantize, "Quantize the matrices as they load: q8_0, q4_k or q6_k (CPU backend)");
   c->add_option("--seed", o.seed, "Seed for weights and token ids")->capture_default_str();
   c->add_option("--repeats", o.repeats, "Timed repetitions (median reported)")->capture_default_str();
   c->add_option("--threads", o.threads, "CPU threads (0: all cores)");

@@ -13,6 +13,7 @@ namespace hypic::cli {
 
 void register_eval(CLI::App& app) {
   struct Opts {
+    std::string quantize;
     std::string model = default_model_dir(), task = "all", set = "moderate", data, modes = "full,prefix,pic,naive",
                 seams = "8", predictions;
     int n = 0, threads = 0;
@@ -36,6 +37,7 @@ void register_eval(CLI::App& app) {
   c->add_flag("--mask-padded-ids", o->mask_padded,
               "Never decode ids without a tokenizer entry (default: every row, as transformers does)");
   c->add_option("--threads", o->threads, "CPU threads (0: all cores)");
+  c->add_option("--quantize", o->quantize, "Quantize the matrices as they load: q8_0, q4_k or q6_k (CPU backend)");
   c->add_flag("--json", o->json, "Print JSON only");
   c->callback([o] {
     guarded([&] {
@@ -63,7 +65,7 @@ void register_eval(CLI::App& app) {
       if (configs.empty()) throw std::invalid_argument("--modes selects nothing");
       std::vector<std::string> tasks = o->task == "all" ? std::vector<std::string>{"lookup", "twohop", "aggregate"}
                                                         : std::vector<std::string>{o->task};
-      LoadedModel lm = load_model(o->model, "cpu", o->threads);
+      LoadedModel lm = load_model(o->model, "cpu", o->threads, quantize_option(o->quantize));
       eval::RunOptions ro;
       ro.warm = !o->no_warm;
       ro.cache_mib = o->cache_mib;

@@ -57,6 +57,7 @@ void on_signal(int) {
 void register_serve(CLI::App& app) {
   struct Opts {
     std::string model = default_model_dir(), host = "127.0.0.1", mode = "pic", name, backend = "cpu";
+    std::string quantize;
     int port = 8080, seam = 8, max_queue = 64, max_running = 8, threads = 0, prefill_chunk = 512, http_threads = 0,
         compose_chunk = 0;
     double cache_mib = 0, max_body_mib = 32;  // cache_mib: set from the machine unless given
@@ -81,7 +82,9 @@ void register_serve(CLI::App& app) {
       ->capture_default_str();
   c->add_option("--config", o->config, "Bare config.json to serve with --random-weights (benchmarks at real shapes)");
   c->add_flag("--random-weights", o->random, "Seeded random weights for --config instead of a model folder");
-  c->add_option("--dtype", o->dtype, "Weight dtype for --random-weights: bf16, f16, f32")->capture_default_str();
+  c->add_option("--dtype", o->dtype, "Weight dtype for --random-weights: bf16, f16, f32, q8_0, q4_k, q6_k")
+      ->capture_default_str();
+  c->add_option("--quantize", o->quantize, "Quantize the matrices as they load: q8_0, q4_k or q6_k (CPU backend)");
   c->add_option("--tokenizer", o->tokenizer,
                 "Folder with tokenizer.json (and tokenizer_config.json) to use instead of the model's");
   c->add_option("--host", o->host, "Address to listen on")->capture_default_str();
@@ -210,13 +213,8 @@ void register_serve(CLI::App& app) {
       if (o->random != !o->config.empty())
         throw std::invalid_argument("--random-weights and --config go together (a bare config, random weights)");
       DType rdt = DType::BF16;
-      if (o->random) {
-        rdt = o->dtype == "bf16"  ? DType::BF16
-              : o->dtype == "f16" ? DType::F16
-              : o->dtype == "f32" ? DType::F32
-                                  : DType::U8;
-        if (rdt == DType::U8) throw std::invalid_argument("--dtype must be bf16, f16 or f32");
-      }
+      if (o->random) rdt = parse_weight_dtype(o->dtype, "--dtype");
+      const auto quantize = quantize_option(o->quantize);
       spdlog::info("loading model from {}", o->random ? o->config + " (random weights)" : o->model);
       const auto t0 = std::chrono::steady_clock::now();
       std::mutex mu;
@@ -231,7 +229,7 @@ void register_serve(CLI::App& app) {
       LoadedModel lm;
       try {
         lm = o->random ? load_random_model(o->config, 1, rdt, o->backend, o->threads)
-                       : load_model(o->model, o->backend, o->threads);
+                       : load_model(o->model, o->backend, o->threads, quantize);
         if (!o->tokenizer.empty()) {
           namespace fs = std::filesystem;
           const fs::path t = fs::path(o->tokenizer) / "tokenizer.json",

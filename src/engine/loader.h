@@ -27,9 +27,19 @@ std::string default_model_dir();
 
 // `path`: a checkpoint folder (config.json, safetensors, tokenizer.json), or a GGUF file written by
 // llama.cpp's converter for qwen35 / qwen35moe (models/gguf_checkpoint.h).
-LoadedModel load_model(const std::string& path, const std::string& backend = "cpu", int threads = 0);
-// Seeded random weights for a bare config.json (benchmarks on real shapes).
+// `quantize` (Q8_0, Q4_K or Q6_K): the matrices quantized as they load (models/model.h,
+// quantized_weights), so any checkpoint runs quantized on the CPU without a converted file.
+LoadedModel load_model(const std::string& path, const std::string& backend = "cpu", int threads = 0,
+                       std::optional<DType> quantize = std::nullopt);
+// Seeded random weights for a bare config.json (benchmarks on real shapes); a quantized `dtype`
+// quantizes f32 random matrices as they are made.
 LoadedModel load_random_model(const std::string& config_json, uint64_t seed, DType dtype,
                               const std::string& backend = "cpu", int threads = 0);
+
+// A weight dtype named on the command line (bf16, f16, f32, q8_0, q4_k, q6_k; `option` names the
+// flag in the error).
+DType parse_weight_dtype(const std::string& name, const std::string& option);
+// --quantize: empty for none, else q8_0, q4_k or q6_k.
+std::optional<DType> quantize_option(const std::string& name);
 
 }  // namespace hypic

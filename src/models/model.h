@@ -29,6 +29,11 @@ std::unique_ptr<WeightSource> weights_from_store(const WeightStore& store);
 // Deterministic random weights of the given dtype for any requested name/shape (benchmarks on
 // real shapes without a checkpoint). Norm weights get values near their identity.
 std::unique_ptr<WeightSource> random_weights(uint64_t seed, DType dtype);
+// `inner`'s matrices quantized to `to` (Q8_0, Q4_K or Q6_K) as they load: every 2-D weight whose
+// rows are whole blocks, except the MoE routers (mlp.gate, shared_expert_gate: routing is kept in
+// full precision, as llama.cpp does); everything else passes through. With Q4_K the token
+// embedding (and a tied head) is Q6_K, as in llama.cpp's Q4_K_M.
+std::unique_ptr<WeightSource> quantized_weights(std::unique_ptr<WeightSource> inner, DType to);
 
 // Per-layer recurrent / attention state of one sequence.
 struct LayerState {

@@ -1,9 +1,12 @@
 // Element types and the half-precision conversions used across hypic.
 #pragma once
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <string>
+#include <string_view>
 
 namespace hypic {
 
@@ -77,6 +80,18 @@ inline const char* dtype_name(DType t) {
       return "q6_k";
   }
   return "?";
+}
+
+// The dtype dtype_name() calls `name` (any case), if any.
+inline std::optional<DType> dtype_from_name(std::string_view name) {
+  for (int i = 0; i <= static_cast<int>(DType::Q6_K); ++i) {
+    const std::string_view n = dtype_name(static_cast<DType>(i));
+    if (n.size() == name.size() && std::equal(n.begin(), n.end(), name.begin(), [](char a, char b) {
+          return a == (b | (b >= 'A' && b <= 'Z' ? 0x20 : 0));
+        }))
+      return static_cast<DType>(i);
+  }
+  return std::nullopt;
 }
 
 // Round-to-nearest-even fp32 -> bf16, as torch does.
