@@ -23,7 +23,7 @@ for t in "${targets[@]}"; do
   log="build-fuzz/artifacts/$t.log"
   # Leak checks off: OpenBLAS and the per-process fixtures keep buffers until exit by design.
   if ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
-     "build-fuzz/fuzz/$t" -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
+     timeout -k 10 "$((secs + 120))" "build-fuzz/fuzz/$t" -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
        -artifact_prefix="build-fuzz/artifacts/$t-" "$work" "fuzz/corpus/$t" >"$log" 2>&1; then
     runs="$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$' || echo '?')"
     cov="$(grep -o 'cov: [0-9]*' "$log" | tail -1 | grep -o '[0-9]*' || echo '?')"

@@ -23,7 +23,7 @@ struct Run {
 };
 
 Run run(const std::string& args) {
-  std::string cmd = std::string(HYPIC_BIN) + " " + args + " 2>&1";
+  std::string cmd = "timeout -k 5 300 " + std::string(HYPIC_BIN) + " " + args + " 2>&1";
   FILE* p = popen(cmd.c_str(), "r");
   std::string out;
   std::array<char, 4096> buf;

@@ -234,7 +234,7 @@ TEST(GgufCheckpoint, UnsupportedFilesAreRefusedClearly) {
 // The CLI takes a GGUF file wherever it takes a model folder: the same answer from both.
 TEST(GgufCheckpoint, CliGeneratesFromAGgufFile) {
   auto run = [](const std::string& m) {
-    const std::string cmd = std::string(HYPIC_BIN) + " generate --model " + m +
+    const std::string cmd = "timeout -k 5 300 " + std::string(HYPIC_BIN) + " generate --model " + m +
                             " --prompt 'The quick brown fox' --max-tokens 12 --temperature 0 --json 2>&1";
     std::string out;
     if (FILE* p = popen(cmd.c_str(), "r")) {

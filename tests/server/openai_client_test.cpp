@@ -19,7 +19,7 @@ const fs::path kSrc = fs::path(HYPIC_TEST_DATA).parent_path().parent_path();
 // Runs `cmd` (stderr folded into stdout); returns the exit code and the output.
 std::pair<int, std::string> run(const std::string& cmd) {
   std::string out;
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+  FILE* p = popen(("timeout -k 5 300 " + cmd + " 2>&1").c_str(), "r");
   if (!p) return {-1, "popen failed"};
   char buf[4096];
   size_t n;

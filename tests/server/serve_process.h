@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -37,6 +38,8 @@ class ServeProcess {
     pid_ = fork();
     if (pid_ < 0) throw std::runtime_error("fork() failed");
     if (pid_ == 0) {
+      // The server dies with the test: a test killed at its timeout leaves no server behind.
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
       dup2(out[1], 1);
       const int err = open(log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
       if (err >= 0) dup2(err, 2);

@@ -59,11 +59,13 @@ TEST(ServeRandomWeights, BadOptionsAreRefusedAtStart) {
   } cases[] = {
       {"--random-weights", "--random-weights and --config go together"},
       {"--config " + kModel + "/config.json", "--random-weights and --config go together"},
-      {"--config " + kModel + "/config.json --random-weights --dtype q4", "--dtype must be bf16, f16 or f32"},
+      {"--config " + kModel + "/config.json --random-weights --dtype q4",
+       "--dtype 'q4': must be bf16, f16, f32, q8_0, q4_k or q6_k"},
       {"--tokenizer " + std::string(HYPIC_TEST_DATA), "--tokenizer: no tokenizer.json"},
   };
   for (const auto& cs : cases) {
-    const std::string cmd = std::string(HYPIC_BIN) + " serve --port 0 --model " + kModel + " " + cs.args + " 2>&1";
+    const std::string cmd =
+        "timeout -k 5 120 " + std::string(HYPIC_BIN) + " serve --port 0 --model " + kModel + " " + cs.args + " 2>&1";
     FILE* p = popen(cmd.c_str(), "r");
     ASSERT_NE(p, nullptr);
     std::string out;

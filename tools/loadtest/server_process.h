@@ -3,6 +3,7 @@
 #pragma once
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -29,7 +30,14 @@ inline pid_t start_server(const std::string& server, const std::string& model, c
   const pid_t pid = fork();
   if (pid < 0) server_exit("fork failed");
   if (pid == 0) {
+    // The server dies with this process: a driver killed at its test timeout leaves no server
+    // behind holding the test's pipes (ctest would wait for it forever).
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
     dup2(fds[1], STDOUT_FILENO);
+    if (log_path.empty()) {
+      const int nul = open("/dev/null", O_WRONLY);
+      if (nul >= 0) dup2(nul, STDERR_FILENO);
+    }
     if (!log_path.empty()) {
       const int lf = open(log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
       if (lf >= 0) dup2(lf, STDERR_FILENO);
