@@ -149,13 +149,21 @@ void dequantize(DType t, const void* src, int64_t n, float* dst) {
       auto b = static_cast<const BlockQ6_K*>(src);
       for (int64_t k = 0; k < n / kQK; ++k) {
         const float d = f16_to_f32(b[k].d);
-        float* y = dst + k * kQK;
-        for (int e = 0; e < kQK; ++e) {
-          const int h = e / 128, r = e % 128, l = r % 32, quarter = r / 32;  // quarter: which of q1..q4
-          const uint8_t lo = b[k].ql[h * 64 + l + (quarter % 2) * 32];
-          const int low = quarter < 2 ? (lo & 0xF) : (lo >> 4);
-          const int high = (b[k].qh[h * 32 + l] >> (2 * quarter)) & 3;
-          y[e] = d * static_cast<float>(b[k].scales[e / 16]) * static_cast<float>((low | (high << 4)) - 32);
+        for (int h = 0; h < 2; ++h) {  // each half: 32 positions l give values l, l+32, l+64, l+96
+          const uint8_t* ql = b[k].ql + h * 64;
+          const uint8_t* qh = b[k].qh + h * 32;
+          const int8_t* sc = b[k].scales + h * 8;
+          float* y = dst + k * kQK + h * 128;
+          for (int l = 0; l < 32; ++l) {
+            const int is = l / 16;
+            y[l] = d * static_cast<float>(sc[is]) * static_cast<float>(((ql[l] & 0xF) | ((qh[l] & 3) << 4)) - 32);
+            y[l + 32] = d * static_cast<float>(sc[is + 2]) *
+                        static_cast<float>(((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32);
+            y[l + 64] = d * static_cast<float>(sc[is + 4]) *
+                        static_cast<float>(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+            y[l + 96] = d * static_cast<float>(sc[is + 6]) *
+                        static_cast<float>(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+          }
         }
       }
       return;

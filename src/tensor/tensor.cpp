@@ -77,6 +77,9 @@ Tensor Tensor::borrow(void* data, DType dt, Shape shape, Device dev) {
 Tensor Tensor::reshape(Shape s) const {
   if (shape_numel(s) != numel())
     throw std::invalid_argument("reshape " + shape_str(shape_) + " -> " + shape_str(s) + ": element counts differ");
+  if (dtype_is_quantized(dtype_) && (s.empty() || s.back() % dtype_block(dtype_) != 0))
+    throw std::invalid_argument("reshape " + str() + " -> " + shape_str(s) + ": rows must be whole blocks of " +
+                                std::to_string(dtype_block(dtype_)));
   return Tensor(storage_, offset_, dtype_, std::move(s));
 }
 

@@ -247,6 +247,8 @@ TEST(Quant, CpuMatmulAndEmbedding) {
   }
   Tensor bad = Tensor::empty(DType::Q8_0, {4, 64});
   EXPECT_THROW(Tensor::empty(DType::Q4_K, {4, 64}), std::invalid_argument);
+  EXPECT_NO_THROW(bad.reshape({8, 32}));
+  EXPECT_THROW(bad.reshape({256, 1}), std::invalid_argument);  // rows of less than a block
   Tensor x = Tensor::empty(DType::F32, {1, 32}), y = Tensor::empty(DType::F32, {1, 4});
   EXPECT_THROW(be.matmul(x, bad, y), std::invalid_argument);  // inner dims differ: named, not read past
 }

@@ -94,7 +94,12 @@ TEST(Gguf, ReadsTensorsWrittenByGgufPy) {
       EXPECT_NEAR(got, want, d) << "element " << i;
     }
   }
-  EXPECT_THAT(error_of([&] { f.get("t.q8_0"); }), HasSubstr("tensor t.q8_0 is Q8_0"));
+  // Read as a tensor, Q8_0 keeps its blocks (the CPU backend's products run on them).
+  Tensor qt = f.get("t.q8_0");
+  EXPECT_EQ(qt.dtype(), DType::Q8_0);
+  EXPECT_EQ(qt.shape(), (Shape{2, 64}));
+  EXPECT_EQ(qt.nbytes(), 4u * 34u);
+  EXPECT_EQ(std::memcmp(qt.raw(), b, qt.nbytes()), 0);
   EXPECT_THAT(error_of([&] { f.get("t.none"); }), HasSubstr("missing tensor t.none"));
 }
 
@@ -195,6 +200,12 @@ TEST_F(GgufDamage, DamagedHeadersNameTheProblem) {
   EXPECT_THAT(err(tensor(1, {0}, 0, 0)), HasSubstr("tensor w: dimension 0 out of range"));
   EXPECT_THAT(err(tensor(1, {4}, 99, 0)), HasSubstr("tensor w: unknown ggml type 99"));
   EXPECT_THAT(err(tensor(1, {40}, 8, 0)), HasSubstr("not whole Q8_0 blocks"));
+  // A known type hypic has no products for (Q4_0) opens, and reading it names the type.
+  Bytes q4 = tensor(1, {32}, 2, 0);
+  q4.pad(32).s += std::string(32, '\0');
+  write_file("q4.gguf", q4.s);
+  GgufFile q4f(path("q4.gguf"));
+  EXPECT_THAT(error_of([&] { q4f.get("w"); }), HasSubstr("tensor w is Q4_0; hypic reads"));
   EXPECT_THAT(err(tensor(1, {4}, 0, 8)), HasSubstr("not a multiple of the alignment"));
   Bytes short_data = tensor(1, {16}, 0, 0);
   short_data.pad(32).s += std::string(32, '\0');  // 64 bytes needed

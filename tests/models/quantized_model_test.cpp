@@ -2,7 +2,7 @@
 // has too flat a distribution to show quantization error): the model quantized as it loads
 // (--quantize q8_0 / q6_k / q4_k) and llama.cpp's own Q4_K_M file of it (llama-quantize: Q4_K and
 // Q6_K blocks from an independent quantizer) against the bf16 checkpoint, teacher-forced over one
-// text. Prefill (16 rows and more: dequantized panels, f32 activations) and decode (one row:
+// text. Prefill (32 rows and more: dequantized panels, f32 activations) and decode (one row:
 // integer GEMVs on quantized activations) are measured separately. Printed: mean KL(bf16 || q) per
 // position, the mean |log-prob error| of the bf16 model's top token, top-1 agreement. The bounds
 // sit at about twice the measured values (docs/gguf.md), so a broken layout or kernel fails.

@@ -454,7 +454,7 @@ void CpuBackend::matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accumu
 }
 
 // Quantized weights (Q8_0, Q4_K, Q6_K).
-//  * Few rows (or row-independent mode): each row of x is quantized per block (Q8_0 or Q8_K, as
+//  * Fewer than 32 rows (or row-independent mode): each row of x is quantized per block (Q8_0 or Q8_K, as
 //    llama.cpp does) and dotted with W's rows in integers (quant_dot.h); W is read in tiles of 16
 //    rows that stay in L1 while every row of x passes over them.
 //  * Many rows: W dequantized panel by panel into f32 and multiplied with sgemm, as for bf16 (the

@@ -70,7 +70,7 @@ class CpuBackend : public Backend {
 
   void matmul_quantized(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate);
   // Below this many rows a quantized product runs as integer GEMVs (bench/gemm_bench.cpp).
-  static constexpr int64_t kQuantGemvRows = 16;
+  static constexpr int64_t kQuantGemvRows = 32;
 
   ThreadPool pool_;
   bool row_independent_ = false;
