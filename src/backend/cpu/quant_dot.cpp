@@ -126,25 +126,11 @@ float dot_q8_0(const BlockQ8_0* a, const BlockQ8_0* b, int64_t nb) {
   return hsum(acc);
 }
 
-// Four rows at a time: each activation block is loaded and made unsigned once (|x|, with x's
-// signs moved onto the weights) for four rows' weight blocks.
+// One row after another: W streams through memory in order. (Four rows at a time, sharing each
+// activation block, was as fast in cache but read W from memory at a third of the rate: 15 against
+// 50 GB/s on a 248320 x 1024 head, docs/perf-notes.md.)
 void gemv_q8_0(const BlockQ8_0* w, const BlockQ8_0* xq, int64_t nb, int64_t n0, int64_t n1, float* y) {
-  int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) {
-    const BlockQ8_0* r[4] = {w + n * nb, w + (n + 1) * nb, w + (n + 2) * nb, w + (n + 3) * nb};
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t k = 0; k < nb; ++k) {
-      const __m256i vx = load(xq[k].q);
-      const __m256i ux = _mm256_sign_epi8(vx, vx);
-      const float dx = _cvtsh_ss(xq[k].d);
-      for (int i = 0; i < 4; ++i) {
-        const __m256 s = _mm256_set1_ps(dx * _cvtsh_ss(r[i][k].d));
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_signed(ux, _mm256_sign_epi8(load(r[i][k].q), vx))), s, acc[i]);
-      }
-    }
-    for (int i = 0; i < 4; ++i) y[n + i] = hsum(acc[i]);
-  }
-  for (; n < n1; ++n) y[n] = dot_q8_0(w + n * nb, xq, nb);
+  for (int64_t n = n0; n < n1; ++n) y[n] = dot_q8_0(w + n * nb, xq, nb);
 }
 
 // Q4_K: the nibbles of 32 bytes are 64 values (two sub-blocks); u8 nibbles x s8 activations
