@@ -21,23 +21,26 @@ class QuantizedSource : public WeightSource {
   Tensor get(const std::string& name, const Shape& shape) const override {
     Tensor t = inner_->get(name, shape);
     const bool router = name.ends_with("mlp.gate.weight") || name.ends_with("shared_expert_gate.weight");
-    if (router || t.ndim() != 2 || dtype_is_quantized(t.dtype()) || t.dim(1) % dtype_block(to_) != 0) return t;
     // At 4 bits the token embedding (also the head when tied) is kept at 6, as llama.cpp's Q4_K_M
-    // does: it is the most sensitive matrix (KL to bf16 on the default model 0.34 -> see docs/gguf.md).
+    // does: it is the most sensitive matrix (docs/gguf.md).
     const bool embedding = name.ends_with("embed_tokens.weight") || name == "lm_head.weight";
     const DType to = to_ == DType::Q4_K && embedding ? DType::Q6_K : to_;
-    if (t.dim(1) % dtype_block(to) != 0) return t;
-    const Tensor f = t.to_f32();
+    const bool half_or_f32 = t.dtype() == DType::F32 || t.dtype() == DType::BF16 || t.dtype() == DType::F16;
+    if (router || t.ndim() != 2 || !half_or_f32 || t.dim(1) % dtype_block(to) != 0) return t;
     Tensor q = Tensor::empty(to, t.shape());
     const int64_t rows = t.dim(0), cols = t.dim(1);
-    const size_t rb = dtype_bytes(to, cols);
-    // Rows are independent: split them over the cores (a large model loads in seconds).
+    const size_t rb = dtype_bytes(to, cols), eb = dtype_bytes(t.dtype(), cols);
+    // Rows are independent: split them over the cores, each converting its rows to f32 one at a
+    // time (no f32 copy of the whole matrix), so a large model loads in seconds.
     const int64_t n =
         std::clamp<int64_t>(rows * cols / (1 << 20), 1, std::max(1u, std::thread::hardware_concurrency()));
     auto run = [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r)
-        quant::quantize(to, f.data<float>() + r * cols, cols,
-                        static_cast<char*>(q.raw()) + static_cast<size_t>(r) * rb);
+      std::vector<float> row(static_cast<size_t>(cols));
+      for (int64_t r = r0; r < r1; ++r) {
+        convert_to_f32(static_cast<const char*>(t.raw()) + static_cast<size_t>(r) * eb, t.dtype(), row.data(),
+                       static_cast<size_t>(cols));
+        quant::quantize(to, row.data(), cols, static_cast<char*>(q.raw()) + static_cast<size_t>(r) * rb);
+      }
     };
     std::vector<std::thread> pool;
     for (int64_t w = 1; w < n; ++w) pool.emplace_back(run, rows * w / n, rows * (w + 1) / n);

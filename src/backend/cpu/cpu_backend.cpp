@@ -359,9 +359,10 @@ void CpuBackend::fill(Tensor& t, float value) {
 // (often memory-mapped), so memory is never doubled by an f32 copy of the model.
 //  * M < 8 (decode): a fused convert+dot GEMV over output rows, parallel over rows. It is
 //    memory-bound, and reading 2-byte weights halves the traffic compared with f32.
-//  * M >= 8, bf16/f16: W is converted panel by panel (64-256 rows) into a per-thread f32 scratch, and each panel is one
-//  single-threaded sgemm; panels are
-//    spread over the pool. The conversion costs O(N K) against the product's O(M N K).
+//  * M >= 8, bf16/f16 (and quantized weights from kQuantGemvRows rows): W is converted panel by
+//    panel (64-256 rows) into a per-thread f32 scratch, and each panel is one single-threaded
+//    sgemm; panels are spread over the pool. The conversion costs O(N K) against the product's
+//    O(M N K). Fewer rows of quantized weights: matmul_quantized_gemv.
 //  * M >= 8, f32: sgemm directly on W, its columns split over the pool (one sgemm per thread).
 // OpenBLAS is set to one thread (constructor): the pool is the only source of parallelism.
 // ================================================================================================
@@ -376,8 +377,8 @@ void CpuBackend::matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accumu
   }
   const float* xp = x.data<float>();
   const DType wd = w.dtype();
-  if (dtype_is_quantized(wd)) {
-    matmul_quantized(x, w, y, accumulate);
+  if (dtype_is_quantized(wd) && (row_independent_ || M < kQuantGemvRows)) {
+    matmul_quantized_gemv(x, w, y, accumulate);
     return;
   }
 
@@ -387,7 +388,7 @@ void CpuBackend::matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accumu
   // because the panel path converts all of W whatever M is.
   // Row-independent mode: this kernel at every M (rows in blocks of at most 7, each row with its
   // own accumulators in one order), so no row's bits depend on the rows beside it.
-  if (row_independent_ || M < 8 || (wd != DType::F32 && M < 48)) {
+  if (!dtype_is_quantized(wd) && (row_independent_ || M < 8 || (wd != DType::F32 && M < 48))) {
     const bool fixed = row_independent_;
     // ~16 KiB of weights per chunk at least, so tiny products are not split.
     int64_t grain = std::max<int64_t>(1, 8192 / K);
@@ -436,7 +437,8 @@ void CpuBackend::matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accumu
   const int64_t per_thread = (N + 2 * pool_.size() - 1) / (2 * pool_.size());
   const int64_t nb = std::clamp<int64_t>((per_thread + 15) / 16 * 16, 64, 256);
   const int64_t panels = (N + nb - 1) / nb;
-  const auto* wp = static_cast<const uint16_t*>(w.raw());
+  const auto* wp = static_cast<const char*>(w.raw());
+  const size_t rb = dtype_bytes(wd, K);
   std::atomic<int64_t> next{0};
   // Dynamic panel scheduling inside one chunk per thread: panels finish at uneven rates.
   pool_.parallel_for(pool_.size(), [&](int64_t, int64_t) {
@@ -445,7 +447,7 @@ void CpuBackend::matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accumu
       int64_t p = next.fetch_add(1);
       if (p >= panels) break;
       int64_t n0 = p * nb, n1 = std::min(N, n0 + nb);
-      to_f32_row(wp + n0 * K, wd, buf, (n1 - n0) * K);
+      to_f32_row(wp + static_cast<size_t>(n0) * rb, wd, buf, (n1 - n0) * K);
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(M), static_cast<int>(n1 - n0),
                   static_cast<int>(K), 1.f, xp, static_cast<int>(K), buf, static_cast<int>(K), beta, yp + n0,
                   static_cast<int>(N));
@@ -453,66 +455,42 @@ void CpuBackend::matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accumu
   });
 }
 
-// Quantized weights (Q8_0, Q4_K, Q6_K).
-//  * Fewer than 32 rows (or row-independent mode): each row of x is quantized per block (Q8_0 or Q8_K, as
-//    llama.cpp does) and dotted with W's rows in integers (quant_dot.h); W is read in tiles of 16
-//    rows that stay in L1 while every row of x passes over them.
-//  * Many rows: W dequantized panel by panel into f32 and multiplied with sgemm, as for bf16 (the
-//    dequantization is O(N K) against the product's O(M N K), and the activations stay f32).
-// The cut-over is measured by bench/gemm_bench.cpp (docs/perf-notes.md).
-void CpuBackend::matmul_quantized(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate) {
+// Quantized weights (Q8_0, Q4_K, Q6_K) at fewer than kQuantGemvRows rows, and in row-independent
+// mode: each row of x is quantized per block (Q8_0 or Q8_K, as llama.cpp does) and dotted with W's
+// rows in integers (quant_dot.h); W is read in tiles of 16 rows while every row of x passes over
+// them. More rows take matmul's panel path (blocks dequantized to f32 panels, then sgemm; the
+// activations stay f32). The cut-over is measured by bench/gemm_bench.cpp (docs/perf-notes.md).
+void CpuBackend::matmul_quantized_gemv(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate) {
   const int64_t M = x.dim(0), K = x.dim(1), N = w.dim(0);
   const DType wd = w.dtype();
   const float* xp = x.data<float>();
   float* yp = y.data<float>();
-  if (row_independent_ || M < kQuantGemvRows) {
-    const size_t ab = quant::act_bytes(wd, K), rb = dtype_bytes(wd, K);
-    thread_local std::vector<char> xq;
-    if (xq.size() < ab * static_cast<size_t>(M)) xq.resize(ab * static_cast<size_t>(M));
-    char* xqp = xq.data();  // the caller's buffer: pool threads read it while this thread waits
-    pool_.parallel_for(M, [&](int64_t m0, int64_t m1) {
-      for (int64_t m = m0; m < m1; ++m) quant::quantize_act(wd, xp + m * K, K, xqp + static_cast<size_t>(m) * ab);
-    });
-    const char* wp = static_cast<const char*>(w.raw());
-    pool_.parallel_for(
-        N,
-        [&](int64_t n0, int64_t n1) {
-          float tmp[16];
-          for (int64_t t0 = n0; t0 < n1; t0 += 16) {
-            const int64_t t1 = std::min(n1, t0 + 16);
-            for (int64_t m = 0; m < M; ++m) {
-              const char* xm = xqp + static_cast<size_t>(m) * ab;
-              if (!accumulate) {
-                quant::gemv_rows(wd, wp, xm, K, t0, t1, yp + m * N);
-              } else {
-                quant::gemv_rows(wd, wp + static_cast<size_t>(t0) * rb, xm, K, 0, t1 - t0, tmp);
-                for (int64_t n = t0; n < t1; ++n) yp[m * N + n] += tmp[n - t0];
-              }
+  const size_t ab = quant::act_bytes(wd, K), rb = dtype_bytes(wd, K);
+  thread_local std::vector<char> xq;
+  if (xq.size() < ab * static_cast<size_t>(M)) xq.resize(ab * static_cast<size_t>(M));
+  char* xqp = xq.data();  // the caller's buffer: pool threads read it while this thread waits
+  pool_.parallel_for(M, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) quant::quantize_act(wd, xp + m * K, K, xqp + static_cast<size_t>(m) * ab);
+  });
+  const char* wp = static_cast<const char*>(w.raw());
+  pool_.parallel_for(
+      N,
+      [&](int64_t n0, int64_t n1) {
+        float tmp[16];
+        for (int64_t t0 = n0; t0 < n1; t0 += 16) {
+          const int64_t t1 = std::min(n1, t0 + 16);
+          for (int64_t m = 0; m < M; ++m) {
+            const char* xm = xqp + static_cast<size_t>(m) * ab;
+            if (!accumulate) {
+              quant::gemv_rows(wd, wp, xm, K, t0, t1, yp + m * N);
+            } else {
+              quant::gemv_rows(wd, wp + static_cast<size_t>(t0) * rb, xm, K, 0, t1 - t0, tmp);
+              for (int64_t n = t0; n < t1; ++n) yp[m * N + n] += tmp[n - t0];
             }
           }
-        },
-        std::max<int64_t>(1, 4096 / std::max<int64_t>(1, K)));
-    return;
-  }
-  const float beta = accumulate ? 1.f : 0.f;
-  const int64_t per_thread = (N + 2 * pool_.size() - 1) / (2 * pool_.size());
-  const int64_t nb = std::clamp<int64_t>((per_thread + 15) / 16 * 16, 64, 256);
-  const int64_t panels = (N + nb - 1) / nb;
-  const size_t rb = dtype_bytes(wd, K);
-  const char* wp = static_cast<const char*>(w.raw());
-  std::atomic<int64_t> next{0};
-  pool_.parallel_for(pool_.size(), [&](int64_t, int64_t) {
-    float* buf = scratch(t_panel, static_cast<size_t>(nb * K));
-    for (;;) {
-      const int64_t p = next.fetch_add(1);
-      if (p >= panels) break;
-      const int64_t n0 = p * nb, n1 = std::min(N, n0 + nb);
-      quant::dequantize(wd, wp + static_cast<size_t>(n0) * rb, (n1 - n0) * K, buf);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(M), static_cast<int>(n1 - n0),
-                  static_cast<int>(K), 1.f, xp, static_cast<int>(K), buf, static_cast<int>(K), beta, yp + n0,
-                  static_cast<int>(N));
-    }
-  });
+        }
+      },
+      std::max<int64_t>(1, 4096 / std::max<int64_t>(1, K)));
 }
 
 void CpuBackend::embedding(const Tensor& table, std::span<const int32_t> ids, Tensor& out) {

@@ -68,7 +68,7 @@ class CpuBackend : public Backend {
   void attention_tiled(const float* q, const float* k, const float* v, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
                        int64_t Dv, int64_t kv_len, int64_t q_offset, float scale, float* out);
 
-  void matmul_quantized(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate);
+  void matmul_quantized_gemv(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate);
   // Below this many rows a quantized product runs as integer GEMVs (bench/gemm_bench.cpp).
   static constexpr int64_t kQuantGemvRows = 32;
 
