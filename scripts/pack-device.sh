@@ -15,7 +15,10 @@ grep -qx '/.device/' .git/info/exclude 2>/dev/null || echo '/.device/' >> .git/i
 
 bins=("$build/hypic")
 # The load generator (cpp-httplib is compiled into it), for `hypic serve --backend cuda` runs there.
-for t in hypic_loadtest hypic_rag_trace; do [ -x "$build/tools/loadtest/$t" ] && bins+=("$build/tools/loadtest/$t"); done
+# PACK_TOOLS=0 leaves them out (the carried tree has a 64 MiB limit).
+if [ "${PACK_TOOLS:-1}" = 1 ]; then
+  for t in hypic_loadtest hypic_rag_trace; do [ -x "$build/tools/loadtest/$t" ] && bins+=("$build/tools/loadtest/$t"); done
+fi
 for t in "$build"/tests/cuda_*_test; do [ -x "$t" ] && bins+=("$t"); done
 for b in "${bins[@]}"; do
   cp "$b" "$stage/bin/"

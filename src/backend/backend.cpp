@@ -122,6 +122,55 @@ void Backend::attention_step(const Tensor& q, const Tensor& k, const Tensor& v, 
   }
 }
 
+void Backend::attention_spans(const Tensor& q, const Tensor& k, const Tensor& v, std::span<const RowSpan> spans,
+                              float scale, Tensor& out) {
+  int64_t r0 = 0;
+  for (const auto& sp : spans) {
+    if (sp.rows < 0 || sp.pos0 < 0)
+      checks::fail("attention_spans",
+                   "span at " + std::to_string(sp.pos0) + " of " + std::to_string(sp.rows) + " rows");
+    if (sp.rows == 0) continue;
+    if (r0 + sp.rows > q.dim(0)) checks::fail("attention_spans", "spans cover more rows than q " + q.str() + " has");
+    Tensor o = out.slice_rows(r0, r0 + sp.rows);
+    attention(q.slice_rows(r0, r0 + sp.rows), k, v, sp.pos0 + sp.rows, sp.pos0, scale, o);
+    r0 += sp.rows;
+  }
+  if (r0 != q.dim(0))
+    checks::fail("attention_spans", "spans cover " + std::to_string(r0) + " rows, q " + q.str() + " has more");
+}
+
+void Backend::gated_delta_chain(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                                bool l2norm_qk, Tensor& state, Tensor& out, std::span<const GdnLink> links) {
+  int64_t r0 = 0;
+  for (const auto& L : links) {
+    if (L.rows < 0) checks::fail("gated_delta_chain", "a link of " + std::to_string(L.rows) + " rows");
+    if (L.rows > 0) {
+      if (r0 + L.rows > q.dim(0)) checks::fail("gated_delta_chain", "links cover more rows than q " + q.str() + " has");
+      const int64_t r1 = r0 + L.rows;
+      Tensor o = out.slice_rows(r0, r1);
+      gated_delta_rule(q.slice_rows(r0, r1), k.slice_rows(r0, r1), v.slice_rows(r0, r1), g.slice_rows(r0, r1),
+                       beta.slice_rows(r0, r1), l2norm_qk, state, o);
+      r0 = r1;
+    }
+    if (L.rk) {
+      if (!L.rv || !L.rg || !L.rbeta) checks::fail("gated_delta_chain", "a replayed body without all its inputs");
+      Tensor scratch = alloc_uninit(DType::F32, {L.rk->dim(0), state.dim(0), state.dim(2)});
+      gated_delta_rule(*L.rk, *L.rk, *L.rv, *L.rg, *L.rbeta, l2norm_qk, state, scratch);
+    }
+    if (L.B) {
+      if (L.T) {
+        Tensor next = alloc(DType::F32, state.shape());  // compose_state's output may not alias its input
+        compose_state(*L.T, state, *L.B, 1.f, next);
+        state = next;
+      } else {
+        add(state, *L.B, state);
+      }
+    }
+  }
+  if (r0 != q.dim(0))
+    checks::fail("gated_delta_chain", "links cover " + std::to_string(r0) + " rows, q " + q.str() + " has more");
+}
+
 void Backend::argmax_rows(const Tensor& x, Tensor& ids) {
   checks::need_f32("argmax_rows", "x", x, device().kind);
   checks::need_def("argmax_rows", "ids", ids, device().kind);

@@ -129,6 +129,16 @@ class Backend {
   // of the cache are valid): query i sees keys j <= q_offset + i. out[T, Hq, Dv].
   virtual void attention(const Tensor& q, const Tensor& k, const Tensor& v, int64_t kv_len, int64_t q_offset,
                          float scale, Tensor& out) = 0;
+  // The same for several spans of one sequence at once (a PIC composition's seams and question):
+  // q's rows are the spans' rows in order, span s's row t sits at position pos0 + t and sees keys
+  // j <= pos0 + t; every span's K/V rows are already in k and v. The base class makes one
+  // attention() call per span (the CPU's results stay those of separate calls); the GPU runs one
+  // launch for all rows, its keys split across blocks when the rows are few.
+  struct RowSpan {
+    int64_t pos0 = 0, rows = 0;
+  };
+  virtual void attention_spans(const Tensor& q, const Tensor& k, const Tensor& v, std::span<const RowSpan> spans,
+                               float scale, Tensor& out);
 
   // ---- linear-attention layer pieces ---------------------------------------------------------
   // Depthwise causal conv1d over time with SiLU: x[T, C], w[C, K], state[K-1, C] holds the
@@ -145,6 +155,21 @@ class Backend {
   // computed in the same pass (segment summary for position-independent caching).
   virtual void gated_delta_rule(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
                                 bool l2norm_qk, Tensor& state, Tensor& out, Tensor* transition = nullptr) = 0;
+
+  // A linear layer's recurrence over consecutive spans of one state's rows with a reused body
+  // composed in after each (a PIC composition): for each link in order, the recurrence over its
+  // next `rows` rows of q..beta (outputs to out's rows), then its body: a compact one replayed (the
+  // recurrence over its inputs rk, rv, rg, rbeta from the state reached, rk standing in for the
+  // queries, outputs dropped), then state <- T state + B (no T: state + B). The base class runs
+  // these span ops one by one (the CPU's results stay those of separate calls); the GPU runs the
+  // whole chain in one launch. `state` may be replaced by a new tensor.
+  struct GdnLink {
+    int64_t rows = 0;
+    const Tensor *rk = nullptr, *rv = nullptr, *rg = nullptr, *rbeta = nullptr;
+    const Tensor *T = nullptr, *B = nullptr;
+  };
+  virtual void gated_delta_chain(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                                 bool l2norm_qk, Tensor& state, Tensor& out, std::span<const GdnLink> links);
 
   // ---- segment summaries (PIC) -----------------------------------------------------------------
   // Per head: out = alpha * (T S) + B, T [H, dk, dk], S and B [H, dk, dv]; out must not alias S.

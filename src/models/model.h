@@ -126,6 +126,10 @@ class Model {
   Tensor logits(const Tensor& x);
   // Applies `a` to a linear layer's state (what layer_forward does after a span's mixer).
   void apply_after(LayerState& ls, const SpanAfter& a);
+  // Its two halves: the recurrent state's work (replay, composition, snapshot) and the conv
+  // state's (cached tail, snapshot); layer_forward runs every conv before any recurrence.
+  void apply_after_state(LayerState& ls, const SpanAfter& a);
+  void apply_after_conv(LayerState& ls, const SpanAfter& a);
   // Runs a linear layer's recurrence over recorded inputs (LayerSpan::record) from ssm [Hv, dk, dv],
   // advancing it in place.
   void replay(const RecurrenceInputs& in, Tensor& ssm);

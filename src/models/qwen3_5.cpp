@@ -462,11 +462,8 @@ void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> s
     Tensor beta = be_.alloc_uninit(DType::F32, {T, m.Hv});
     Tensor o = be_.alloc_uninit(DType::F32, {T, m.Hv, m.dv});
     be_.gdn_gates(a, b, g.A_log, g.dt_bias, gdec, beta);
-    // q, k and v are column blocks of the conv output. Without `after` work between spans (decode
-    // batches, plain prefill) every span's conv runs first and the blocks are split once for all
-    // rows: 3 copies per layer instead of 3 per sequence. `after` work may change the next span's
-    // starting state (PIC composition), so then each span runs conv, split, recurrence in turn.
-    const bool ordered = std::any_of(spans.begin(), spans.end(), [](const LayerSpan& sp) { return sp.after.any(); });
+    // q, k and v are column blocks of the conv output, split once for all rows: 3 copies per
+    // layer instead of 3 per sequence.
     auto split = [&](int64_t r0, int64_t r1) {
       Tensor co = conv_out.slice_rows(r0, r1);
       Tensor q2 = q.slice_rows(r0, r1).reshape({r1 - r0, m.Hk * m.dk}),
@@ -489,32 +486,75 @@ void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> s
         split(0, T);
       }
       be_.gated_delta_rule_step(q, k, v, gdec, beta, true, step->states.slice_rows(T, 2 * T), o);
-    } else if (!ordered) {
+    } else {
+      // Every span's conv first. A conv depends only on its inputs and the conv state, which the
+      // `after` work of a span (PIC composition: the cached body's conv tail) sets right after it,
+      // never on the recurrent state: so all convs can run before any recurrence.
       int64_t r0 = 0;
       for (const auto& sp : spans) {
-        if (sp.rows == 0) continue;
-        Tensor co = conv_out.slice_rows(r0, r0 + sp.rows);
-        be_.causal_conv1d_silu(qkv.slice_rows(r0, r0 + sp.rows), g.conv, sp.state->conv, co);
-        r0 += sp.rows;
+        if (sp.rows > 0) {
+          Tensor co = conv_out.slice_rows(r0, r0 + sp.rows);
+          be_.causal_conv1d_silu(qkv.slice_rows(r0, r0 + sp.rows), g.conv, sp.state->conv, co);
+          r0 += sp.rows;
+        }
+        if (sp.after.any()) apply_after_conv(*sp.state, sp.after);
       }
       split(0, T);
     }
+    // The recurrences. Consecutive spans of one state whose `after` work is composition (a PIC
+    // request's seams and cached bodies) form one chain: one call for all its segments (one launch
+    // on the GPU). Spans that record inputs, emit T_C or keep a snapshot go one at a time.
+    std::vector<Backend::GdnLink> links;
     int64_t r0 = 0;
-    for (const auto& sp : step ? std::span<const LayerSpan>() : spans) {
-      if (sp.rows == 0) {
-        if (sp.after.any()) apply_after(*sp.state, sp.after);
+    const std::span<const LayerSpan> rec_spans = step ? std::span<const LayerSpan>() : spans;
+    auto chainable = [](const LayerSpan& sp) { return !sp.transition && !sp.record && !sp.after.keep; };
+    for (size_t i = 0; i < rec_spans.size();) {
+      LayerState& ls = *rec_spans[i].state;
+      links.clear();
+      int64_t rows = 0;
+      bool body = false;
+      size_t j = i;
+      for (; j < rec_spans.size() && rec_spans[j].state == &ls && chainable(rec_spans[j]); ++j) {
+        const LayerSpan& sp = rec_spans[j];
+        Backend::GdnLink L;
+        L.rows = sp.rows;
+        if (const RecurrenceInputs* rp = sp.after.replay)
+          L.rk = &rp->k, L.rv = &rp->v, L.rg = &rp->g, L.rbeta = &rp->beta;
+        L.T = sp.after.B ? sp.after.T : nullptr;
+        L.B = sp.after.B;
+        body = body || L.rk || L.B;
+        links.push_back(L);
+        rows += sp.rows;
+      }
+      if (j > i) {
+        auto sl = [&](const Tensor& t) { return t.slice_rows(r0, r0 + rows); };
+        Tensor os = sl(o);
+        if (body) {
+          be_.gated_delta_chain(sl(q), sl(k), sl(v), sl(gdec), sl(beta), true, ls.ssm, os, links);
+          r0 += rows;
+        } else {
+          // Nothing between the spans, but each stays a call of its own: a long span's result
+          // depends on where its chunks start.
+          for (const auto& L : links) {
+            if (L.rows == 0) continue;
+            const int64_t r1 = r0 + L.rows;
+            Tensor ol = o.slice_rows(r0, r1);
+            be_.gated_delta_rule(q.slice_rows(r0, r1), k.slice_rows(r0, r1), v.slice_rows(r0, r1),
+                                 gdec.slice_rows(r0, r1), beta.slice_rows(r0, r1), true, ls.ssm, ol);
+            r0 = r1;
+          }
+        }
+        i = j;
         continue;
       }
+      const LayerSpan& sp = rec_spans[i++];
       const int64_t r1 = r0 + sp.rows;
-      if (ordered) {
-        Tensor co = conv_out.slice_rows(r0, r1);
-        be_.causal_conv1d_silu(qkv.slice_rows(r0, r1), g.conv, sp.state->conv, co);
-        split(r0, r1);
+      if (sp.rows > 0) {
+        Tensor os = o.slice_rows(r0, r1);
+        be_.gated_delta_rule(q.slice_rows(r0, r1), k.slice_rows(r0, r1), v.slice_rows(r0, r1), gdec.slice_rows(r0, r1),
+                             beta.slice_rows(r0, r1), true, ls.ssm, os, sp.transition);
       }
-      Tensor os = o.slice_rows(r0, r1);
-      be_.gated_delta_rule(q.slice_rows(r0, r1), k.slice_rows(r0, r1), v.slice_rows(r0, r1), gdec.slice_rows(r0, r1),
-                           beta.slice_rows(r0, r1), true, sp.state->ssm, os, sp.transition);
-      if (sp.record) {
+      if (sp.record && sp.rows > 0) {
         RecurrenceInputs& rec = *sp.record;
         rec.k = be_.alloc_uninit(DType::F32, {sp.rows, m.Hk, m.dk});
         rec.v = be_.alloc_uninit(DType::F32, {sp.rows, m.Hv, m.dv});
@@ -525,7 +565,7 @@ void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> s
         be_.copy(gdec.slice_rows(r0, r1), rec.g);
         be_.copy(beta.slice_rows(r0, r1), rec.beta);
       }
-      if (sp.after.any()) apply_after(*sp.state, sp.after);
+      if (sp.after.any()) apply_after_state(ls, sp.after);
       r0 = r1;
     }
     Tensor o2 = o.reshape({T * m.Hv, m.dv});
@@ -557,22 +597,38 @@ void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> s
       be_.rope_neox(q, pos, rot, cfg_.rope_theta);
       be_.rope_neox(k, pos, rot, cfg_.rope_theta);
     }
+    // Consecutive spans of one sequence (a composition's seams and question) write their K/V rows
+    // first and share one attention call: a row sees only keys at or before its position, so the
+    // later spans' rows are invisible to it (one launch instead of one per segment on the GPU).
+    const std::span<const LayerSpan> run_spans = step ? std::span<const LayerSpan>() : spans;
+    std::vector<Backend::RowSpan> run;
     int64_t r0 = 0;
-    for (const auto& sp : step ? std::span<const LayerSpan>() : spans) {
-      if (sp.rows == 0) {
-        if (sp.after.any()) apply_after(*sp.state, sp.after);
-        continue;
+    for (size_t i = 0; i < run_spans.size();) {
+      LayerState& ls = *run_spans[i].state;
+      run.clear();
+      int64_t rows = 0;
+      size_t j = i;
+      int64_t end = 0;  // a run's spans must move forward, or a later write could hide a key
+      while (j < run_spans.size() && run_spans[j].state == &ls && (j == i || run_spans[j].pos0 >= end)) {
+        const LayerSpan& sp = run_spans[j++];
+        end = std::max(end, sp.pos0 + sp.rows);
+        if (sp.rows > 0) {
+          if (sp.pos0 + sp.rows > ls.k.dim(0)) throw std::logic_error("KV cache too small: call Model::reserve first");
+          Tensor kd = ls.k.slice_rows(sp.pos0, sp.pos0 + sp.rows), vd = ls.v.slice_rows(sp.pos0, sp.pos0 + sp.rows);
+          be_.copy(k.slice_rows(r0 + rows, r0 + rows + sp.rows), kd);
+          be_.copy(v.slice_rows(r0 + rows, r0 + rows + sp.rows), vd);
+          run.push_back({sp.pos0, sp.rows});
+          rows += sp.rows;
+        }
+        if (sp.after.any()) break;  // its work must follow its own attention
       }
-      const int64_t r1 = r0 + sp.rows;
-      LayerState& ls = *sp.state;
-      if (sp.pos0 + sp.rows > ls.k.dim(0)) throw std::logic_error("KV cache too small: call Model::reserve first");
-      Tensor kd = ls.k.slice_rows(sp.pos0, sp.pos0 + sp.rows), vd = ls.v.slice_rows(sp.pos0, sp.pos0 + sp.rows);
-      be_.copy(k.slice_rows(r0, r1), kd);
-      be_.copy(v.slice_rows(r0, r1), vd);
-      Tensor os = o.slice_rows(r0, r1);
-      be_.attention(q.slice_rows(r0, r1), ls.k, ls.v, sp.pos0 + sp.rows, sp.pos0, scale, os);
-      if (sp.after.any()) apply_after(*sp.state, sp.after);
-      r0 = r1;
+      if (rows > 0) {
+        Tensor os = o.slice_rows(r0, r0 + rows);
+        be_.attention_spans(q.slice_rows(r0, r0 + rows), ls.k, ls.v, run, scale, os);
+      }
+      if (run_spans[j - 1].after.any()) apply_after(*run_spans[j - 1].state, run_spans[j - 1].after);
+      r0 += rows;
+      i = j;
     }
     Tensor o2 = o.reshape({T, m.Hq * m.D});
     be_.sigmoid_mul(o2, gate, o2);
@@ -607,6 +663,11 @@ void Model::replay(const RecurrenceInputs& in, Tensor& ssm) {
 }
 
 void Model::apply_after(LayerState& ls, const SpanAfter& a) {
+  apply_after_state(ls, a);
+  apply_after_conv(ls, a);
+}
+
+void Model::apply_after_state(LayerState& ls, const SpanAfter& a) {
   if (a.replay) replay(*a.replay, ls.ssm);
   if (a.B) {
     if (a.T) {
@@ -618,11 +679,16 @@ void Model::apply_after(LayerState& ls, const SpanAfter& a) {
       be_.add(ls.ssm, *a.B, ls.ssm);
     }
   }
-  if (a.conv) be_.copy(*a.conv, ls.conv);
   if (a.keep) {
     a.keep->ssm = be_.alloc_uninit(DType::F32, ls.ssm.shape());
-    a.keep->conv = be_.alloc_uninit(DType::F32, ls.conv.shape());
     be_.copy(ls.ssm, a.keep->ssm);
+  }
+}
+
+void Model::apply_after_conv(LayerState& ls, const SpanAfter& a) {
+  if (a.conv) be_.copy(*a.conv, ls.conv);
+  if (a.keep) {
+    a.keep->conv = be_.alloc_uninit(DType::F32, ls.conv.shape());
     be_.copy(ls.conv, a.keep->conv);
   }
 }

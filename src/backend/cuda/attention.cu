@@ -186,6 +186,14 @@ void launch_attention(cudaStream_t s, const float* q, const float* k, const floa
   }
 }
 
+void launch_attention_merge(cudaStream_t s, const float* part, int64_t T, int64_t Hq, int64_t Dv, int splits,
+                            float* out) {
+  if (T == 0 || splits <= 1) return;
+  launch(s, dim3(static_cast<unsigned>(T), static_cast<unsigned>(Hq)), 128, 0, k_attention_merge, part,
+         part + 2 * T * Hq * splits, Hq, Dv, splits, out);
+  CUDA_LAUNCH_CHECK("k_attention_merge");
+}
+
 int attention_step_splits(int64_t B, int64_t Hq) {
   return static_cast<int>(
       std::max<int64_t>(1, std::min<int64_t>(64, (1024 + B * Hq - 1) / std::max<int64_t>(1, B * Hq))));

@@ -765,27 +765,57 @@ void CudaBackend::attention(const Tensor& q, const Tensor& k, const Tensor& v, i
   const int64_t T = q.dim(0), Hq = q.dim(1), D = q.dim(2), Hkv = k.dim(1), Dv = v.dim(2);
   if (T == 0) return;
   // Prefill-sized spans on the tensor cores; decode steps and precise mode in f32 (key-split).
-  if (!impl_->exact_half && T >= 16) {
-    // The cache is f32 (the CPU's convention): the keys and values this span sees are rounded to
-    // bf16 once per call (kv_len rows, cheap next to the T x kv_len products) so that the kernel
-    // can stream them with cp.async instead of converting every tile in every block.
-    if (flash_attention_kv16(D, Dv) && kv_len > 0) {
-      std::optional<PhaseScope> ph(std::in_place, *impl_, "attention/kv_to_bf16");
-      Tensor kh = alloc_uninit(DType::BF16, {kv_len * Hkv * D}), vh = alloc_uninit(DType::BF16, {kv_len * Hkv * Dv});
-      launch_convert_f32(impl_->stream, k.data<float>(), DType::BF16, kh.raw(), kv_len * Hkv * D);
-      launch_convert_f32(impl_->stream, v.data<float>(), DType::BF16, vh.raw(), kv_len * Hkv * Dv);
-      ph.emplace(*impl_, "attention/flash");
-      launch_flash_attention(impl_->stream, q.data<float>(), kh.raw(), vh.raw(), true, T, Hq, Hkv, D, Dv, kv_len,
-                             q_offset, scale, out.data<float>());
-      return;
-    }
-    launch_flash_attention(impl_->stream, q.data<float>(), k.data<float>(), v.data<float>(), false, T, Hq, Hkv, D, Dv,
-                           kv_len, q_offset, scale, out.data<float>());
-    return;
-  }
+  if (!impl_->exact_half && T >= 16) return flash(q, k, v, kv_len, q_offset, nullptr, scale, out);
   Tensor part = alloc_uninit(DType::F32, {attention_part_floats(T, Hq, Dv, kv_len)});
   launch_attention(impl_->stream, q.data<float>(), k.data<float>(), v.data<float>(), T, Hq, Hkv, D, Dv, kv_len,
                    q_offset, scale, out.data<float>(), part.data<float>());
+}
+
+void CudaBackend::flash(const Tensor& q, const Tensor& k, const Tensor& v, int64_t kv_len, int64_t q_offset,
+                        const int64_t* qpos, float scale, Tensor& out) {
+  const int64_t T = q.dim(0), Hq = q.dim(1), D = q.dim(2), Hkv = k.dim(1), Dv = v.dim(2);
+  // Few rows over many keys (a composition's seams, a question) would leave most of the GPU idle:
+  // the keys are then split across blocks and the partial sums merged.
+  const int splits = cuda::flash_attention_splits(T, Hq, kv_len, impl_->prop.multiProcessorCount);
+  Tensor part = splits > 1 ? alloc_uninit(DType::F32, {cuda::split_part_floats(T, Hq, Dv, splits)}) : Tensor();
+  float* pp = splits > 1 ? part.data<float>() : nullptr;
+  // The cache is f32 (the CPU's convention): the keys and values this span sees are rounded to
+  // bf16 once per call (kv_len rows, cheap next to the T x kv_len products) so that the kernel
+  // can stream them with cp.async instead of converting every tile in every block.
+  if (flash_attention_kv16(D, Dv) && kv_len > 0) {
+    std::optional<PhaseScope> ph(std::in_place, *impl_, "attention/kv_to_bf16");
+    Tensor kh = alloc_uninit(DType::BF16, {kv_len * Hkv * D}), vh = alloc_uninit(DType::BF16, {kv_len * Hkv * Dv});
+    launch_convert_f32(impl_->stream, k.data<float>(), DType::BF16, kh.raw(), kv_len * Hkv * D);
+    launch_convert_f32(impl_->stream, v.data<float>(), DType::BF16, vh.raw(), kv_len * Hkv * Dv);
+    ph.emplace(*impl_, "attention/flash");
+    launch_flash_attention(impl_->stream, q.data<float>(), kh.raw(), vh.raw(), true, T, Hq, Hkv, D, Dv, kv_len,
+                           q_offset, qpos, splits, scale, out.data<float>(), pp);
+    return;
+  }
+  launch_flash_attention(impl_->stream, q.data<float>(), k.data<float>(), v.data<float>(), false, T, Hq, Hkv, D, Dv,
+                         kv_len, q_offset, qpos, splits, scale, out.data<float>(), pp);
+}
+
+void CudaBackend::attention_spans(const Tensor& q, const Tensor& k, const Tensor& v, std::span<const RowSpan> spans,
+                                  float scale, Tensor& out) {
+  OpScope scope_(*impl_, "attention");
+  std::vector<int64_t> pos;
+  pos.reserve(static_cast<size_t>(q.ndim() > 0 ? q.dim(0) : 0));
+  bool forward = true;
+  for (const auto& sp : spans) {
+    if (sp.rows < 0 || sp.pos0 < 0 || (sp.rows > 0 && !pos.empty() && sp.pos0 <= pos.back())) forward = false;
+    for (int64_t t = 0; t < sp.rows; ++t) pos.push_back(sp.pos0 + t);
+  }
+  // Short or out-of-order runs, and the precise mode: one call per span (the base class).
+  if (impl_->exact_half || pos.size() < 16 || !forward || spans.size() == 1)
+    return Backend::attention_spans(q, k, v, spans, scale, out);
+  const int64_t kv_len = pos.back() + 1;
+  check_attention(q, k, v, kv_len, 0, out, kDev);
+  if (static_cast<int64_t>(pos.size()) != q.dim(0))
+    fail("attention_spans",
+         "spans cover " + std::to_string(pos.size()) + " rows, q " + q.str() + " has " + std::to_string(q.dim(0)));
+  Tensor dpos = upload(pos.data(), DType::I64, static_cast<int64_t>(pos.size()));
+  flash(q, k, v, kv_len, 0, dpos.data<int64_t>(), scale, out);
 }
 
 // ---- linear-attention layer pieces -----------------------------------------------------------
@@ -825,6 +855,53 @@ void CudaBackend::gated_delta_rule(const Tensor& q, const Tensor& k, const Tenso
   }
   launch_gated_delta_rule(impl_->stream, q.data<float>(), k.data<float>(), v.data<float>(), g.data<float>(),
                           beta.data<float>(), l2norm_qk, T, Hk, Hv, dk, dv, state.data<float>(), out.data<float>(), tr);
+}
+
+void CudaBackend::gated_delta_chain(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                    const Tensor& beta, bool l2norm_qk, Tensor& state, Tensor& out,
+                                    std::span<const GdnLink> links) {
+  OpScope scope_(*impl_, "gated_delta_chain");
+  check_gated_delta_rule(q, k, v, g, beta, state, out, nullptr, kDev);
+  const int64_t T = q.dim(0), Hk = q.dim(1), dk = q.dim(2), Hv = v.dim(1), dv = v.dim(2);
+  auto shape_is = [&](const Tensor* t, const char* what, Shape want) {
+    if (!t->defined() || t->dtype() != DType::F32 || t->device().kind != DeviceKind::CUDA || t->shape() != want)
+      fail("gated_delta_chain", std::string(what) + " " + t->str() + ": expected f32" + shape_str(want) + " on cuda");
+  };
+  // A long span takes the chunked kernel: then the span ops one by one.
+  for (const auto& L : links)
+    if (L.rows >= kGdnChunkedMin && !impl_->gdn_token_only)
+      return Backend::gated_delta_chain(q, k, v, g, beta, l2norm_qk, state, out, links);
+  std::vector<cuda::GdnChainLink> tab;
+  tab.reserve(links.size());
+  int64_t rows = 0;
+  for (const auto& L : links) {
+    if (L.rows < 0) fail("gated_delta_chain", "a link of " + std::to_string(L.rows) + " rows");
+    cuda::GdnChainLink c;
+    c.rows = L.rows;
+    rows += L.rows;
+    if (L.rk) {
+      if (!L.rv || !L.rg || !L.rbeta) fail("gated_delta_chain", "a replayed body without all its inputs");
+      const int64_t n = L.rk->ndim() > 0 ? L.rk->dim(0) : 0;
+      shape_is(L.rk, "replayed keys", {n, Hk, dk});
+      shape_is(L.rv, "replayed values", {n, Hv, dv});
+      shape_is(L.rg, "replayed decays", {n, Hv});
+      shape_is(L.rbeta, "replayed betas", {n, Hv});
+      c.replay_rows = n;
+      c.rk = L.rk->data<float>(), c.rv = L.rv->data<float>(), c.rg = L.rg->data<float>();
+      c.rbeta = L.rbeta->data<float>();
+    }
+    if (L.T) shape_is(L.T, "T", {Hv, dk, dk}), c.T = L.T->data<float>();
+    if (L.B) shape_is(L.B, "B", {Hv, dk, dv}), c.B = L.B->data<float>();
+    tab.push_back(c);
+  }
+  if (rows != T)
+    fail("gated_delta_chain",
+         "links cover " + std::to_string(rows) + " rows, q " + q.str() + " has " + std::to_string(T));
+  if (tab.empty()) return;
+  Tensor dtab = upload(tab.data(), DType::U8, static_cast<int64_t>(tab.size() * sizeof(cuda::GdnChainLink)));
+  cuda::launch_gated_delta_chain(impl_->stream, q.data<float>(), k.data<float>(), v.data<float>(), g.data<float>(),
+                                 beta.data<float>(), l2norm_qk, Hk, Hv, dk, dv, state.data<float>(), out.data<float>(),
+                                 reinterpret_cast<const cuda::GdnChainLink*>(dtab.raw()), static_cast<int>(tab.size()));
 }
 
 // ---- decode steps ----------------------------------------------------------------------------

@@ -69,6 +69,10 @@ class CudaBackend : public Backend {
 
   void attention(const Tensor& q, const Tensor& k, const Tensor& v, int64_t kv_len, int64_t q_offset, float scale,
                  Tensor& out) override;
+  void gated_delta_chain(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                         bool l2norm_qk, Tensor& state, Tensor& out, std::span<const GdnLink> links) override;
+  void attention_spans(const Tensor& q, const Tensor& k, const Tensor& v, std::span<const RowSpan> spans, float scale,
+                       Tensor& out) override;
 
   void causal_conv1d_silu(const Tensor& x, const Tensor& w, Tensor& state, Tensor& out) override;
   void gdn_gates(const Tensor& a, const Tensor& b, const Tensor& A_log, const Tensor& dt_bias, Tensor& g,
@@ -98,6 +102,9 @@ class CudaBackend : public Backend {
   struct Impl;  // public so the implementation file's helpers can name it
 
  private:
+  // The tensor-core path of attention() and attention_spans() (qpos: per-row positions on the device).
+  void flash(const Tensor& q, const Tensor& k, const Tensor& v, int64_t kv_len, int64_t q_offset, const int64_t* qpos,
+             float scale, Tensor& out);
   std::unique_ptr<Impl> impl_;
   Tensor upload(const void* host, DType dt, int64_t n);  // small host array -> device tensor
   const float* inv_freq(int rot_dim, double theta);

@@ -6,8 +6,13 @@
 // + row, and kv_len), so spans that start anywhere in the cache work as they do in the f32 kernel
 // (attention.cu), which stays as the reference and the precise path. Head dims are padded with
 // zeros to 64, 128 or 256 in shared memory.
+// Rows may also carry positions of their own (qpos, nondecreasing: the spans of a PIC composition
+// in one call). When the rows are too few to fill the GPU, the keys are split across blocks
+// (blockIdx.z, `chunk` keys each) that write partial (max, sum, accumulator) triples for
+// attention.cu's merge kernel (flash-decoding).
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <cstdint>
 
@@ -62,8 +67,9 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) 
 template <int DP, bool PIPE>
 __global__ void __launch_bounds__(kWarps * 32)
     k_flash(const float* __restrict__ q, const void* __restrict__ kp, const void* __restrict__ vp, int64_t T,
-            int64_t Hq, int64_t Hkv, int D, int Dv, int64_t kv_len, int64_t q_offset, float scale_log2, bool vec4,
-            float* __restrict__ out) {
+            int64_t Hq, int64_t Hkv, int D, int Dv, int64_t kv_len, int64_t q_offset, const int64_t* __restrict__ qpos,
+            int64_t chunk, float scale_log2, bool vec4, float* __restrict__ out, float* __restrict__ part_ml,
+            float* __restrict__ part_acc) {
   pdl_entry();
   constexpr int QS = DP + 8;  // padded row stride (bf16 elements): conflict-free fragment loads
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -87,9 +93,17 @@ __global__ void __launch_bounds__(kWarps * 32)
   // Rows of this warp: r0 + g and r0 + g + 8; their positions bound the keys they may see.
   const int r0 = warp * 16;
   const int64_t rowA = q0 + r0 + g, rowB = rowA + 8;
-  const int64_t limA = min(kv_len, q_offset + rowA + 1), limB = min(kv_len, q_offset + rowB + 1);
-  const int64_t warp_hi = min(kv_len, q_offset + min(T, q0 + r0 + 16));  // keys any row of the warp sees
-  const int64_t blk_hi = min(kv_len, q_offset + min(T, q0 + kBQ));
+  // One past the last key row `row` sees (0 for rows past T); positions are nondecreasing, so a
+  // group's last row bounds the keys of the whole group.
+  auto lim = [&](int64_t row) -> int64_t {
+    if (row >= T) return qpos ? 0 : min(kv_len, q_offset + row + 1);
+    return min(kv_len, (qpos ? qpos[row] : q_offset + row) + 1);
+  };
+  const int64_t limA = lim(rowA), limB = lim(rowB);
+  const int64_t warp_hi = q0 + r0 < T ? lim(min(T, q0 + r0 + 16) - 1) : 0;  // keys any row of the warp sees
+  const int64_t blk_hi0 = lim(min(T, q0 + kBQ) - 1);
+  // This block's split of the keys: [k_lo, blk_hi).
+  const int64_t k_lo = static_cast<int64_t>(blockIdx.z) * chunk, blk_hi = min(blk_hi0, k_lo + chunk);
 
   constexpr int NO = DP / 8;  // output n-tiles of 8 columns
   float o[NO][4];
@@ -113,10 +127,10 @@ __global__ void __launch_bounds__(kWarps * 32)
     asm volatile("cp.async.commit_group;\n" ::);
   };
   if constexpr (PIPE) {
-    if (blk_hi > 0) load16(0, 0);
+    if (blk_hi > k_lo) load16(k_lo, 0);
   }
   int it = 0;
-  for (int64_t k0 = 0; k0 < blk_hi; k0 += kBK, ++it) {
+  for (int64_t k0 = k_lo; k0 < blk_hi; k0 += kBK, ++it) {
     __nv_bfloat16* Ks = K0;
     __nv_bfloat16* Vs = K0 + kBK * QS;
     if constexpr (PIPE) {
@@ -239,6 +253,30 @@ __global__ void __launch_bounds__(kWarps * 32)
     lA += __shfl_xor_sync(0xffffffffu, lA, off);
     lB += __shfl_xor_sync(0xffffffffu, lB, off);
   }
+  if (part_ml) {
+    // A split's share, unnormalised; the max in natural-log units as the merge kernel takes it.
+    const int S = gridDim.z;
+    const float ln2 = 0.6931471805599453f;
+#pragma unroll
+    for (int n = 0; n < NO; ++n) {
+      if (n >= ntiles) break;
+      const int c = n * 8 + 2 * t4;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int64_t row = half ? rowB : rowA;
+        if (row >= T) continue;
+        const int64_t slot = (row * Hq + h) * S + blockIdx.z;
+        if (n == 0 && t4 == 0) {
+          part_ml[2 * slot] = (half ? lB : lA) > 0.f ? (half ? mB : mA) * ln2 : -FLT_MAX;
+          part_ml[2 * slot + 1] = half ? lB : lA;
+        }
+        float* pa = part_acc + slot * Dv;
+        if (c < Dv) pa[c] = o[n][2 * half];
+        if (c + 1 < Dv) pa[c + 1] = o[n][2 * half + 1];
+      }
+    }
+    return;
+  }
   const float iA = lA > 0.f ? 1.f / lA : 0.f, iB = lB > 0.f ? 1.f / lB : 0.f;
 #pragma unroll
   for (int n = 0; n < NO; ++n) {
@@ -259,7 +297,8 @@ __global__ void __launch_bounds__(kWarps * 32)
 
 template <int DP>
 void run(cudaStream_t s, const float* q, const void* k, const void* v, bool kv16, int64_t T, int64_t Hq, int64_t Hkv,
-         int D, int Dv, int64_t kv_len, int64_t q_offset, float scale, float* out) {
+         int D, int Dv, int64_t kv_len, int64_t q_offset, const int64_t* qpos, int splits, float scale, float* out,
+         float* part) {
   const size_t smem = static_cast<size_t>(kBQ + (kv16 ? 4 : 2) * kBK) * (DP + 8) * 2;
   static bool configured[2] = {false, false};  // per device would be exact; one GPU per process is the norm
   const void* fn =
@@ -268,16 +307,22 @@ void run(cudaStream_t s, const float* q, const void* k, const void* v, bool kv16
     CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     configured[kv16] = true;
   }
-  dim3 grid(static_cast<unsigned>((T + kBQ - 1) / kBQ), static_cast<unsigned>(Hq));
+  dim3 grid(static_cast<unsigned>((T + kBQ - 1) / kBQ), static_cast<unsigned>(Hq), static_cast<unsigned>(splits));
+  // Whole tiles per split, so that no tile is seen by two splits.
+  const int64_t chunk = splits > 1 ? ((kv_len + splits - 1) / splits + kBK - 1) / kBK * kBK : kv_len + kBK;
+  float* part_ml = splits > 1 ? part : nullptr;
+  float* part_acc = splits > 1 ? part + 2 * T * Hq * splits : nullptr;
   const bool vec4 =
       D % 4 == 0 && Dv % 4 == 0 && reinterpret_cast<uintptr_t>(k) % 16 == 0 && reinterpret_cast<uintptr_t>(v) % 16 == 0;
   const float sl2 = scale * 1.4426950408889634f;
   if (kv16)
-    launch(s, grid, kWarps * 32, smem, k_flash<DP, true>, q, k, v, T, Hq, Hkv, D, Dv, kv_len, q_offset, sl2, vec4, out);
+    launch(s, grid, kWarps * 32, smem, k_flash<DP, true>, q, k, v, T, Hq, Hkv, D, Dv, kv_len, q_offset, qpos, chunk,
+           sl2, vec4, out, part_ml, part_acc);
   else
-    launch(s, grid, kWarps * 32, smem, k_flash<DP, false>, q, k, v, T, Hq, Hkv, D, Dv, kv_len, q_offset, sl2, vec4,
-           out);
+    launch(s, grid, kWarps * 32, smem, k_flash<DP, false>, q, k, v, T, Hq, Hkv, D, Dv, kv_len, q_offset, qpos, chunk,
+           sl2, vec4, out, part_ml, part_acc);
   CUDA_LAUNCH_CHECK("k_flash");
+  if (splits > 1) launch_attention_merge(s, part, T, Hq, Dv, splits, out);
 }
 
 }  // namespace
@@ -286,18 +331,28 @@ bool flash_attention_kv16(int64_t D, int64_t Dv) {
   return D % 8 == 0 && Dv % 8 == 0;
 }
 
+int flash_attention_splits(int64_t T, int64_t Hq, int64_t kv_len, int sms) {
+  // Split only when the (row tile, head) blocks leave most of the GPU idle; each split at least
+  // 8 key tiles, so that the partial sums and the merge stay small next to the work.
+  const int64_t blocks = (T + kBQ - 1) / kBQ * Hq;
+  if (blocks * 2 > sms) return 1;
+  const int64_t want = (2 * sms + blocks - 1) / blocks, by_keys = kv_len / (8 * kBK);
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({want, by_keys, 64})));
+}
+
 void launch_flash_attention(cudaStream_t s, const float* q, const void* k, const void* v, bool kv16, int64_t T,
                             int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv, int64_t kv_len, int64_t q_offset,
-                            float scale, float* out) {
+                            const int64_t* qpos, int splits, float scale, float* out, float* part) {
   if (T == 0) return;
+  if (splits > 1 && !part) throw std::invalid_argument("flash attention: a key split needs its partial-sum buffer");
   const int64_t m = D > Dv ? D : Dv;
   const int d = static_cast<int>(D), dv = static_cast<int>(Dv);
   if (m <= 64)
-    run<64>(s, q, k, v, kv16, T, Hq, Hkv, d, dv, kv_len, q_offset, scale, out);
+    run<64>(s, q, k, v, kv16, T, Hq, Hkv, d, dv, kv_len, q_offset, qpos, splits, scale, out, part);
   else if (m <= 128)
-    run<128>(s, q, k, v, kv16, T, Hq, Hkv, d, dv, kv_len, q_offset, scale, out);
+    run<128>(s, q, k, v, kv16, T, Hq, Hkv, d, dv, kv_len, q_offset, qpos, splits, scale, out, part);
   else if (m <= 256)
-    run<256>(s, q, k, v, kv16, T, Hq, Hkv, d, dv, kv_len, q_offset, scale, out);
+    run<256>(s, q, k, v, kv16, T, Hq, Hkv, d, dv, kv_len, q_offset, qpos, splits, scale, out, part);
   else
     throw std::invalid_argument("attention: head dims up to 256 on cuda, got " + std::to_string(D) + "/" +
                                 std::to_string(Dv));

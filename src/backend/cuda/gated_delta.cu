@@ -11,6 +11,7 @@
 #include <cmath>
 
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/gated_delta_token.cuh"
 #include "backend/cuda/kernels.h"
 #include "backend/cuda/launch.cuh"
 
@@ -18,9 +19,7 @@ namespace hypic::cuda {
 
 namespace {
 
-constexpr int kCols = 32;  // columns per block
-constexpr int kRows = 32;  // rows per thread at most (dk <= 32 P)
-constexpr int kTile = 32;  // tokens staged in shared memory at a time
+constexpr int kCols = kGdnCols, kRows = kGdnRows, kTile = kGdnTile;
 
 template <int P>
 __global__ void __launch_bounds__(kCols* P)
@@ -40,11 +39,6 @@ __global__ void __launch_bounds__(kCols* P)
     out += b * Hv * dv;
   }
   extern __shared__ float smem[];
-  float* qs = smem;             // [kTile][dk]
-  float* ks = qs + kTile * dk;  // [kTile][dk]
-  float* gs = ks + kTile * dk;  // [kTile]
-  float* bs = gs + kTile;       // [kTile]
-  float* vs = bs + kTile;       // [kTile][kCols]: this block's columns of v (0 for T columns)
   const int h = blockIdx.y;
   const int64_t hk = h / (Hv / Hk);
   const int p = threadIdx.x % P;
@@ -61,77 +55,7 @@ __global__ void __launch_bounds__(kCols* P)
     const int r = i * P + p;
     s[i] = (valid && r < dk) ? (is_T ? (r == c ? 1.f : 0.f) : sbase[static_cast<int64_t>(r) * ld + c]) : 0.f;
   }
-  const float qscale = rsqrtf(static_cast<float>(dk));
-  const int nthreads = kCols * P, lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = nthreads / 32;
-
-  for (int64_t t0 = 0; t0 < T; t0 += kTile) {
-    const int nt = static_cast<int>(T - t0 < kTile ? T - t0 : kTile);
-    __syncthreads();
-    for (int e = threadIdx.x; e < nt * dk; e += nthreads) {
-      const int tt = e / dk, d = e % dk;
-      const int64_t src = ((t0 + tt) * Hk + hk) * dk + d;
-      qs[tt * dk + d] = q[src];
-      ks[tt * dk + d] = k[src];
-    }
-    for (int tt = threadIdx.x; tt < nt; tt += nthreads) {
-      gs[tt] = g[(t0 + tt) * Hv + h];
-      bs[tt] = beta[(t0 + tt) * Hv + h];
-    }
-    // v staged too: a global load per token would sit on the recurrence's critical path.
-    for (int e = threadIdx.x; e < nt * kCols; e += nthreads) {
-      const int tt = e / kCols, cc = blockIdx.x * kCols + e % kCols;
-      vs[e] = cc < dv ? v[((t0 + tt) * Hv + h) * dv + cc] : 0.f;
-    }
-    __syncthreads();
-    // q and k scales (L2 norms as the CPU backend: x / sqrt(sum x^2 + 1e-6)), one warp per token.
-    for (int tt = warp; tt < nt; tt += nwarps) {
-      float sq = 0.f, sk = 0.f;
-      for (int d = lane; d < dk; d += 32) {
-        sq += qs[tt * dk + d] * qs[tt * dk + d];
-        sk += ks[tt * dk + d] * ks[tt * dk + d];
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        sq += __shfl_xor_sync(0xffffffffu, sq, o);
-        sk += __shfl_xor_sync(0xffffffffu, sk, o);
-      }
-      const float fq = l2norm ? qscale / sqrtf(sq + 1e-6f) : qscale, fk = l2norm ? 1.f / sqrtf(sk + 1e-6f) : 1.f;
-      __syncwarp();
-      for (int d = lane; d < dk; d += 32) {
-        qs[tt * dk + d] *= fq;
-        ks[tt * dk + d] *= fk;
-      }
-    }
-    __syncthreads();
-    for (int tt = 0; tt < nt; ++tt) {
-      const float* kt = ks + tt * dk;
-      const float* qt = qs + tt * dk;
-      const float decay = expf(gs[tt]), b = bs[tt];
-      const int64_t orow = ((t0 + tt) * Hv + h) * dv;
-      const float vc = vs[tt * kCols + threadIdx.x / P];
-      float kS = 0.f;
-#pragma unroll
-      for (int i = 0; i < kRows; ++i) {
-        const int r = i * P + p;
-        if (r < dk) kS += kt[r] * s[i];
-      }
-#pragma unroll
-      for (int o = P / 2; o > 0; o >>= 1) kS += __shfl_xor_sync(0xffffffffu, kS, o);
-      const float u = b * (vc - decay * kS);
-      float o_ = 0.f;
-#pragma unroll
-      for (int i = 0; i < kRows; ++i) {
-        const int r = i * P + p;
-        if (r < dk) {
-          s[i] = decay * s[i] + kt[r] * u;
-          o_ += qt[r] * s[i];
-        }
-      }
-#pragma unroll
-      for (int o = P / 2; o > 0; o >>= 1) o_ += __shfl_xor_sync(0xffffffffu, o_, o);
-      if (valid && !is_T && p == 0) out[orow + c] = o_;
-    }
-  }
+  gdn_tokens<P>(q, k, v, g, beta, l2norm, T, Hk, Hv, dk, dv, h, hk, blockIdx.x * kCols, valid, is_T, c, s, out, smem);
   if (valid) {
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {

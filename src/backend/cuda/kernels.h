@@ -103,10 +103,22 @@ void launch_attention(cudaStream_t s, const float* q, const float* k, const floa
 // The same on the tensor cores (flash_attention.cu): q, k, v rounded to bf16, f32 accumulation.
 // With kv16, k and v are bf16 copies ([kv_len, Hkv, D] and [kv_len, Hkv, Dv], head dims multiples
 // of 8: flash_attention_kv16) and stream through a two-stage cp.async pipeline; else f32.
+// qpos (I64 [T] on the device, nondecreasing, or null): row t's own position instead of
+// q_offset + t. splits > 1 cuts the keys across blocks (flash_attention_splits picks it for the
+// GPU's `sms` multiprocessors); `part` then holds attention_part_floats(T, Hq, Dv, splits) floats
+// of partial sums, merged into out by the same call.
 bool flash_attention_kv16(int64_t D, int64_t Dv);
+int flash_attention_splits(int64_t T, int64_t Hq, int64_t kv_len, int sms);
 void launch_flash_attention(cudaStream_t s, const float* q, const void* k, const void* v, bool kv16, int64_t T,
                             int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv, int64_t kv_len, int64_t q_offset,
-                            float scale, float* out);
+                            const int64_t* qpos, int splits, float scale, float* out, float* part);
+// Merges `splits` partial (max, sum, accumulator) triples per (row, head) into out [T, Hq, Dv]
+// (part as launch_attention and launch_flash_attention write it).
+void launch_attention_merge(cudaStream_t s, const float* part, int64_t T, int64_t Hq, int64_t Dv, int splits,
+                            float* out);
+inline int64_t split_part_floats(int64_t T, int64_t Hq, int64_t Dv, int splits) {
+  return T * Hq * splits * (Dv + 2);
+}
 
 // Gated delta rule over T tokens from state [Hv, dk, dv] (advanced in place); transition
 // [Hv, dk, dk] (may be null) receives T_C of the span, computed in the same pass.
@@ -123,6 +135,19 @@ int64_t gated_delta_chunked_workspace_floats(int64_t T, int64_t Hv, int64_t dk, 
 void launch_gated_delta_rule_chunked(cudaStream_t s, const float* q, const float* k, const float* v, const float* g,
                                      const float* beta, bool l2norm_qk, int64_t T, int64_t Hk, int64_t Hv, int64_t dk,
                                      int64_t dv, float* state, float* out, float* transition, float* workspace);
+
+// A PIC composition's chain of links over one state [Hv, dk, dv] (gated_delta_chain.cu): per
+// link, the recurrence over its next `rows` rows of q/k/v/g/beta (outputs to out), then a compact
+// body's recurrence inputs replayed (rk as keys and queries), then S <- T S + B (T null: S + B;
+// B null: nothing). The table lives on the device.
+struct GdnChainLink {
+  int64_t rows = 0, replay_rows = 0;
+  const float *rk = nullptr, *rv = nullptr, *rg = nullptr, *rbeta = nullptr;
+  const float *T = nullptr, *B = nullptr;
+};
+void launch_gated_delta_chain(cudaStream_t s, const float* q, const float* k, const float* v, const float* g,
+                              const float* beta, bool l2norm_qk, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv,
+                              float* state, float* out, const GdnChainLink* links, int n_links);
 
 // ---- decode steps: one token per sequence, per-sequence state addresses in device tables ------
 // (I64 arrays of B addresses; the key and value caches' tables are [2B]: keys, then values)

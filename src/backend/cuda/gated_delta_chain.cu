@@ -1,0 +1,151 @@
+// A linear layer's share of a PIC composition in one launch: for each link (a reused segment),
+// the recurrence over its seam rows, then its cached body composed in: a compact body replayed
+// (its recurrence inputs from the state reached), a dense one as S <- T S + B. The links are
+// sequential, but the columns of S are independent through all of it (the delta rule and T S
+// both mix rows only), so a block owns 32 columns of one head's state for the whole chain and
+// keeps them in registers: no launch, allocation or round trip per segment. The plain reference
+// is the same sequence of span ops (Backend::gated_delta_chain).
+#include <algorithm>
+
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/gated_delta_token.cuh"
+#include "backend/cuda/kernels.h"
+#include "backend/cuda/launch.cuh"
+
+namespace hypic::cuda {
+
+namespace {
+
+constexpr int kPanel = 16;  // columns of T per shared-memory panel
+
+// Shared memory of the chain (floats): the token loop's, or the composition's column and panel.
+constexpr int chain_smem_floats(int dk) {
+  return gdn_tokens_smem_floats(dk) > (kGdnCols + kPanel) * (dk + 1) ? gdn_tokens_smem_floats(dk)
+                                                                     : (kGdnCols + kPanel) * (dk + 1);
+}
+
+template <int P>
+__global__ void __launch_bounds__(kGdnCols* P, 1)
+    k_gdn_chain(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                const float* __restrict__ g, const float* __restrict__ beta, bool l2norm, int64_t Hk, int64_t Hv,
+                int dk, int dv, float* state, float* out, const GdnChainLink* __restrict__ links, int n_links) {
+  pdl_entry();
+  extern __shared__ float smem[];
+  const int h = blockIdx.y;
+  const int64_t hk = h / (Hv / Hk);
+  const int p = threadIdx.x % P, cl = threadIdx.x / P;
+  const int c = blockIdx.x * kGdnCols + cl;
+  const bool valid = c < dv;
+  float* sh = state + static_cast<int64_t>(h) * dk * dv;
+  float s[kGdnRows];
+#pragma unroll
+  for (int i = 0; i < kGdnRows; ++i) {
+    const int r = i * P + p;
+    s[i] = (valid && r < dk) ? sh[static_cast<int64_t>(r) * dv + c] : 0.f;
+  }
+  int64_t row = 0;
+  for (int li = 0; li < n_links; ++li) {
+    const GdnChainLink L = links[li];
+    if (L.rows > 0) {
+      const int64_t o = row;
+      gdn_tokens<P>(q + o * Hk * dk, k + o * Hk * dk, v + o * Hv * dv, g + o * Hv, beta + o * Hv, l2norm, L.rows, Hk,
+                    Hv, dk, dv, h, hk, blockIdx.x * kGdnCols, valid, false, c, s, out + o * Hv * dv, smem);
+      row += L.rows;
+    }
+    // A compact body: its own recurrence inputs (keys stand in for the queries; no outputs).
+    if (L.replay_rows > 0)
+      gdn_tokens<P>(L.rk, L.rk, L.rv, L.rg, L.rbeta, l2norm, L.replay_rows, Hk, Hv, dk, dv, h, hk,
+                    blockIdx.x * kGdnCols, valid, false, c, s, nullptr, smem);
+    if (!L.B) continue;
+    const float* Bh = L.B + static_cast<int64_t>(h) * dk * dv;
+    if (L.T) {
+      // S <- T S + B. The block's columns of S go to shared memory (sc, [column][row], padded),
+      // then T comes through shared memory a panel of kPanel columns at a time, transposed
+      // (tp[j][row], padded); each thread accumulates its rows of its column in place, every row
+      // an independent sum (no dependent chains), one shared load per multiply-add.
+      const int ldc = dk + 1;
+      float* sc = smem;                 // [kGdnCols][dk + 1]
+      float* tp = sc + kGdnCols * ldc;  // [kPanel][dk + 1]
+      __syncthreads();                  // the token loop may still read shared memory
+#pragma unroll
+      for (int i = 0; i < kGdnRows; ++i) {
+        const int r = i * P + p;
+        if (r < dk) sc[cl * ldc + r] = s[i];
+        s[i] = 0.f;
+      }
+      const float* Th = L.T + static_cast<int64_t>(h) * dk * dk;
+      for (int j0 = 0; j0 < dk; j0 += kPanel) {
+        __syncthreads();  // sc written; the previous panel consumed
+        for (int e = threadIdx.x; e < kPanel * dk; e += kGdnCols * P) {
+          const int r = e / kPanel, jj = e % kPanel;
+          tp[jj * ldc + r] = j0 + jj < dk ? Th[static_cast<int64_t>(r) * dk + j0 + jj] : 0.f;
+        }
+        __syncthreads();
+        const int nj = dk - j0 < kPanel ? dk - j0 : kPanel;
+        for (int jj = 0; jj < nj; ++jj) {
+          const float cj = sc[cl * ldc + j0 + jj];
+          const float* trow = tp + jj * ldc;
+#pragma unroll
+          for (int i = 0; i < kGdnRows; ++i) {
+            const int r = i * P + p;
+            if (r < dk) s[i] += trow[r] * cj;
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kGdnRows; ++i) {
+        const int r = i * P + p;
+        if (valid && r < dk) s[i] += Bh[static_cast<int64_t>(r) * dv + c];
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kGdnRows; ++i) {
+        const int r = i * P + p;
+        if (valid && r < dk) s[i] += Bh[static_cast<int64_t>(r) * dv + c];
+      }
+    }
+  }
+  if (valid) {
+#pragma unroll
+    for (int i = 0; i < kGdnRows; ++i) {
+      const int r = i * P + p;
+      if (r < dk) sh[static_cast<int64_t>(r) * dv + c] = s[i];
+    }
+  }
+}
+
+template <int P>
+void run(cudaStream_t st, const float* q, const float* k, const float* v, const float* g, const float* beta,
+         bool l2norm, int64_t Hk, int64_t Hv, int dk, int dv, float* state, float* out, const GdnChainLink* links,
+         int n_links) {
+  const size_t smem = static_cast<size_t>(chain_smem_floats(dk)) * sizeof(float);
+  if (smem > 48 * 1024)
+    CUDA_CHECK(
+        cudaFuncSetAttribute(k_gdn_chain<P>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  dim3 grid(static_cast<unsigned>((dv + kGdnCols - 1) / kGdnCols), static_cast<unsigned>(Hv));
+  launch(st, grid, kGdnCols * P, smem, k_gdn_chain<P>, q, k, v, g, beta, l2norm, Hk, Hv, dk, dv, state, out, links,
+         n_links);
+  CUDA_LAUNCH_CHECK("k_gdn_chain");
+}
+
+}  // namespace
+
+void launch_gated_delta_chain(cudaStream_t s, const float* q, const float* k, const float* v, const float* g,
+                              const float* beta, bool l2norm_qk, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv,
+                              float* state, float* out, const GdnChainLink* links, int n_links) {
+  if (Hv == 0 || dk == 0 || dv == 0 || n_links == 0) return;
+  const int idk = static_cast<int>(dk), idv = static_cast<int>(dv);
+  if (dk <= 32)
+    run<1>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, idk, idv, state, out, links, n_links);
+  else if (dk <= 64)
+    run<2>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, idk, idv, state, out, links, n_links);
+  else if (dk <= 128)
+    run<4>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, idk, idv, state, out, links, n_links);
+  else if (dk <= 256)
+    run<8>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, idk, idv, state, out, links, n_links);
+  else
+    throw std::invalid_argument("gated_delta_chain: key head dim " + std::to_string(dk) +
+                                " above 256 is not supported on cuda");
+}
+
+}  // namespace hypic::cuda
