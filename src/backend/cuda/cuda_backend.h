@@ -21,6 +21,9 @@ namespace hypic::cuda {
 // Warps per output row of the few-row products (1, 2, 4 or 8; 0, the default: HYPIC_GEMV_SPLIT or
 // the size rule in gemv.cu). For tests, which check every factor; not thread-safe.
 void set_gemv_split(int split);
+// Threads per column of S in the PIC chain kernel (gated_delta_chain.cu): 0 restores the default
+// (HYPIC_GDN_CHAIN_THREADS, else up to 32 rows per thread); 16 or more: 8 rows per thread.
+void set_gdn_chain_threads(int per_column);
 
 class CudaBackend : public Backend {
  public:

@@ -6,6 +6,8 @@
 // keeps them in registers: no launch, allocation or round trip per segment. The plain reference
 // is the same sequence of span ops (Backend::gated_delta_chain).
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/gated_delta_token.cuh"
@@ -24,7 +26,7 @@ constexpr int chain_smem_floats(int dk) {
                                                                      : (kGdnCols + kPanel) * (dk + 1);
 }
 
-template <int P>
+template <int P, int R>
 __global__ void __launch_bounds__(kGdnCols* P, 1)
     k_gdn_chain(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                 const float* __restrict__ g, const float* __restrict__ beta, bool l2norm, int64_t Hk, int64_t Hv,
@@ -37,9 +39,9 @@ __global__ void __launch_bounds__(kGdnCols* P, 1)
   const int c = blockIdx.x * kGdnCols + cl;
   const bool valid = c < dv;
   float* sh = state + static_cast<int64_t>(h) * dk * dv;
-  float s[kGdnRows];
+  float s[R];
 #pragma unroll
-  for (int i = 0; i < kGdnRows; ++i) {
+  for (int i = 0; i < R; ++i) {
     const int r = i * P + p;
     s[i] = (valid && r < dk) ? sh[static_cast<int64_t>(r) * dv + c] : 0.f;
   }
@@ -48,14 +50,14 @@ __global__ void __launch_bounds__(kGdnCols* P, 1)
     const GdnChainLink L = links[li];
     if (L.rows > 0) {
       const int64_t o = row;
-      gdn_tokens<P>(q + o * Hk * dk, k + o * Hk * dk, v + o * Hv * dv, g + o * Hv, beta + o * Hv, l2norm, L.rows, Hk,
-                    Hv, dk, dv, h, hk, blockIdx.x * kGdnCols, valid, false, c, s, out + o * Hv * dv, smem);
+      gdn_tokens<P, R>(q + o * Hk * dk, k + o * Hk * dk, v + o * Hv * dv, g + o * Hv, beta + o * Hv, l2norm, L.rows, Hk,
+                       Hv, dk, dv, h, hk, blockIdx.x * kGdnCols, valid, false, c, s, out + o * Hv * dv, smem);
       row += L.rows;
     }
     // A compact body: its own recurrence inputs (keys stand in for the queries; no outputs).
     if (L.replay_rows > 0)
-      gdn_tokens<P>(L.rk, L.rk, L.rv, L.rg, L.rbeta, l2norm, L.replay_rows, Hk, Hv, dk, dv, h, hk,
-                    blockIdx.x * kGdnCols, valid, false, c, s, nullptr, smem);
+      gdn_tokens<P, R>(L.rk, L.rk, L.rv, L.rg, L.rbeta, l2norm, L.replay_rows, Hk, Hv, dk, dv, h, hk,
+                       blockIdx.x * kGdnCols, valid, false, c, s, nullptr, smem);
     if (!L.B) continue;
     const float* Bh = L.B + static_cast<int64_t>(h) * dk * dv;
     if (L.T) {
@@ -68,7 +70,7 @@ __global__ void __launch_bounds__(kGdnCols* P, 1)
       float* tp = sc + kGdnCols * ldc;  // [kPanel][dk + 1]
       __syncthreads();                  // the token loop may still read shared memory
 #pragma unroll
-      for (int i = 0; i < kGdnRows; ++i) {
+      for (int i = 0; i < R; ++i) {
         const int r = i * P + p;
         if (r < dk) sc[cl * ldc + r] = s[i];
         s[i] = 0.f;
@@ -86,20 +88,20 @@ __global__ void __launch_bounds__(kGdnCols* P, 1)
           const float cj = sc[cl * ldc + j0 + jj];
           const float* trow = tp + jj * ldc;
 #pragma unroll
-          for (int i = 0; i < kGdnRows; ++i) {
+          for (int i = 0; i < R; ++i) {
             const int r = i * P + p;
             if (r < dk) s[i] += trow[r] * cj;
           }
         }
       }
 #pragma unroll
-      for (int i = 0; i < kGdnRows; ++i) {
+      for (int i = 0; i < R; ++i) {
         const int r = i * P + p;
         if (valid && r < dk) s[i] += Bh[static_cast<int64_t>(r) * dv + c];
       }
     } else {
 #pragma unroll
-      for (int i = 0; i < kGdnRows; ++i) {
+      for (int i = 0; i < R; ++i) {
         const int r = i * P + p;
         if (valid && r < dk) s[i] += Bh[static_cast<int64_t>(r) * dv + c];
       }
@@ -107,45 +109,72 @@ __global__ void __launch_bounds__(kGdnCols* P, 1)
   }
   if (valid) {
 #pragma unroll
-    for (int i = 0; i < kGdnRows; ++i) {
+    for (int i = 0; i < R; ++i) {
       const int r = i * P + p;
       if (r < dk) sh[static_cast<int64_t>(r) * dv + c] = s[i];
     }
   }
 }
 
-template <int P>
+template <int P, int R>
 void run(cudaStream_t st, const float* q, const float* k, const float* v, const float* g, const float* beta,
          bool l2norm, int64_t Hk, int64_t Hv, int dk, int dv, float* state, float* out, const GdnChainLink* links,
          int n_links) {
   const size_t smem = static_cast<size_t>(chain_smem_floats(dk)) * sizeof(float);
   if (smem > 48 * 1024)
     CUDA_CHECK(
-        cudaFuncSetAttribute(k_gdn_chain<P>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+        cudaFuncSetAttribute(k_gdn_chain<P, R>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   dim3 grid(static_cast<unsigned>((dv + kGdnCols - 1) / kGdnCols), static_cast<unsigned>(Hv));
-  launch(st, grid, kGdnCols * P, smem, k_gdn_chain<P>, q, k, v, g, beta, l2norm, Hk, Hv, dk, dv, state, out, links,
+  launch(st, grid, kGdnCols * P, smem, k_gdn_chain<P, R>, q, k, v, g, beta, l2norm, Hk, Hv, dk, dv, state, out, links,
          n_links);
   CUDA_LAUNCH_CHECK("k_gdn_chain");
 }
 
 }  // namespace
 
+namespace {
+int chain_threads = 0;  // set_gdn_chain_threads(); 0: HYPIC_GDN_CHAIN_THREADS or the rule
+}
+
+void set_gdn_chain_threads(int per_column) {
+  chain_threads = per_column;
+}
+
 void launch_gated_delta_chain(cudaStream_t s, const float* q, const float* k, const float* v, const float* g,
                               const float* beta, bool l2norm_qk, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv,
                               float* state, float* out, const GdnChainLink* links, int n_links) {
   if (Hv == 0 || dk == 0 || dv == 0 || n_links == 0) return;
-  const int idk = static_cast<int>(dk), idv = static_cast<int>(dv);
-  if (dk <= 32)
-    run<1>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, idk, idv, state, out, links, n_links);
-  else if (dk <= 64)
-    run<2>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, idk, idv, state, out, links, n_links);
-  else if (dk <= 128)
-    run<4>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, idk, idv, state, out, links, n_links);
-  else if (dk <= 256)
-    run<8>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, idk, idv, state, out, links, n_links);
-  else
+  if (dk > 256)
     throw std::invalid_argument("gated_delta_chain: key head dim " + std::to_string(dk) +
                                 " above 256 is not supported on cuda");
+  static const int env = [] {
+    const char* e = std::getenv("HYPIC_GDN_CHAIN_THREADS");
+    return e && *e ? std::atoi(e) : 0;
+  }();
+  const int want = chain_threads ? chain_threads : env;
+  const int idk = static_cast<int>(dk), idv = static_cast<int>(dv);
+  // Threads per column of S: the span kernel's rule (up to 32 rows per thread) by default; "wide"
+  // (HYPIC_GDN_CHAIN_THREADS=16 or more) gives each thread 8 rows, four times the warps per SM for
+  // a latency-bound chain (docs/perf-notes.md, PIC on the GPU v2). Not yet measured on the GPU.
+  if (want >= 16) {
+    if (dk <= 32)
+      run<4, 8>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, idk, idv, state, out, links, n_links);
+    else if (dk <= 64)
+      run<8, 8>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, idk, idv, state, out, links, n_links);
+    else if (dk <= 128)
+      run<16, 8>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, idk, idv, state, out, links, n_links);
+    else
+      run<32, 8>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, idk, idv, state, out, links, n_links);
+    return;
+  }
+  if (dk <= 32)
+    run<1, kGdnRows>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, idk, idv, state, out, links, n_links);
+  else if (dk <= 64)
+    run<2, kGdnRows>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, idk, idv, state, out, links, n_links);
+  else if (dk <= 128)
+    run<4, kGdnRows>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, idk, idv, state, out, links, n_links);
+  else
+    run<8, kGdnRows>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, idk, idv, state, out, links, n_links);
 }
 
 }  // namespace hypic::cuda

@@ -16,16 +16,16 @@ constexpr int gdn_tokens_smem_floats(int dk) {
   return kGdnTile * (2 * dk + 2 + kGdnCols);
 }
 
-// T tokens of the recurrence for this thread's share of a column of S (s: rows i * P + p), through
+// T tokens of the recurrence for this thread's share of a column of S (s: rows i * P + p, i < R), through
 // shared memory a tile of tokens at a time. Column `c` of the block's columns [col0, col0 + kCols):
 // value columns (c < dv) take v and write out (when out is set); transition columns (is_T) take
 // v = 0. Starts each tile with a barrier, so the caller may have used `smem` before.
-template <int P>
+template <int P, int R = kGdnRows>
 __device__ __forceinline__ void gdn_tokens(const float* __restrict__ q, const float* __restrict__ k,
                                            const float* __restrict__ v, const float* __restrict__ g,
                                            const float* __restrict__ beta, bool l2norm, int64_t T, int64_t Hk,
                                            int64_t Hv, int dk, int dv, int h, int64_t hk, int col0, bool valid,
-                                           bool is_T, int c, float (&s)[kGdnRows], float* out, float* smem) {
+                                           bool is_T, int c, float (&s)[R], float* out, float* smem) {
   float* qs = smem;                // [kGdnTile][dk]
   float* ks = qs + kGdnTile * dk;  // [kGdnTile][dk]
   float* gs = ks + kGdnTile * dk;  // [kGdnTile]
@@ -34,7 +34,7 @@ __device__ __forceinline__ void gdn_tokens(const float* __restrict__ q, const fl
   const int p = threadIdx.x % P;
   const float qscale = rsqrtf(static_cast<float>(dk));
   const int nthreads = kGdnCols * P, lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = nthreads / 32;
-  constexpr int kTile = kGdnTile, kCols = kGdnCols, kRows = kGdnRows;
+  constexpr int kTile = kGdnTile, kCols = kGdnCols, kRows = R;
   for (int64_t t0 = 0; t0 < T; t0 += kTile) {
     const int nt = static_cast<int>(T - t0 < kTile ? T - t0 : kTile);
     __syncthreads();
