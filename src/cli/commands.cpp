@@ -2,12 +2,14 @@
 
 #include <chrono>
 #include <cstdio>
+#include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "engine/generate.h"
 #include "engine/loader.h"
+#include "models/gguf_checkpoint.h"
 #include "pic/composer.h"
 #include "pic/requests.h"
 
@@ -276,6 +278,56 @@ void register_info(CLI::App& app) {
       std::printf("parameters    %lld   weights %.2f MiB   context %lld   tokenizer %s\n",
                   static_cast<long long>(lm.model->parameter_count()), lm.model->weight_bytes() / 1048576.0,
                   static_cast<long long>(cfg.max_position_embeddings), lm.tokenizer ? "yes" : "no");
+    });
+  });
+}
+
+// ---- quantize -----------------------------------------------------------------------------
+void register_quantize(CLI::App& app) {
+  struct Opts {
+    std::string model = default_model_dir(), out, type = "q8_0";
+  };
+  auto o = std::make_shared<Opts>();
+  auto* c = app.add_subcommand("quantize", "Write a model as a llama.cpp GGUF file of a chosen weight type");
+  c->add_option("--model", o->model, "Model folder, or a GGUF file (qwen35 / qwen35moe)")->capture_default_str();
+  c->add_option("--out", o->out, "GGUF file to write")->required();
+  c->add_option("--type", o->type, "Matrix type: bf16, f32, q8_0, q4_k or q6_k")->capture_default_str();
+  c->callback([o] {
+    guarded([&] {
+      const DType type = parse_weight_dtype(o->type, "--type");
+      const auto t0 = std::chrono::steady_clock::now();
+      TokenizerTexts tok;
+      bool has_tok = false;
+      std::unique_ptr<WeightSource> src;
+      std::optional<ModelDir> dir;
+      std::shared_ptr<const GgufFile> gguf;
+      ModelConfig cfg;
+      if (is_gguf_file(o->model)) {
+        gguf = std::make_shared<const GgufFile>(o->model);
+        cfg = gguf_model_config(*gguf);
+        src = weights_from_gguf(gguf, cfg);
+        if (gguf->has("tokenizer.ggml.model")) tok = gguf_tokenizer_texts(*gguf), has_tok = true;
+      } else {
+        dir.emplace(open_model_dir(o->model));
+        cfg = dir->config;
+        src = weights_from_store(*dir->weights);
+        auto slurp = [](const std::string& p) {
+          std::ifstream in(p, std::ios::binary);
+          if (!in) throw std::runtime_error("cannot read " + p);
+          std::ostringstream ss;
+          ss << in.rdbuf();
+          return ss.str();
+        };
+        if (!dir->tokenizer_json.empty()) {
+          tok.tokenizer_json = slurp(dir->tokenizer_json);
+          if (!dir->tokenizer_config_json.empty()) tok.config_json = slurp(dir->tokenizer_config_json);
+          has_tok = true;
+        }
+      }
+      write_gguf_checkpoint(cfg, *src, has_tok ? &tok : nullptr, type, o->out);
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      std::printf("wrote %s (%s matrices%s) in %.1f s\n", o->out.c_str(), dtype_name(type),
+                  has_tok ? ", tokenizer" : "", s);
     });
   });
 }

@@ -6,6 +6,7 @@ namespace hypic::cli {
 void register_generate(CLI::App& app);
 void register_info(CLI::App& app);
 void register_tokenize(CLI::App& app);
+void register_quantize(CLI::App& app);
 void register_bench(CLI::App& app);
 void register_eval(CLI::App& app);
 void register_serve(CLI::App& app);

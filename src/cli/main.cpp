@@ -19,6 +19,7 @@ int main(int argc, char** argv) {
   hypic::cli::register_generate(app);
   hypic::cli::register_info(app);
   hypic::cli::register_tokenize(app);
+  hypic::cli::register_quantize(app);
   hypic::cli::register_bench(app);
   hypic::cli::register_eval(app);
   hypic::cli::register_serve(app);

@@ -15,9 +15,6 @@ std::string default_model_dir() {
   return std::string(HYPIC_SOURCE_DIR) + "/models/default";
 }
 
-namespace {
-
-// A regular file that starts with GGUF's magic.
 bool is_gguf_file(const std::string& path) {
   std::error_code ec;
   if (!std::filesystem::is_regular_file(path, ec)) return false;
@@ -26,6 +23,8 @@ bool is_gguf_file(const std::string& path) {
   f.read(magic, 4);
   return f && std::string(magic, 4) == "GGUF";
 }
+
+namespace {
 
 LoadedModel load_gguf(const std::string& path, const std::string& backend, int threads, std::optional<DType> quantize) {
   LoadedModel lm;

@@ -22,6 +22,9 @@ struct LoadedModel {
   std::string description;               // folder path, or "random weights from FILE"
 };
 
+// A regular file that starts with GGUF's magic.
+bool is_gguf_file(const std::string& path);
+
 // The bundled default model: $HYPIC_MODEL, else models/default in the source tree.
 std::string default_model_dir();
 

@@ -3,9 +3,16 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <sstream>
 #include <stdexcept>
+
+#include "backend/backend.h"
+#include "io/gguf_writer.h"
+#include "tensor/quant.h"
 
 namespace hypic {
 
@@ -353,6 +360,285 @@ TokenizerTexts gguf_tokenizer_texts(const GgufFile& f) {
   token("tokenizer.ggml.bos_token_id", "bos_token");
   token("tokenizer.ggml.padding_token_id", "pad_token");
   return {tj.dump(), cj.dump()};
+}
+
+// ---- writing (hypic quantize) -------------------------------------------------------------
+
+namespace {
+
+// Records the names and shapes a model asks its weight source for (the tensors a checkpoint of
+// this config holds), returning each tensor from the inner source.
+class RecordingSource : public WeightSource {
+ public:
+  explicit RecordingSource(const WeightSource& inner) : inner_(inner) {}
+  bool has(const std::string& name) const override { return inner_.has(name); }
+  Tensor get(const std::string& name, const Shape& expected) const override {
+    names_.emplace_back(name, expected);
+    return inner_.get(name, expected);
+  }
+  std::string describe() const override { return inner_.describe(); }
+  std::vector<std::pair<std::string, Shape>> names() const { return names_; }
+
+ private:
+  const WeightSource& inner_;
+  mutable std::vector<std::pair<std::string, Shape>> names_;
+};
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error("cannot read " + path);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// tokenizer.json / tokenizer_config.json texts as tokenizer.ggml.* metadata (the inverse of
+// gguf_tokenizer_texts).
+void write_tokenizer(GgufWriter& w, const TokenizerTexts& t, int64_t vocab_size, const std::string& path) {
+  auto bad = [&](const std::string& what) -> void {
+    throw std::runtime_error("gguf " + path + ": tokenizer: " + what);
+  };
+  json tj, cj;
+  try {
+    tj = json::parse(t.tokenizer_json);
+    cj = t.config_json.empty() ? json::object() : json::parse(t.config_json);
+  } catch (const std::exception& e) {
+    bad(std::string("not valid JSON: ") + e.what());
+  }
+  const json& model = tj.value("model", json::object());
+  if (model.value("type", "") != "BPE") bad("model type '" + model.value("type", "") + "' is not BPE");
+  // The pre-tokenizer's Split regex names llama.cpp's pre-tokenizer.
+  std::string pre;
+  const json& pt = tj.value("pre_tokenizer", json::object());
+  for (const auto& p : pt.value("pretokenizers", json::array()))
+    if (p.value("type", "") == "Split" && p.contains("pattern") && p["pattern"].contains("Regex")) {
+      const std::string rx = p["pattern"]["Regex"].get<std::string>();
+      for (const char* name : {"qwen35", "qwen2"})
+        if (rx == pre_tokenizer_regex(name)) pre = name;
+    }
+  if (pre.empty()) bad("the pre-tokenizer's split pattern is not qwen2's or qwen35's");
+  std::vector<std::string> tokens(static_cast<size_t>(vocab_size));
+  std::vector<int32_t> types(static_cast<size_t>(vocab_size), 0);
+  std::map<std::string, int64_t> ids;
+  const json vocab = model.value("vocab", json::object());
+  for (const auto& [tok, id] : vocab.items()) {
+    const int64_t i = id.get<int64_t>();
+    if (i < 0 || i >= vocab_size) bad("token '" + tok + "' has id " + std::to_string(i) + " outside the vocabulary");
+    tokens[static_cast<size_t>(i)] = tok, types[static_cast<size_t>(i)] = 1, ids[tok] = i;
+  }
+  for (const auto& a : tj.value("added_tokens", json::array())) {
+    const int64_t i = a.value("id", int64_t{-1});
+    const std::string tok = a.value("content", "");
+    if (i < 0 || i >= vocab_size)
+      bad("added token '" + tok + "' has id " + std::to_string(i) + " outside the vocabulary");
+    // Control when special or when it looks special (<|...|>), as the converter decides.
+    const bool looks = tok.size() >= 4 && tok.rfind("<|", 0) == 0 && tok.ends_with("|>");
+    tokens[static_cast<size_t>(i)] = tok, types[static_cast<size_t>(i)] = a.value("special", false) || looks ? 3 : 4;
+    ids[tok] = i;
+  }
+  // Ids no token names (an embedding padded past the tokenizer): unused, as the converter writes.
+  for (size_t i = 0; i < tokens.size(); ++i)
+    if (types[i] == 0) tokens[i] = "[PAD" + std::to_string(i) + "]", types[i] = 5;
+  std::vector<std::string> merges;
+  for (const auto& m : model.value("merges", json::array())) {
+    if (m.is_string())
+      merges.push_back(m.get<std::string>());
+    else if (m.is_array() && m.size() == 2)
+      merges.push_back(m[0].get<std::string>() + " " + m[1].get<std::string>());
+    else
+      bad("a merge that is neither \"a b\" nor [a, b]");
+  }
+  w.set_string("tokenizer.ggml.model", "gpt2");
+  w.set_string("tokenizer.ggml.pre", pre);
+  w.set_strings("tokenizer.ggml.tokens", tokens);
+  w.set_i32s("tokenizer.ggml.token_type", types);
+  w.set_strings("tokenizer.ggml.merges", merges);
+  auto special = [&](const char* field, const char* key) {
+    if (!cj.contains(field) || cj[field].is_null()) return;
+    const json& v = cj[field];
+    const std::string tok = v.is_string() ? v.get<std::string>() : v.value("content", "");
+    const auto it = ids.find(tok);
+    if (it == ids.end()) bad(std::string(field) + " '" + tok + "' is not in the vocabulary");
+    w.set_u32(key, static_cast<uint32_t>(it->second));
+  };
+  special("eos_token", "tokenizer.ggml.eos_token_id");
+  special("bos_token", "tokenizer.ggml.bos_token_id");
+  special("pad_token", "tokenizer.ggml.padding_token_id");
+  w.set_bool("tokenizer.ggml.add_bos_token", false);
+  if (cj.contains("chat_template") && cj["chat_template"].is_string())
+    w.set_string("tokenizer.chat_template", cj["chat_template"].get<std::string>());
+}
+
+// IEEE half, round to nearest even (the fallback type of llama.cpp's converter for rows that are
+// not whole quantization blocks).
+uint16_t f32_to_f16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000u, abs = x & 0x7fffffffu;
+  if (abs >= 0x7f800000u) return static_cast<uint16_t>(sign | 0x7c00u | (abs > 0x7f800000u ? 0x200u : 0));
+  if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds past the largest half
+  if (abs < 0x38800000u) {  // subnormal half (or zero): scale by 2^24 and round to an integer
+    const float m = std::fabs(f) * 16777216.0f;
+    return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(m)));
+  }
+  const uint32_t e = ((abs >> 23) - 112) << 10, mant = abs & 0x7fffffu;
+  uint32_t h = e | (mant >> 13);
+  const uint32_t rest = mant & 0x1fffu;
+  if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) ++h;  // may carry into the exponent: still right
+  return static_cast<uint16_t>(sign | h);
+}
+
+Tensor as_f32(const Tensor& t) {
+  return t.dtype() == DType::F32 ? t.clone() : t.to_f32();
+}
+
+// f32 values in the file's type for a matrix: bf16, or quantized row by row.
+Tensor encode(const Tensor& f, DType to) {
+  Tensor out = Tensor::empty(to, f.shape());
+  const int64_t n = f.numel();
+  const float* p = f.data<float>();
+  if (to == DType::F32) {
+    std::memcpy(out.raw(), p, static_cast<size_t>(n) * sizeof(float));
+  } else if (to == DType::BF16 || to == DType::F16) {
+    auto* q = out.data<uint16_t>();
+    for (int64_t i = 0; i < n; ++i) q[i] = to == DType::BF16 ? f32_to_bf16(p[i]) : f32_to_f16(p[i]);
+  } else {
+    const int64_t cols = f.shape().back(), rows = n / cols;
+    const size_t rb = dtype_bytes(to, cols);
+    for (int64_t r = 0; r < rows; ++r)
+      quant::quantize(to, p + r * cols, cols, static_cast<char*>(out.raw()) + static_cast<size_t>(r) * rb);
+  }
+  return out;
+}
+
+}  // namespace
+
+void write_gguf_checkpoint(const ModelConfig& cfg, const WeightSource& w, const TokenizerTexts* tokenizer, DType type,
+                           const std::string& path) {
+  auto bad = [&](const std::string& what) -> void { throw std::runtime_error("gguf " + path + ": " + what); };
+  if (!(type == DType::F32 || type == DType::BF16 || dtype_is_quantized(type)))
+    bad(std::string("cannot write matrices as ") + dtype_name(type) + " (f32, bf16, q8_0, q4_k or q6_k)");
+  const char* arch = cfg.arch == Arch::Qwen3_5 ? "qwen35" : cfg.arch == Arch::Qwen3_5Moe ? "qwen35moe" : nullptr;
+  if (!arch) bad("architecture " + cfg.architecture + " has no GGUF mapping here (qwen35, qwen35moe)");
+  // Full attention every n-th layer is all llama.cpp's qwen35 metadata can say.
+  int64_t every = 0;
+  for (size_t i = 0; i < cfg.layer_types.size(); ++i)
+    if (cfg.layer_types[i] == LayerKind::Full) {
+      every = static_cast<int64_t>(i) + 1;
+      break;
+    }
+  if (every == 0) bad("a model without full-attention layers cannot be written as qwen35");
+  for (size_t i = 0; i < cfg.layer_types.size(); ++i)
+    if ((cfg.layer_types[i] == LayerKind::Full) != ((static_cast<int64_t>(i) + 1) % every == 0))
+      bad("layer " + std::to_string(i) + " breaks the every-" + std::to_string(every) +
+          "th full-attention pattern that qwen35's full_attention_interval describes");
+
+  GgufWriter g;
+  const std::string a = arch;
+  g.set_string("general.architecture", a);
+  g.set_string("general.type", "model");
+  g.set_u32("general.quantization_version", 2);
+  g.set_u32(a + ".block_count", static_cast<uint32_t>(cfg.num_hidden_layers));
+  g.set_u32(a + ".context_length", static_cast<uint32_t>(cfg.max_position_embeddings));
+  g.set_u32(a + ".embedding_length", static_cast<uint32_t>(cfg.hidden_size));
+  if (cfg.arch == Arch::Qwen3_5Moe) {
+    g.set_u32(a + ".expert_count", static_cast<uint32_t>(cfg.num_experts));
+    g.set_u32(a + ".expert_used_count", static_cast<uint32_t>(cfg.num_experts_per_tok));
+    g.set_u32(a + ".expert_feed_forward_length", static_cast<uint32_t>(cfg.moe_intermediate_size));
+    if (cfg.shared_expert_intermediate_size > 0)
+      g.set_u32(a + ".expert_shared_feed_forward_length", static_cast<uint32_t>(cfg.shared_expert_intermediate_size));
+  }
+  if (cfg.intermediate_size > 0) g.set_u32(a + ".feed_forward_length", static_cast<uint32_t>(cfg.intermediate_size));
+  g.set_u32(a + ".attention.head_count", static_cast<uint32_t>(cfg.num_attention_heads));
+  g.set_u32(a + ".attention.head_count_kv", static_cast<uint32_t>(cfg.num_key_value_heads));
+  g.set_u32(a + ".attention.key_length", static_cast<uint32_t>(cfg.head_dim));
+  g.set_u32(a + ".attention.value_length", static_cast<uint32_t>(cfg.head_dim));
+  g.set_f32(a + ".attention.layer_norm_rms_epsilon", static_cast<float>(cfg.rms_norm_eps));
+  g.set_f32(a + ".rope.freq_base", static_cast<float>(cfg.rope_theta));
+  const int64_t rot = cfg.rotary_dim();
+  g.set_u32(a + ".rope.dimension_count", static_cast<uint32_t>(rot));
+  // Multimodal RoPE sections (llama.cpp requires the key): text positions are the same in every
+  // section, so any split is plain RoPE; Qwen3.5's configs all say [11, 11, 10] and the converter
+  // pads it to four.
+  g.set_i32s(a + ".rope.dimension_sections", {11, 11, 10, 0});
+  g.set_u32(a + ".ssm.conv_kernel", static_cast<uint32_t>(cfg.linear_conv_kernel_dim));
+  g.set_u32(a + ".ssm.state_size", static_cast<uint32_t>(cfg.linear_key_head_dim));
+  g.set_u32(a + ".ssm.group_count", static_cast<uint32_t>(cfg.linear_num_key_heads));
+  g.set_u32(a + ".ssm.time_step_rank", static_cast<uint32_t>(cfg.linear_num_value_heads));
+  g.set_u32(a + ".ssm.inner_size", static_cast<uint32_t>(cfg.linear_num_value_heads * cfg.linear_value_head_dim));
+  g.set_u32(a + ".full_attention_interval", static_cast<uint32_t>(every));
+  if (tokenizer) write_tokenizer(g, *tokenizer, cfg.vocab_size, path);
+
+  // The tensors the model loads, in its order.
+  auto cpu = make_backend("cpu", 1);
+  RecordingSource rec(w);
+  { Model probe(cfg, rec, *cpu); }
+  // Stacked experts: gathered per file tensor, written when the last expert has come.
+  struct Stack {
+    std::vector<Tensor> experts;
+    DType to;
+  };
+  std::map<std::string, Stack> stacks;
+  std::vector<std::string> order;
+  std::map<std::string, Tensor> out;
+  for (const auto& [name, shape] : rec.names()) {
+    const auto s = resolve(cfg, name);
+    if (!s) bad("no GGUF tensor corresponds to " + name);
+    Tensor f = as_f32(w.get(name, shape));
+    if (s->fix != Source::Fix::None) {
+      float* p = f.data<float>();
+      for (int64_t i = 0; i < f.numel(); ++i) p[i] = s->fix == Source::Fix::MinusOne ? p[i] + 1.0f : -std::exp(p[i]);
+    }
+    if (s->axis >= 0) {
+      // Hugging Face value head h = g * r + j is stored as p = j * nk + g (the reader's inverse).
+      const int64_t nk = cfg.linear_num_key_heads, nv = cfg.linear_num_value_heads, r = nv / nk;
+      const int64_t rows = f.shape().empty() ? 1 : f.dim(0), cols = f.numel() / std::max<int64_t>(rows, 1);
+      const Tensor src = f.clone();
+      const float* in = src.data<float>();
+      float* o = f.data<float>();
+      for (int64_t h = 0; h < nv; ++h) {
+        const int64_t gk = h / r, j = h % r, pp = j * nk + gk;
+        const int64_t src0 = s->from + h * s->hd, dst0 = s->from + pp * s->hd;
+        if (s->axis == 0)
+          std::memcpy(o + dst0 * cols, in + src0 * cols, static_cast<size_t>(s->hd * cols) * sizeof(float));
+        else
+          for (int64_t row = 0; row < rows; ++row)
+            std::memcpy(o + row * cols + dst0, in + row * cols + src0, static_cast<size_t>(s->hd) * sizeof(float));
+      }
+    }
+    // conv1d [C, 1, K] is stored [C, K].
+    if (name.ends_with("conv1d.weight") && f.ndim() == 3) f = f.reshape({f.dim(0), f.dim(2)});
+    // The file's type: f32 for vectors, conv1d and routers (as llama.cpp's converter writes them);
+    // the chosen type for matrices, a Q4_K token embedding at Q6_K, f16 where rows are not whole
+    // blocks (as the converter falls back).
+    const bool router = name.ends_with("mlp.gate.weight") || name.ends_with("shared_expert_gate.weight");
+    const bool embedding = name.ends_with("embed_tokens.weight") || name == "lm_head.weight";
+    DType to = type == DType::Q4_K && embedding ? DType::Q6_K : type;
+    if (f.ndim() != 2 || router || name.ends_with("conv1d.weight")) to = DType::F32;
+    if (dtype_is_quantized(to) && f.dim(1) % dtype_block(to) != 0) to = DType::F16;
+    if (s->expert >= 0) {
+      Stack& st = stacks[s->tensor];
+      if (st.experts.empty()) order.push_back(s->tensor), st.experts.resize(static_cast<size_t>(cfg.num_experts));
+      if (s->expert >= cfg.num_experts) bad("expert " + std::to_string(s->expert) + " of " + s->tensor);
+      st.experts[static_cast<size_t>(s->expert)] = f;
+      st.to = to;
+      continue;
+    }
+    order.push_back(s->tensor);
+    out[s->tensor] = encode(f, to);
+  }
+  for (const auto& [t, st] : stacks) {
+    const Shape es = st.experts.at(0).shape();
+    Tensor all = Tensor::empty(DType::F32, {static_cast<int64_t>(st.experts.size()), es[0], es[1]});
+    for (size_t e = 0; e < st.experts.size(); ++e) {
+      if (!st.experts[e].defined() || st.experts[e].shape() != es) bad("experts of " + t + " are missing or uneven");
+      std::memcpy(all.data<float>() + static_cast<int64_t>(e) * es[0] * es[1], st.experts[e].data<float>(),
+                  static_cast<size_t>(es[0] * es[1]) * sizeof(float));
+    }
+    out[t] = encode(all, st.to);
+  }
+  for (const auto& t : order) g.add_tensor(t, out.at(t));
+  g.write(path);
 }
 
 }  // namespace hypic
