@@ -291,10 +291,12 @@ void register_quantize(CLI::App& app) {
   auto* c = app.add_subcommand("quantize", "Write a model as a llama.cpp GGUF file of a chosen weight type");
   c->add_option("--model", o->model, "Model folder, or a GGUF file (qwen35 / qwen35moe)")->capture_default_str();
   c->add_option("--out", o->out, "GGUF file to write")->required();
-  c->add_option("--type", o->type, "Matrix type: bf16, f32, q8_0, q4_k or q6_k")->capture_default_str();
+  c->add_option("--type", o->type, "Matrix type: bf16, f32, q8_0, q4_k, q4_k_m (llama-quantize's mix) or q6_k")
+      ->capture_default_str();
   c->callback([o] {
     guarded([&] {
-      const DType type = parse_weight_dtype(o->type, "--type");
+      const bool q4_k_m = o->type == "q4_k_m";
+      const DType type = q4_k_m ? DType::Q4_K : parse_weight_dtype(o->type, "--type");
       const auto t0 = std::chrono::steady_clock::now();
       TokenizerTexts tok;
       bool has_tok = false;
@@ -324,9 +326,9 @@ void register_quantize(CLI::App& app) {
           has_tok = true;
         }
       }
-      write_gguf_checkpoint(cfg, *src, has_tok ? &tok : nullptr, type, o->out);
+      write_gguf_checkpoint(cfg, *src, has_tok ? &tok : nullptr, type, o->out, q4_k_m);
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      std::printf("wrote %s (%s matrices%s) in %.1f s\n", o->out.c_str(), dtype_name(type),
+      std::printf("wrote %s (%s matrices%s) in %.1f s\n", o->out.c_str(), q4_k_m ? "q4_k_m" : dtype_name(type),
                   has_tok ? ", tokenizer" : "", s);
     });
   });

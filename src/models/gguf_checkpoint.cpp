@@ -514,7 +514,20 @@ Tensor encode(const Tensor& f, DType to) {
 }  // namespace
 
 void write_gguf_checkpoint(const ModelConfig& cfg, const WeightSource& w, const TokenizerTexts* tokenizer, DType type,
-                           const std::string& path) {
+                           const std::string& path, bool q4_k_m) {
+  if (q4_k_m && type != DType::Q4_K) throw std::invalid_argument("the Q4_K_M mix needs matrices of type q4_k");
+  // llama-quantize's Q4_K_M: the value projections (attn_v, and attn_qkv where the linear layers
+  // fuse it) and the down projections of the first and last eighth of the layers and of every
+  // third layer between them take Q6_K (its use_more_bits).
+  const int64_t nl = cfg.num_hidden_layers;
+  auto more_bits = [&](const std::string& t) {
+    if (t.rfind("blk.", 0) != 0) return false;
+    const size_t dot = t.find('.', 4);
+    const int64_t i = std::stoll(t.substr(4, dot - 4));
+    const std::string what = t.substr(dot + 1);
+    const bool v = what == "attn_v.weight" || what == "attn_qkv.weight", down = what.rfind("ffn_down", 0) == 0;
+    return (v || down) && (i < nl / 8 || i >= 7 * nl / 8 || (i - nl / 8) % 3 == 2);
+  };
   auto bad = [&](const std::string& what) -> void { throw std::runtime_error("gguf " + path + ": " + what); };
   if (!(type == DType::F32 || type == DType::BF16 || dtype_is_quantized(type)))
     bad(std::string("cannot write matrices as ") + dtype_name(type) + " (f32, bf16, q8_0, q4_k or q6_k)");
@@ -614,6 +627,7 @@ void write_gguf_checkpoint(const ModelConfig& cfg, const WeightSource& w, const 
     const bool router = name.ends_with("mlp.gate.weight") || name.ends_with("shared_expert_gate.weight");
     const bool embedding = name.ends_with("embed_tokens.weight") || name == "lm_head.weight";
     DType to = type == DType::Q4_K && embedding ? DType::Q6_K : type;
+    if (q4_k_m && more_bits(s->tensor)) to = DType::Q6_K;
     if (f.ndim() != 2 || router || name.ends_with("conv1d.weight")) to = DType::F32;
     if (dtype_is_quantized(to) && f.dim(1) % dtype_block(to) != 0) to = DType::F16;
     if (s->expert >= 0) {

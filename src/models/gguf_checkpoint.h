@@ -56,7 +56,10 @@ TokenizerTexts gguf_tokenizer_texts(const GgufFile& f);
 // qwen2 or qwen35 pre-tokenizer; anything else throws naming it). Throws naming the tensor or key
 // on anything the format or llama.cpp's loader cannot represent (e.g. full-attention layers that
 // are not every n-th layer).
+// q4_k_m (with type Q4_K): llama-quantize's Q4_K_M mix, Q6_K for the value and down projections
+// of the layers it gives more bits (tensor types as its file has them; the blocks come from our
+// quantizer, not byte-equal to ggml's K-quant search).
 void write_gguf_checkpoint(const ModelConfig& cfg, const WeightSource& w, const TokenizerTexts* tokenizer, DType type,
-                           const std::string& path);
+                           const std::string& path, bool q4_k_m = false);
 
 }  // namespace hypic

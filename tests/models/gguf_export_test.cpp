@@ -188,6 +188,28 @@ TEST(GgufExport, QuantizedFileHoldsTheQuantizedCheckpoint) {
   }
 }
 
+// --type q4_k_m gives every tensor the type llama-quantize's Q4_K_M gave it in the committed file
+// of the default model (the blocks themselves come from our quantizer).
+TEST(GgufExport, Q4KMMixHasLlamaQuantizesTypes) {
+  const std::string out = tmp_path("q4_k_m.gguf");
+  ModelDir dir = open_model_dir(default_model_dir());
+  auto src = weights_from_store(*dir.weights);
+  write_gguf_checkpoint(dir.config, *src, nullptr, DType::Q4_K, out, true);
+  GgufFile ours(out), theirs(gguf("default-q4_k_m.gguf"));
+  ASSERT_EQ(ours.tensors().size(), theirs.tensors().size());
+  int q6 = 0;
+  for (const auto& t : theirs.tensors()) {
+    const GgufTensorInfo* o = ours.find(t.name);
+    ASSERT_NE(o, nullptr) << t.name;
+    EXPECT_STREQ(o->type->name, t.type->name) << t.name;
+    EXPECT_EQ(o->ne, t.ne) << t.name;
+    q6 += std::string(o->type->name) == "Q6_K";
+  }
+  EXPECT_GE(q6, 10);
+  EXPECT_THROW(write_gguf_checkpoint(dir.config, *src, nullptr, DType::Q8_0, out, true), std::invalid_argument);
+  std::filesystem::remove(out);
+}
+
 TEST(GgufExport, RefusesWhatTheFormatCannotHold) {
   ModelDir dir = open_model_dir(model("qwen3_5_dense"));
   auto src = weights_from_store(*dir.weights);
