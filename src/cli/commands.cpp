@@ -313,16 +313,9 @@ void register_quantize(CLI::App& app) {
         dir.emplace(open_model_dir(o->model));
         cfg = dir->config;
         src = weights_from_store(*dir->weights);
-        auto slurp = [](const std::string& p) {
-          std::ifstream in(p, std::ios::binary);
-          if (!in) throw std::runtime_error("cannot read " + p);
-          std::ostringstream ss;
-          ss << in.rdbuf();
-          return ss.str();
-        };
         if (!dir->tokenizer_json.empty()) {
-          tok.tokenizer_json = slurp(dir->tokenizer_json);
-          if (!dir->tokenizer_config_json.empty()) tok.config_json = slurp(dir->tokenizer_config_json);
+          tok.tokenizer_json = read_text_file(dir->tokenizer_json);
+          if (!dir->tokenizer_config_json.empty()) tok.config_json = read_text_file(dir->tokenizer_config_json);
           has_tok = true;
         }
       }

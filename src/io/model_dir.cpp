@@ -12,15 +12,15 @@ namespace hypic {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
-namespace {
-
-std::string read_text(const std::string& path) {
+std::string read_text_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw std::runtime_error("cannot open " + path);
   std::stringstream ss;
   ss << in.rdbuf();
   return ss.str();
 }
+
+namespace {
 
 [[noreturn]] void bad_field(const std::string& path, const std::string& field, const std::string& what, const json& v) {
   throw std::runtime_error(path + ": field '" + field + "' must be " + what + ", found " + v.dump());
@@ -85,7 +85,7 @@ ModelDir open_model_dir(const std::string& dir) {
 
   const std::string gen_path = (fs::path(dir) / "generation_config.json").string();
   if (fs::is_regular_file(gen_path, ec)) {
-    m.generation = parse_generation_config(read_text(gen_path), gen_path);
+    m.generation = parse_generation_config(read_text_file(gen_path), gen_path);
     for (int64_t id : m.generation.eos_token_ids) {
       auto& ids = m.config.eos_token_ids;
       if (std::find(ids.begin(), ids.end(), id) == ids.end()) ids.push_back(id);

@@ -30,6 +30,9 @@ struct ModelDir {
 // Parses generation_config.json text; `path` only names the file in error messages.
 GenerationDefaults parse_generation_config(const std::string& json_text, const std::string& path);
 
+// A whole file's bytes; throws std::runtime_error naming the path when it cannot be opened.
+std::string read_text_file(const std::string& path);
+
 // Opens a model folder. Throws std::runtime_error naming the path when the folder is missing, is
 // not a directory, lacks config.json, or any of its files is malformed.
 ModelDir open_model_dir(const std::string& dir);

@@ -384,14 +384,6 @@ class RecordingSource : public WeightSource {
   mutable std::vector<std::pair<std::string, Shape>> names_;
 };
 
-std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::runtime_error("cannot read " + path);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 // tokenizer.json / tokenizer_config.json texts as tokenizer.ggml.* metadata (the inverse of
 // gguf_tokenizer_texts).
 void write_tokenizer(GgufWriter& w, const TokenizerTexts& t, int64_t vocab_size, const std::string& path) {

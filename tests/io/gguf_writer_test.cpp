@@ -12,6 +12,7 @@
 #include <type_traits>
 #include <variant>
 
+#include "gguf_values.h"
 #include "io/gguf.h"
 #include "tensor/quant.h"
 #include "test_tmpdir.h"
@@ -35,27 +36,7 @@ std::string error_of(F&& fn) {
 
 const std::string kSmall = std::string(HYPIC_TEST_DATA) + "/gguf/small.gguf";
 
-bool same_value(const GgufValue& a, const GgufValue& b) {
-  if (a.type != b.type) return false;
-  if (a.type == GgufType::Array) {
-    const auto& x = std::get<GgufArray>(a.v);
-    const auto& y = std::get<GgufArray>(b.v);
-    if (x.elem != y.elem || x.items.size() != y.items.size()) return false;
-    for (size_t i = 0; i < x.items.size(); ++i)
-      if (!same_value(x.items[i], y.items[i])) return false;
-    return true;
-  }
-  if (a.v.index() != b.v.index()) return false;
-  return std::visit(
-      [&](const auto& x) -> bool {
-        using T = std::decay_t<decltype(x)>;
-        if constexpr (std::is_same_v<T, GgufArray>)
-          return false;
-        else
-          return x == std::get<T>(b.v);
-      },
-      a.v);
-}
+using hypic::testing::same_value;
 
 Tensor quantized(DType dt, Shape shape, std::mt19937& rng) {
   Tensor f = Tensor::empty(DType::F32, shape);

@@ -14,6 +14,7 @@
 #include <type_traits>
 #include <variant>
 
+#include "../io/gguf_values.h"
 #include "engine/loader.h"
 #include "io/gguf.h"
 #include "io/model_dir.h"
@@ -31,39 +32,12 @@ std::string gguf(const std::string& n) {
   return std::string(HYPIC_TEST_DATA) + "/gguf/" + n;
 }
 
-std::string slurp(const std::string& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 std::string tmp_path(const std::string& name) {
   return (std::filesystem::temp_directory_path() / ("hypic_export_" + std::to_string(::getpid()) + "_" + name))
       .string();
 }
 
-bool same_value(const GgufValue& a, const GgufValue& b) {
-  if (a.type != b.type) return false;
-  if (a.type == GgufType::Array) {
-    const auto& x = std::get<GgufArray>(a.v);
-    const auto& y = std::get<GgufArray>(b.v);
-    if (x.elem != y.elem || x.items.size() != y.items.size()) return false;
-    for (size_t i = 0; i < x.items.size(); ++i)
-      if (!same_value(x.items[i], y.items[i])) return false;
-    return true;
-  }
-  if (a.v.index() != b.v.index()) return false;
-  return std::visit(
-      [&](const auto& x) -> bool {
-        using T = std::decay_t<decltype(x)>;
-        if constexpr (std::is_same_v<T, GgufArray>)
-          return false;
-        else
-          return x == std::get<T>(b.v);
-      },
-      a.v);
-}
+using hypic::testing::same_value;
 
 void write_from_folder(const std::string& folder, DType type, const std::string& out) {
   ModelDir dir = open_model_dir(folder);
@@ -71,8 +45,8 @@ void write_from_folder(const std::string& folder, DType type, const std::string&
   TokenizerTexts tok;
   const bool has_tok = !dir.tokenizer_json.empty();
   if (has_tok) {
-    tok.tokenizer_json = slurp(dir.tokenizer_json);
-    if (!dir.tokenizer_config_json.empty()) tok.config_json = slurp(dir.tokenizer_config_json);
+    tok.tokenizer_json = read_text_file(dir.tokenizer_json);
+    if (!dir.tokenizer_config_json.empty()) tok.config_json = read_text_file(dir.tokenizer_config_json);
   }
   write_gguf_checkpoint(dir.config, *src, has_tok ? &tok : nullptr, type, out);
 }
