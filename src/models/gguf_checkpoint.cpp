@@ -578,10 +578,11 @@ void write_gguf_checkpoint(const ModelConfig& cfg, const WeightSource& w, const 
   auto cpu = make_backend("cpu", 1);
   RecordingSource rec(w);
   { Model probe(cfg, rec, *cpu); }
-  // Stacked experts: gathered per file tensor, written when the last expert has come.
+  // Stacked experts: gathered per file tensor in f32 and encoded as soon as the last one has come
+  // (a layer at a time: a large MoE never holds all its experts in f32).
   struct Stack {
     std::vector<Tensor> experts;
-    DType to;
+    int64_t have = 0;
   };
   std::map<std::string, Stack> stacks;
   std::vector<std::string> order;
@@ -625,24 +626,25 @@ void write_gguf_checkpoint(const ModelConfig& cfg, const WeightSource& w, const 
     if (s->expert >= 0) {
       Stack& st = stacks[s->tensor];
       if (st.experts.empty()) order.push_back(s->tensor), st.experts.resize(static_cast<size_t>(cfg.num_experts));
-      if (s->expert >= cfg.num_experts) bad("expert " + std::to_string(s->expert) + " of " + s->tensor);
+      if (s->expert >= cfg.num_experts || st.experts[static_cast<size_t>(s->expert)].defined())
+        bad("expert " + std::to_string(s->expert) + " of " + s->tensor + " is out of range or repeated");
       st.experts[static_cast<size_t>(s->expert)] = f;
-      st.to = to;
+      if (++st.have < cfg.num_experts) continue;
+      const Shape es = st.experts[0].shape();
+      Tensor all = Tensor::empty(DType::F32, {cfg.num_experts, es[0], es[1]});
+      for (size_t e = 0; e < st.experts.size(); ++e) {
+        if (st.experts[e].shape() != es) bad("the experts of " + s->tensor + " differ in shape");
+        std::memcpy(all.data<float>() + static_cast<int64_t>(e) * es[0] * es[1], st.experts[e].data<float>(),
+                    static_cast<size_t>(es[0] * es[1]) * sizeof(float));
+      }
+      out[s->tensor] = encode(all, to);
+      stacks.erase(s->tensor);
       continue;
     }
     order.push_back(s->tensor);
     out[s->tensor] = encode(f, to);
   }
-  for (const auto& [t, st] : stacks) {
-    const Shape es = st.experts.at(0).shape();
-    Tensor all = Tensor::empty(DType::F32, {static_cast<int64_t>(st.experts.size()), es[0], es[1]});
-    for (size_t e = 0; e < st.experts.size(); ++e) {
-      if (!st.experts[e].defined() || st.experts[e].shape() != es) bad("experts of " + t + " are missing or uneven");
-      std::memcpy(all.data<float>() + static_cast<int64_t>(e) * es[0] * es[1], st.experts[e].data<float>(),
-                  static_cast<size_t>(es[0] * es[1]) * sizeof(float));
-    }
-    out[t] = encode(all, st.to);
-  }
+  if (!stacks.empty()) bad("the experts of " + stacks.begin()->first + " are incomplete");
   for (const auto& t : order) g.add_tensor(t, out.at(t));
   g.write(path);
 }
