@@ -11,7 +11,9 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <optional>
 #include <stdexcept>
+#include <utility>
 
 namespace hypic {
 
@@ -165,6 +167,25 @@ GgufValue read_value(Cursor& c, GgufType t, const std::string& key, int depth) {
 }
 
 }  // namespace
+
+namespace {
+// The ggml types that are hypic dtypes (the rest are read as bytes only).
+constexpr std::pair<uint32_t, DType> kDtypes[] = {{0, DType::F32},  {1, DType::F16},  {30, DType::BF16},
+                                                  {28, DType::F64}, {8, DType::Q8_0}, {12, DType::Q4_K},
+                                                  {14, DType::Q6_K}};
+}  // namespace
+
+std::optional<DType> dtype_of_ggml(uint32_t id) {
+  for (const auto& [i, dt] : kDtypes)
+    if (i == id) return dt;
+  return std::nullopt;
+}
+
+std::optional<uint32_t> ggml_id_of(DType dt) {
+  for (const auto& [i, d] : kDtypes)
+    if (d == dt) return i;
+  return std::nullopt;
+}
 
 const GgmlType* ggml_type(uint32_t id) {
   for (const auto& t : kTypes)
@@ -323,33 +344,11 @@ const uint8_t* GgufFile::data(const GgufTensorInfo& t) const {
 Tensor GgufFile::get(const std::string& name) const {
   const GgufTensorInfo* t = find(name);
   if (!t) throw std::runtime_error("gguf " + path_ + ": missing tensor " + name);
-  DType dt;
-  switch (t->type->id) {
-    case 0:
-      dt = DType::F32;
-      break;
-    case 1:
-      dt = DType::F16;
-      break;
-    case 30:
-      dt = DType::BF16;
-      break;
-    case 28:
-      dt = DType::F64;
-      break;
-    case 8:
-      dt = DType::Q8_0;
-      break;
-    case 12:
-      dt = DType::Q4_K;
-      break;
-    case 14:
-      dt = DType::Q6_K;
-      break;
-    default:
-      throw std::runtime_error("gguf " + path_ + ": tensor " + name + " is " + t->type->name +
-                               "; hypic reads F32, F16, BF16, F64, Q8_0, Q4_K and Q6_K tensors");
-  }
+  const std::optional<DType> d = dtype_of_ggml(t->type->id);
+  if (!d)
+    throw std::runtime_error("gguf " + path_ + ": tensor " + name + " is " + t->type->name +
+                             "; hypic reads F32, F16, BF16, F64, Q8_0, Q4_K and Q6_K tensors");
+  const DType dt = *d;
   // Quantized blocks are packed structs, read without alignment.
   if (!dtype_is_quantized(dt) && (data_offset_ + t->offset) % dtype_size(dt) != 0)
     throw std::runtime_error("gguf " + path_ + ": tensor " + name + " is misaligned for its type");

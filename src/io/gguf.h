@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <variant>
 #include <vector>
@@ -56,6 +57,9 @@ struct GgmlType {
 };
 // The type with this id, or null when the reader does not know it.
 const GgmlType* ggml_type(uint32_t id);
+// The hypic dtype a ggml type id is read as, and back (nullopt where there is none).
+std::optional<DType> dtype_of_ggml(uint32_t id);
+std::optional<uint32_t> ggml_id_of(DType dt);
 
 struct GgufTensorInfo {
   std::string name;

@@ -10,25 +10,6 @@ namespace hypic {
 
 namespace {
 
-uint32_t ggml_id(DType dt) {
-  switch (dt) {
-    case DType::F32:
-      return 0;
-    case DType::F16:
-      return 1;
-    case DType::BF16:
-      return 30;
-    case DType::Q8_0:
-      return 8;
-    case DType::Q4_K:
-      return 12;
-    case DType::Q6_K:
-      return 14;
-    default:
-      return UINT32_MAX;
-  }
-}
-
 // Whether v's contents fit its declared type (arrays: every item of the element type).
 bool well_typed(const GgufValue& v) {
   switch (v.type) {
@@ -157,12 +138,13 @@ void GgufWriter::add_tensor(const std::string& name, const Tensor& t) {
   for (const auto& e : tensors_)
     if (e.name == name) throw std::invalid_argument("gguf writer: tensor " + name + " added twice");
   if (!t.defined() || !t.is_cpu()) throw std::invalid_argument("gguf writer: tensor " + name + " is not on the CPU");
-  const uint32_t id = ggml_id(t.dtype());
-  if (id == UINT32_MAX)
+  const std::optional<uint32_t> gid = ggml_id_of(t.dtype());
+  if (!gid || t.dtype() == DType::F64)
     throw std::invalid_argument("gguf writer: tensor " + name + " is " + t.str() +
                                 ": GGUF tensors are written as f32, f16, bf16, q8_0, q4_k or q6_k");
   if (t.ndim() < 1 || t.ndim() > 4)
     throw std::invalid_argument("gguf writer: tensor " + name + " " + t.str() + " has not 1 to 4 dimensions");
+  const uint32_t id = *gid;
   const GgmlType* g = ggml_type(id);
   const Shape& sh = t.shape();
   if (sh.back() % g->block != 0)

@@ -269,7 +269,8 @@ ModelConfig gguf_model_config(const GgufFile& f) {
     fail(f, "token_embd.weight is " + shape_str(es) + ", expected [vocab, " + std::to_string(c.hidden_size) + "]");
   c.vocab_size = es[0];
   c.tie_word_embeddings = f.find("output.weight") == nullptr;
-  c.dtype = emb->type->id == 30 ? DType::BF16 : emb->type->id == 1 ? DType::F16 : DType::F32;
+  const std::optional<DType> ed = dtype_of_ggml(emb->type->id);
+  c.dtype = ed && (*ed == DType::BF16 || *ed == DType::F16) ? *ed : DType::F32;
   if (f.has("tokenizer.ggml.eos_token_id")) c.eos_token_ids = {f.get_int("tokenizer.ggml.eos_token_id")};
   if (f.has("tokenizer.ggml.bos_token_id")) c.bos_token_id = f.get_int("tokenizer.ggml.bos_token_id");
   if (f.has("tokenizer.ggml.padding_token_id")) c.pad_token_id = f.get_int("tokenizer.ggml.padding_token_id");
