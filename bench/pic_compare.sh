@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 11's PIC benchmarks, on the device machine in one call (or on the CPU with small sizes):
 #   ttft   TTFT of one RAG shape per mode (32-token system prefix + SEGMENTS documents of
-#          SEGMENT_TOKENS + a 64-token question, documents shuffled between requests; entries warm),
+#          SEGMENT_TOKENS + a 64-token question, documents shuffled between requests; entries warm
+#          in GPU memory for pic, in the host tier for pic-host, in files for pic-disk),
 #          and transformers' full prefill of the same number of tokens (PEER=1);
 #   sweep  TTFT against the number of reused segments (SWEEP counts of SWEEP_TOKENS each), prefix
 #          and pic: the per-segment cost of composition is the slope;
@@ -11,7 +12,7 @@
 # Usage (device, after scripts/pack-device.sh and scripts/pack-llama-peer.sh here, for the
 # tokenizer): bash scripts/device-run.sh bash bench/pic_compare.sh [ttft|sweep|serve|all]...
 # Environment: CONFIG (bench/configs/qwen3_5_35b_a3b.json), BACKEND (cuda), SEGMENTS (16),
-# SEGMENT_TOKENS (2048), REQUESTS (5), SWEEP ("1 2 4 8 16 32 64"), SWEEP_TOKENS (1024), PEER (1),
+# SEGMENT_TOKENS (2048), REQUESTS (5), MODES (full,prefix,pic,pic-host,pic-disk), SWEEP ("1 2 4 8 16 32 64"), SWEEP_TOKENS (1024), PEER (1),
 # RATES (0.5,1,2,4,8), DURATION (60 s per rate), TRACE_ARGS (more hypic_rag_trace arguments),
 # CACHE_MIB (32768: the segment cache of ttft and sweep; 64 entries of 1k tokens take ~12.5 GB on 35B-A3B),
 # TOKENIZER (a tokenizer folder; default: .peer/tokenizer.tar.gz unpacked).
@@ -31,7 +32,7 @@ for w in "${what[@]}"; do
     ttft)
       segs="${SEGMENTS:-16}" toks="${SEGMENT_TOKENS:-2048}"
       hypic bench ttft --backend "$be" --config "$cfg" --random-weights --segments "$segs" --segment-tokens "$toks" \
-        --query-tokens 64 --prefix-tokens 32 --requests "${REQUESTS:-5}" --modes full,prefix,pic \
+        --query-tokens 64 --prefix-tokens 32 --requests "${REQUESTS:-5}" --modes "${MODES:-full,prefix,pic,pic-host,pic-disk}" \
         --cache-budget-mib "${CACHE_MIB:-32768}" --json | tag ttft >> "$j"
       if [ "${PEER:-1}" = 1 ]; then
         PYTHONUNBUFFERED=1 python3 tools/bench/transformers_bench.py --config "$cfg" \

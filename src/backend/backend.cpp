@@ -56,6 +56,17 @@ void Backend::write(Tensor& dst, const void* src, size_t bytes) {
   copy(h, dst);
 }
 
+Tensor Backend::alloc_host(size_t bytes) {
+  return Tensor::uninitialized(DType::U8, {static_cast<int64_t>(bytes)});
+}
+
+std::shared_ptr<Backend::Fence> Backend::copy_async(std::span<const Tensor> src, std::span<Tensor> dst) {
+  if (src.size() != dst.size())
+    checks::fail("copy_async", std::to_string(src.size()) + " sources for " + std::to_string(dst.size()) + " targets");
+  for (size_t i = 0; i < src.size(); ++i) copy(src[i], dst[i]);
+  return nullptr;
+}
+
 namespace {
 std::vector<int64_t> host_table(Backend& be, const Tensor& t) {
   Tensor h = be.to_host(t);

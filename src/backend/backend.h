@@ -61,6 +61,9 @@ class Backend {
   virtual int64_t prefill_chunk() const { return 1024; }
   // Peak bytes of device memory this backend has held for tensors (-1: not tracked).
   virtual int64_t peak_memory_bytes() const { return -1; }
+  // Device memory still free for tensors: the driver's free bytes plus what this backend's caching
+  // allocator holds unused (-1: host memory, see the machine's RAM instead).
+  virtual int64_t free_memory_bytes() const { return -1; }
 
   // Precision of products. Default (false): a backend may round activations to bf16/f16 for its
   // tensor cores (the GPU does in products with half-precision weights and in prefill attention,
@@ -77,6 +80,24 @@ class Backend {
 
   // Host bytes into an existing tensor of this backend (small per-step inputs: ids, tables).
   virtual void write(Tensor& dst, const void* src, size_t bytes);
+
+  // ---- copies beside the work (the segment cache's host tier) ------------------------------
+  // Host memory this backend copies from and to fastest: page-locked on a GPU, so that copies
+  // run asynchronously on its copy engines; ordinary memory elsewhere. A u8 tensor of `bytes`,
+  // carved into tensors with Tensor::view.
+  virtual Tensor alloc_host(size_t bytes);
+  // The end of a group of copies queued beside the backend's work.
+  class Fence {
+   public:
+    virtual ~Fence() = default;
+  };
+  // Copies each src[i] (host) into dst[i] (this backend's, same dtype and size) on a queue of
+  // their own: they start after the work queued so far and overlap the work queued later, which
+  // must wait(fence) before it reads dst. src stays alive until the fence goes away. Null: the
+  // copies are already done (the base: copy() one by one).
+  virtual std::shared_ptr<Fence> copy_async(std::span<const Tensor> src, std::span<Tensor> dst);
+  // Work queued after this starts once f's copies are done; the host does not wait.
+  virtual void wait(const Fence& f) {}
 
   // ---- captured steps -----------------------------------------------------------------------
   // A recorded sequence of this backend's work, run again with one launch. Everything it reads or

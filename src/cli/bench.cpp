@@ -1,9 +1,12 @@
 // hypic bench prefill | decode: throughput figures as JSON plus a short table. Programs, not
 // tests: they print measurements and assert nothing about them.
+#include <stdlib.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -379,32 +382,63 @@ void register_bench(CLI::App& app) {
       ->capture_default_str();
   t->add_option("--answer-tokens", tr->answer_tokens, "multi-turn: answer tokens of each earlier turn")
       ->capture_default_str();
-  t->add_option("--modes", tr->modes, "Modes to compare")->capture_default_str();
+  t->add_option("--modes", tr->modes,
+                "Modes to compare: full, prefix, pic, naive, and pic-host / pic-disk (pic with the entries in the "
+                "host tier / on disk at each request)")
+      ->capture_default_str();
   t->add_option("--seam", tr->seam, "Seam width for pic")->capture_default_str();
   t->callback([to, tr] {
     guarded([&] {
       const auto& o = *to;
       const auto& ro = *tr;
       check_rag(ro);
-      std::vector<PicMode> modes;
-      for (auto& m : split_csv(ro.modes)) modes.push_back(parse_pic_mode(m));
+      // pic-host / pic-disk: pic with every entry moved to the host tier / dropped to the disk tier
+      // before each timed request (not timed), so that the request copies them back.
+      struct Mode {
+        std::string name, tier;
+        PicMode mode;
+      };
+      std::vector<Mode> modes;
+      for (auto& m : split_csv(ro.modes)) {
+        const bool tiered = m == "pic-host" || m == "pic-disk";
+        modes.push_back({m, tiered ? m.substr(4) : "", parse_pic_mode(tiered ? "pic" : m)});
+      }
       LoadedModel lm = open(o);
       auto& m = *lm.model;
       nlohmann::json res = nlohmann::json::array();
       std::map<std::string, double> med;
       const bool multi_turn = ro.workload == "multi-turn";
-      for (PicMode mode : modes) {
+      for (const Mode& md : modes) {
         // Same documents, orders and turns for every mode.
         RagWorkload w(ro, m.config().vocab_size, o.seed);
         MultiTurnWorkload conv(ro, m.config().vocab_size, o.seed);
-        PicEngine eng(m, static_cast<size_t>(ro.cache_mib * 1048576.0));
-        PicOptions po{mode, ro.seam};
+        const size_t budget = static_cast<size_t>(ro.cache_mib * 1048576.0);
+        PicEngine eng(m, budget);
+        std::string disk_dir;
+        if (md.tier == "host") eng.attach_host_tier(budget);
+        if (md.tier == "disk") {
+          std::string tmpl = (std::filesystem::temp_directory_path() / "hypic_bench_XXXXXX").string();
+          if (!mkdtemp(tmpl.data())) throw std::runtime_error("pic-disk: cannot make a folder for the segment files");
+          disk_dir = tmpl;
+          eng.attach_cache_dir(disk_dir);
+        }
+        struct RemoveDir {
+          std::string d;
+          ~RemoveDir() {
+            std::error_code ec;
+            if (!d.empty()) std::filesystem::remove_all(d, ec);
+          }
+        } remove_dir{disk_dir};
+        PicOptions po{md.mode, ro.seam};
         // Warm-up: every document seen once (multi-turn: the conversation's first turn).
         eng.prefill(multi_turn ? conv.next_turn() : w.request(false), po);
         std::vector<double> ttft;
         std::vector<double> computed, cached;
         for (int r = 0; r < ro.requests; ++r) {
           auto segs = multi_turn ? conv.next_turn() : w.request();
+          if (md.tier == "host") eng.cache().demote_all();
+          if (md.tier == "disk") eng.cache().clear();  // the files stay (in the OS page cache, too)
+          m.backend().synchronize();
           auto t0 = Clock::now();
           PrefillResult pr = eng.prefill(segs, po);
           Tensor h = m.backend().to_host(pr.logits);
@@ -414,13 +448,16 @@ void register_bench(CLI::App& app) {
           cached.push_back(static_cast<double>(pr.report.reused_tokens));
         }
         const double mt = median(ttft);
-        med[pic_mode_name(mode)] = mt;
-        res.push_back({{"mode", pic_mode_name(mode)},
+        med[md.name] = mt;
+        const SegmentCacheStats cs = eng.cache().stats();
+        res.push_back({{"mode", md.name},
+                       {"host_hits", cs.host_hits},
+                       {"disk_hits", cs.disk_hits},
                        {"ttft_ms_median", mt},
                        {"ttft_ms", ttft},
                        {"computed_tokens_median", median(computed)},
                        {"cached_tokens_median", median(cached)},
-                       {"cache_bytes", eng.cache().stats().bytes}});
+                       {"cache_bytes", cs.bytes}});
       }
       // Multi-turn: the last timed turn's prompt (it carries one earlier turn per timed request).
       const int64_t prompt = ro.prefix_tokens + int64_t(ro.segments) * ro.segment_tokens + ro.query_tokens +

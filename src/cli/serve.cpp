@@ -60,7 +60,7 @@ void register_serve(CLI::App& app) {
     std::string quantize;
     int port = 8080, seam = 8, max_queue = 64, max_running = 8, threads = 0, prefill_chunk = 512, http_threads = 0,
         compose_chunk = 0;
-    double cache_mib = 0, max_body_mib = 32;  // cache_mib: set from the machine unless given
+    double cache_mib = 0, max_body_mib = 32, host_cache_mib = 0;  // cache_mib: set from the machine unless given
     int max_json_depth = 64;
     bool mask_padded = false;
     std::string cache_dir;
@@ -93,9 +93,14 @@ void register_serve(CLI::App& app) {
   c->add_option("--mode", o->mode, "Default prefill mode: full, prefix, pic, naive")->capture_default_str();
   c->add_option("--seam", o->seam, "Default recomputed head tokens of each reused segment")->capture_default_str();
   c->add_option("--cache-budget-mib", o->cache_mib,
-                "Segment cache budget in MiB (default: a quarter of this machine's memory, at most 4096)");
+                "Segment cache budget in MiB (default: a quarter of this machine's memory, at most 4096; on a GPU, "
+                "half of the device memory free after loading)");
   c->add_option("--cache-dir", o->cache_dir,
                 "Persistent segment store: segments survive restarts (memory misses look here first)");
+  c->add_option("--host-cache-mib", o->host_cache_mib,
+                "GPU backends: keep segments evicted from GPU memory in page-locked host memory, up to this many "
+                "MiB (0: none); a request copies them back while it starts")
+      ->capture_default_str();
   c->add_option("--disk-budget-mib", o->disk_budget_mib,
                 "Byte budget of --cache-dir in MiB (default: half the free space there at start, at most 32 GiB; "
                 "0: unlimited)");
@@ -163,6 +168,11 @@ void register_serve(CLI::App& app) {
       so.sched.cache_budget_bytes = static_cast<size_t>(o->cache_mib * 1048576.0);
       if (o->disk_budget_mib < 0) throw std::invalid_argument("--disk-budget-mib must be >= 0");
       if (disk_given && o->cache_dir.empty()) throw std::invalid_argument("--disk-budget-mib needs --cache-dir");
+      if (o->host_cache_mib < 0) throw std::invalid_argument("--host-cache-mib must be >= 0");
+      if (o->host_cache_mib > 0 && o->backend == "cpu")
+        throw std::invalid_argument(
+            "--host-cache-mib is for GPU backends: the cpu backend's segment cache is in host memory already");
+      so.sched.host_cache_bytes = static_cast<size_t>(o->host_cache_mib * 1048576.0);
       so.sched.cache_dir = o->cache_dir;
       if (!disk_given && !o->cache_dir.empty())
         o->disk_budget_mib = server::default_disk_budget(server::free_bytes_at(o->cache_dir)) / 1048576.0;
@@ -262,6 +272,11 @@ void register_serve(CLI::App& app) {
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), cfg.architecture,
           cfg.num_hidden_layers, lm.model->parameter_count(), lm.model->weight_bytes() / 1048576.0,
           cfg.max_position_embeddings, lm.tokenizer ? "yes" : "no");
+      // On a GPU the segment cache lives in device memory: its default follows what the weights left.
+      if (const int64_t free_dev = lm.backend->free_memory_bytes(); !cache_given && free_dev >= 0) {
+        so.sched.cache_budget_bytes = server::default_gpu_cache_budget(static_cast<uint64_t>(free_dev));
+        o->cache_mib = static_cast<double>(so.sched.cache_budget_bytes) / 1048576.0;
+      }
 
       server::HttpServer srv(lm, so);
       const int port = srv.bind();

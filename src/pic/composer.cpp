@@ -468,6 +468,9 @@ PicPlan PicEngine::plan(const std::vector<std::vector<int32_t>>& segs, const Pic
   PicPlan p;
   p.opt = opt;
   int64_t pos = 0;
+  // Entries found in the host tier are copied back together, layer by layer, when the plan is made
+  // (before the builds of its missing entries, which overlap the copies).
+  SegmentCache::PromotionBatch batch(cache_);
   for (size_t i = 0; i + 1 < segs.size(); ++i) {
     const auto [seam, tail] = seam_widths(i, opt);
     PicPart part;
@@ -775,6 +778,7 @@ std::optional<PrefillResult> PicEngine::step_compose(ComposeRun& c, int64_t max_
       const ComposeRun::Part& p = c.parts[i];
       static const LayerSummary kNoBody;
       const LayerSummary& sum = p.e ? p.e->layers[static_cast<size_t>(l)] : kNoBody;
+      if (p.e) p.e->wait_layer(be, static_cast<size_t>(l));  // promoted from the host tier: its copies
       SpanAfter after;
       if (linear) {
         if (p.restored) continue;  // its effect is in the restored state

@@ -121,6 +121,10 @@ class PicEngine {
   // written through. Loaded entries are also checked against this model's layer layout and shapes.
   // Disk errors never fail a request. Call before serving requests.
   void attach_store(std::shared_ptr<SegmentStore> store);
+  // Optional host tier between memory and the disk (GPU backends; --host-cache-mib): entries
+  // evicted from GPU memory are kept in page-locked host memory up to `bytes`, and a request that
+  // finds its entries there copies them back layer by layer while it starts (SegmentCache).
+  void attach_host_tier(size_t bytes) { cache_.attach_host_tier(model_.backend(), bytes); }
   // Convenience: a SegmentStore over `dir` on this model's backend, attached and returned.
   std::shared_ptr<SegmentStore> attach_cache_dir(const std::string& dir,
                                                  size_t disk_budget_bytes = std::numeric_limits<size_t>::max());

@@ -14,6 +14,10 @@ uint64_t default_cache_budget(uint64_t ram) {
   return std::clamp<uint64_t>(ram / 4, 256 * kMiB, 4096 * kMiB);
 }
 
+uint64_t default_gpu_cache_budget(uint64_t free_device) {
+  return std::max<uint64_t>(free_device / 2, uint64_t(256) << 20);
+}
+
 uint64_t default_disk_budget(uint64_t free_bytes) {
   return std::min<uint64_t>(free_bytes / 2, uint64_t(32) << 30);
 }

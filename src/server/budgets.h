@@ -8,6 +8,10 @@ namespace hypic::server {
 
 // A quarter of the machine's memory, at most 4 GiB, at least 256 MiB.
 uint64_t default_cache_budget(uint64_t physical_ram_bytes);
+// On a GPU, where the segment cache is device memory: half of what is free once the weights are
+// loaded (the rest for KV rows, recurrent states and activations of the running requests), at
+// least 256 MiB.
+uint64_t default_gpu_cache_budget(uint64_t free_device_bytes);
 // Half of the space free on the cache folder's file system when the server starts, at most 32 GiB.
 uint64_t default_disk_budget(uint64_t free_bytes);
 

@@ -392,6 +392,14 @@ struct HttpServer::Impl {
                 {"bytes", c.bytes},
                 {"entries", c.entries},
                 {"budget_bytes", c.budget},
+                // host tier (--host-cache-mib on a GPU; all zero without one)
+                {"host", c.host_budget > 0},
+                {"host_hits", c.host_hits},
+                {"host_demotions", c.host_demotions},
+                {"host_evictions", c.host_evictions},
+                {"host_bytes", c.host_bytes},
+                {"host_entries", c.host_entries},
+                {"host_budget_bytes", c.host_budget},
                 // disk tier (--cache-dir; all zero without one)
                 {"disk", !opt.sched.cache_dir.empty()},
                 {"disk_hits", c.disk_hits},

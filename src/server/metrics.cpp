@@ -103,6 +103,19 @@ std::string Metrics::render(const SegmentCacheStats& c) const {
   scalar(out, "hypic_segment_cache_bytes", "gauge", "Bytes held by the segment cache", static_cast<double>(c.bytes));
   scalar(out, "hypic_segment_cache_entries", "gauge", "Entries in the segment cache", static_cast<double>(c.entries));
   scalar(out, "hypic_segment_cache_budget_bytes", "gauge", "Segment cache byte budget", static_cast<double>(c.budget));
+  scalar(out, "hypic_segment_cache_host_hits_total", "counter",
+         "Segments copied back from the host tier (--host-cache-mib) on a memory miss",
+         static_cast<double>(c.host_hits));
+  scalar(out, "hypic_segment_cache_host_demotions_total", "counter",
+         "Segments copied to the host tier when evicted from GPU memory", static_cast<double>(c.host_demotions));
+  scalar(out, "hypic_segment_cache_host_evictions_total", "counter", "Segments dropped from the host tier",
+         static_cast<double>(c.host_evictions));
+  scalar(out, "hypic_segment_cache_host_bytes", "gauge", "Bytes of segments in the host tier",
+         static_cast<double>(c.host_bytes));
+  scalar(out, "hypic_segment_cache_host_entries", "gauge", "Segments in the host tier",
+         static_cast<double>(c.host_entries));
+  scalar(out, "hypic_segment_cache_host_budget_bytes", "gauge", "Host tier byte budget",
+         static_cast<double>(c.host_budget));
   scalar(out, "hypic_segment_cache_disk_hits_total", "counter",
          "Segments loaded from the persistent store (--cache-dir) on a memory miss", static_cast<double>(c.disk_hits));
   scalar(out, "hypic_segment_cache_disk_writes_total", "counter", "Segment files written to the persistent store",

@@ -64,6 +64,7 @@ Scheduler::Scheduler(Model& model, const Tokenizer* tok, SchedulerOptions opt, M
   if (opt_.compose_chunk < 0) throw std::invalid_argument("--compose-chunk must be >= 0");
   if (opt_.compose_chunk == 0)
     opt_.compose_chunk = model.backend().name() == "cpu" ? std::max(opt_.prefill_chunk / 32, 1) : opt_.prefill_chunk;
+  if (opt_.host_cache_bytes > 0) engine_.attach_host_tier(opt_.host_cache_bytes);
   if (!opt_.cache_dir.empty()) engine_.attach_cache_dir(opt_.cache_dir, opt_.disk_budget_bytes);
   if (tok_) {
     try {

@@ -93,6 +93,8 @@ struct SchedulerOptions {
   // looked up on disk before being computed; new ones are written through.
   std::string cache_dir;
   size_t disk_budget_bytes = std::numeric_limits<size_t>::max();
+  // Host tier of the segment cache (--host-cache-mib, GPU backends): 0 = none.
+  size_t host_cache_bytes = 0;
 };
 
 struct SegmentInfo {

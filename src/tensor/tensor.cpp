@@ -93,6 +93,14 @@ Tensor Tensor::slice_rows(int64_t begin, int64_t end) const {
   return Tensor(storage_, offset_ + static_cast<size_t>(begin) * row, dtype_, std::move(s));
 }
 
+Tensor Tensor::view(size_t offset_bytes, DType dt, Shape shape) const {
+  const size_t n = dtype_bytes(dt, shape_numel(shape));
+  if (!storage_ || offset_bytes > nbytes() || n > nbytes() - offset_bytes)
+    throw std::out_of_range("view of " + std::to_string(n) + " bytes at " + std::to_string(offset_bytes) + " in " +
+                            (storage_ ? str() : std::string("an undefined tensor")));
+  return Tensor(storage_, offset_ + offset_bytes, dt, std::move(shape));
+}
+
 Tensor Tensor::clone() const {
   if (!is_cpu()) throw std::logic_error("Tensor::clone is host-only; use Backend::copy");
   Tensor t = empty(dtype_, shape_);

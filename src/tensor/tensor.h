@@ -83,6 +83,9 @@ class Tensor {
   Tensor reshape(Shape s) const;
   // Rows [begin, end) along dim 0.
   Tensor slice_rows(int64_t begin, int64_t end) const;
+  // A tensor of another dtype and shape over this one's bytes from offset_bytes (carving one
+  // allocation into several tensors); throws if it does not fit.
+  Tensor view(size_t offset_bytes, DType dt, Shape shape) const;
   // Deep copy on the host.
   Tensor clone() const;
   // Host copy converted to f32 (any float dtype); a no-op view for f32.

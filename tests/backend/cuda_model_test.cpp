@@ -206,6 +206,49 @@ TEST_F(CudaModel, EntriesCrossBackendsThroughTheDiskTier) {
   fs::remove_all(root, ec);
 }
 
+// The host tier on the GPU: entries demoted to page-locked host memory come back through the copy
+// stream, layer by layer behind fences, while the request starts; the answer is bitwise the one
+// from entries in GPU memory, and a memory budget of one entry keeps the tiers moving.
+TEST_F(CudaModel, HostTierEntriesAnswerAsFromGpuMemory) {
+  for (const std::string name : {"qwen3_5_moe", "qwen3_next"}) {
+    auto g = load_model(dir(name), "cuda");
+    std::mt19937 rng(37);
+    const int32_t V = static_cast<int32_t>(g.model->config().vocab_size);
+    auto seg = [&](int n) {
+      std::vector<int32_t> s(static_cast<size_t>(n));
+      for (auto& t : s) t = static_cast<int32_t>(rng() % static_cast<uint32_t>(V));
+      return s;
+    };
+    const std::vector<std::vector<int32_t>> req = {seg(16), seg(48), seg(13), seg(70), seg(33), seg(8)};
+    PicOptions o;
+    o.mode = PicMode::Pic;
+    o.seam = 4;
+    PicEngine mem(*g.model, size_t(256) << 20), host(*g.model, size_t(256) << 20);
+    host.attach_host_tier(size_t(256) << 20);
+    mem.prefill(req, o);
+    host.prefill(req, o);
+    EXPECT_EQ(host.cache().demote_all(), 5u) << name;
+    auto req2 = req;
+    req2[0] = seg(16);  // another system prefix: every document body is composed from its entry
+    PrefillResult a = mem.prefill(req2, o), b = host.prefill(req2, o);
+    EXPECT_EQ(b.report.hit_segments, 4) << name;
+    EXPECT_EQ(host.cache().stats().host_hits, 4u) << name;
+    Tensor x = g.backend->to_host(a.logits), y = g.backend->to_host(b.logits);
+    ASSERT_EQ(x.nbytes(), y.nbytes());
+    EXPECT_EQ(std::memcmp(x.raw(), y.raw(), x.nbytes()), 0) << name << ": host tier differs from memory";
+
+    // Down and up again, behind other prefixes: still the memory tier's answers, bit for bit.
+    for (int round = 0; round < 2; ++round) {
+      req2[0] = seg(16);
+      EXPECT_EQ(host.cache().demote_all(), 5u) << name << " round " << round;
+      PrefillResult c = mem.prefill(req2, o), d = host.prefill(req2, o);
+      Tensor z = g.backend->to_host(c.logits), w = g.backend->to_host(d.logits);
+      EXPECT_EQ(std::memcmp(z.raw(), w.raw(), z.nbytes()), 0) << name << " round " << round;
+    }
+    EXPECT_EQ(host.cache().stats().host_hits, 12u) << name;
+  }
+}
+
 // The GPU's default products round activations to bf16 for bf16 weights. On the small random
 // bf16 reference model (made to be sensitive: logits std ~4) this moves log-probs far more than
 // f32 rounding does; the figure is recorded, and exact products must be much closer to transformers.

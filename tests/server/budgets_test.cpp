@@ -15,6 +15,9 @@ TEST(Budgets, CacheIsAQuarterOfMemoryWithinBounds) {
   EXPECT_EQ(default_cache_budget(24 * kGiB), 4096 * kMiB);  // the ceiling
   EXPECT_EQ(default_cache_budget(0), 4096 * kMiB);          // unknown memory
   EXPECT_LE(default_cache_budget(physical_ram_bytes()), 4096 * kMiB);
+  // A GPU's: half of the device memory left by the weights (35B-A3B on an H200: ~34 GiB), a floor.
+  EXPECT_EQ(default_gpu_cache_budget(69 * kGiB), 69 * kGiB / 2);
+  EXPECT_EQ(default_gpu_cache_budget(100 * kMiB), 256 * kMiB);
 }
 
 TEST(Budgets, DiskIsHalfTheFreeSpaceWithinBounds) {

@@ -142,6 +142,10 @@ class DeviceAllocator {
     std::lock_guard<std::mutex> lk(mu_);
     return peak_;
   }
+  size_t cached() const {
+    std::lock_guard<std::mutex> lk(mu_);
+    return cached_;
+  }
 
  private:
   int dev_;
@@ -207,6 +211,7 @@ struct CudaBackend::Impl {
   std::unique_ptr<OpProfile> prof;
   cudaDeviceProp prop{};
   cudaStream_t stream = nullptr;
+  cudaStream_t copy_stream = nullptr;  // copy_async: host-tier promotions beside the work
   cublasHandle_t blas = nullptr;
   std::shared_ptr<DeviceAllocator> mem;
   // Reused scratch for activations converted to a weight's dtype (stream order makes reuse safe).
@@ -345,6 +350,7 @@ CudaBackend::~CudaBackend() {
   m.blas_ws = Tensor();
   m.expert_tables.clear();
   if (m.blas) cublasDestroy(m.blas);
+  if (m.copy_stream) cudaStreamSynchronize(m.copy_stream), cudaStreamDestroy(m.copy_stream);
   if (m.stream) cudaStreamDestroy(m.stream);
 }
 
@@ -366,6 +372,12 @@ size_t CudaBackend::reserved_bytes() const {
 }
 size_t CudaBackend::peak_bytes() const {
   return impl_->mem->peak();
+}
+int64_t CudaBackend::free_memory_bytes() const {
+  impl_->bind();
+  size_t free = 0, total = 0;
+  CUDA_CHECK(cudaMemGetInfo(&free, &total));
+  return static_cast<int64_t>(free + impl_->mem->cached());
 }
 
 // ---- memory ----------------------------------------------------------------------------------
@@ -436,6 +448,67 @@ void CudaBackend::copy(const Tensor& src, Tensor& dst) {
   if (src.raw() == dst.raw() || src.nbytes() == 0) return;
   CUDA_CHECK(cudaMemcpyAsync(dst.raw(), src.raw(), src.nbytes(), cudaMemcpyDefault, impl_->stream));
   if (src.is_cpu() || dst.is_cpu()) CUDA_CHECK(cudaStreamSynchronize(impl_->stream));
+}
+
+Tensor CudaBackend::alloc_host(size_t bytes) {
+  impl_->bind();
+  void* p = nullptr;
+  // Page-locked, so that copy_async's copies run on the copy engines while kernels run.
+  CUDA_CHECK(cudaHostAlloc(&p, std::max<size_t>(bytes, 1), cudaHostAllocDefault));
+  auto st = std::make_shared<Storage>(p, bytes, Device{}, [](void* q) { cudaFreeHost(q); });
+  return Tensor(std::move(st), 0, DType::U8, {static_cast<int64_t>(bytes)});
+}
+
+namespace {
+struct CudaFence : Backend::Fence {
+  cudaEvent_t done = nullptr;
+  std::vector<Tensor> keep;  // the copies' host sources, alive until their copies are done
+  ~CudaFence() override {
+    if (done) {
+      // The sources may go once the copies have: wait for them (normally long done) first.
+      cudaEventSynchronize(done);
+      cudaEventDestroy(done);
+    }
+  }
+};
+}  // namespace
+
+std::shared_ptr<Backend::Fence> CudaBackend::copy_async(std::span<const Tensor> src, std::span<Tensor> dst) {
+  OpScope scope_(*impl_, "copy_async");
+  auto& m = *impl_;
+  if (src.size() != dst.size())
+    fail("copy_async", std::to_string(src.size()) + " sources for " + std::to_string(dst.size()) + " targets");
+  if (m.capturing()) fail("copy_async", "cannot be recorded in a graph");
+  if (!m.copy_stream) CUDA_CHECK(cudaStreamCreateWithFlags(&m.copy_stream, cudaStreamNonBlocking));
+  auto f = std::make_shared<CudaFence>();
+  // The targets come from the stream-ordered allocator: their memory may still be read by work
+  // queued before this call, so the copies start after it.
+  cudaEvent_t queued = nullptr;
+  CUDA_CHECK(cudaEventCreateWithFlags(&queued, cudaEventDisableTiming));
+  CUDA_CHECK(cudaEventRecord(queued, m.stream));
+  CUDA_CHECK(cudaStreamWaitEvent(m.copy_stream, queued, 0));
+  CUDA_CHECK(cudaEventDestroy(queued));
+  for (size_t i = 0; i < src.size(); ++i) {
+    const Tensor& a = src[i];
+    Tensor& b = dst[i];
+    if (!a.defined() || !b.defined() || a.dtype() != b.dtype() || a.numel() != b.numel() || !a.is_cpu() ||
+        b.device().kind != kDev)
+      fail("copy_async", "source " + (a.defined() ? a.str() : std::string("undefined")) + " on " + a.device().str() +
+                             " to " + (b.defined() ? b.str() : std::string("undefined")) +
+                             ": host to this GPU, same dtype and size");
+    if (a.nbytes()) CUDA_CHECK(cudaMemcpyAsync(b.raw(), a.raw(), a.nbytes(), cudaMemcpyHostToDevice, m.copy_stream));
+    f->keep.push_back(a);
+  }
+  CUDA_CHECK(cudaEventCreateWithFlags(&f->done, cudaEventDisableTiming));
+  CUDA_CHECK(cudaEventRecord(f->done, m.copy_stream));
+  return f;
+}
+
+void CudaBackend::wait(const Fence& f) {
+  impl_->bind();
+  const auto* cf = dynamic_cast<const CudaFence*>(&f);
+  if (!cf) fail("wait", "a fence of another backend");
+  CUDA_CHECK(cudaStreamWaitEvent(impl_->stream, cf->done, 0));
 }
 
 void CudaBackend::fill(Tensor& t, float value) {

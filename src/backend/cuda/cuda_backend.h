@@ -21,9 +21,9 @@ namespace hypic::cuda {
 // Warps per output row of the few-row products (1, 2, 4 or 8; 0, the default: HYPIC_GEMV_SPLIT or
 // the size rule in gemv.cu). For tests, which check every factor; not thread-safe.
 void set_gemv_split(int split);
-// Threads per column of S in the PIC chain kernel (gated_delta_chain.cu): 0 restores the default
-// (HYPIC_GDN_CHAIN_THREADS, else up to 32 rows per thread); 16 or more: 8 rows per thread.
-void set_gdn_chain_threads(int per_column);
+// Rows of S per thread in the PIC chain kernel (gated_delta_chain.cu): 8 (the default), 4 (key
+// heads up to 128) or 32; 0 restores HYPIC_GDN_CHAIN_ROWS, else 8.
+void set_gdn_chain_rows(int rows);
 
 class CudaBackend : public Backend {
  public:
@@ -45,9 +45,14 @@ class CudaBackend : public Backend {
   void synchronize() override;
   int64_t prefill_chunk() const override { return 8192; }  // fewer launches per token; memory is plenty
   int64_t peak_memory_bytes() const override { return static_cast<int64_t>(peak_bytes()); }
+  int64_t free_memory_bytes() const override;
   void set_precise(bool exact) override;
   bool precise() const override;
   void write(Tensor& dst, const void* src, size_t bytes) override;
+  // Page-locked host memory; copies on a stream of their own, ordered by events.
+  Tensor alloc_host(size_t bytes) override;
+  std::shared_ptr<Fence> copy_async(std::span<const Tensor> src, std::span<Tensor> dst) override;
+  void wait(const Fence& f) override;
   // CUDA graphs: the stream is captured (relaxed mode), allocations inside come from a pool the
   // graph owns, and a host round trip inside (a sync) abandons the capture (null).
   std::unique_ptr<Graph> capture(const std::function<void()>& fn) override;
