@@ -367,15 +367,15 @@ TEST_F(CudaOps, GatedDeltaChainMatchesSpanOps) {
     cpu->gated_delta_chain(q, k, v, g, beta, true, sc, oc, lc);
     const auto lg = links_on(true);
 #if HYPIC_HAVE_CUDA
-    for (int threads : {0, 16}) {  // the default layout, then 8 rows per thread
-      SCOPED_TRACE("threads per column " + std::to_string(threads));
-      cuda::set_gdn_chain_threads(threads);
+    for (int rows : {8, 4, 32}) {  // rows of S per thread: the default, and both alternatives
+      SCOPED_TRACE("rows per thread " + std::to_string(rows));
+      cuda::set_gdn_chain_rows(rows);
       Tensor sg1 = dev(s0), og1 = poisoned(DType::F32, {R, d.Hv, d.dv});
       gpu->gated_delta_chain(dev(q), dev(k), dev(v), dev(g), dev(beta), true, sg1, og1, lg);
       EXPECT_LE(err(og1, oc), 2e-4) << "outputs dk=" << d.dk;
       EXPECT_LE(err(sg1, sc), 2e-4) << "state dk=" << d.dk;
     }
-    cuda::set_gdn_chain_threads(0);
+    cuda::set_gdn_chain_rows(0);
 #endif
     // Links that do not cover the rows, or a body of the wrong shape, are refused by name.
     auto bad = lg;

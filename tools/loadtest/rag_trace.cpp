@@ -3,7 +3,8 @@
 // open-loop against `hypic serve` at increasing rates, once per prefill mode (each mode on a fresh
 // server, so no mode inherits the other's cache). Every request streams; per rate it reports
 // TTFT p50/p90/p99, inter-token latency p50/p99, throughput, rejections, and per mode the highest
-// rate whose p90 TTFT stays under the SLO with nothing rejected or lost.
+// rate whose p90 TTFT stays under the SLO with nothing rejected or lost (rates are tried in the order
+// given, which should be increasing; a mode stops at its first rate past the SLO).
 //
 //   hypic_rag_trace --server build/hypic --model DIR [--serve-arg ARG]... | --url http://HOST:PORT
 //       [--modes pic,prefix] [--rates 0.5,1,2,4] [--duration 30] [--pool 64] [--zipf 1.0]
@@ -351,6 +352,11 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
       rows.push_back(row);
       if (errors) failed = true;
+      if (!within && ri + 1 < a.rates.size()) {
+        // Rates go up: past the SLO once, a higher rate only queues longer (and takes minutes to drain).
+        std::fprintf(stderr, "%s: rate %g is past the SLO; the higher rates are skipped\n", mode.c_str(), rate);
+        break;
+      }
     }
     int64_t mode_ok = 0;
     for (const auto& r : rows)

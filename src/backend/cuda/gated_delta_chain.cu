@@ -133,11 +133,32 @@ void run(cudaStream_t st, const float* q, const float* k, const float* v, const 
 }  // namespace
 
 namespace {
-int chain_threads = 0;  // set_gdn_chain_threads(); 0: HYPIC_GDN_CHAIN_THREADS or the rule
-}
+int chain_rows = 0;  // set_gdn_chain_rows(); 0: HYPIC_GDN_CHAIN_ROWS or 8
 
-void set_gdn_chain_threads(int per_column) {
-  chain_threads = per_column;
+// P threads per column of S with R rows each (P * R >= dk).
+template <int R>
+void run_rows(cudaStream_t s, const float* q, const float* k, const float* v, const float* g, const float* beta,
+              bool l2norm_qk, int64_t Hk, int64_t Hv, int dk, int dv, float* state, float* out,
+              const GdnChainLink* links, int n_links) {
+  if (dk <= R)
+    run<1, R>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, dk, dv, state, out, links, n_links);
+  else if (dk <= 2 * R)
+    run<2, R>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, dk, dv, state, out, links, n_links);
+  else if (dk <= 4 * R)
+    run<4, R>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, dk, dv, state, out, links, n_links);
+  else if (dk <= 8 * R || 8 * R >= 256)  // dk <= 256 (checked by the caller)
+    run<8, R>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, dk, dv, state, out, links, n_links);
+  else if constexpr (8 * R < 256) {  // not instantiated where 8 threads per column hold every dk
+    if (dk <= 16 * R)
+      run<16, R>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, dk, dv, state, out, links, n_links);
+    else
+      run<32, R>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, dk, dv, state, out, links, n_links);
+  }
+}
+}  // namespace
+
+void set_gdn_chain_rows(int rows) {
+  chain_rows = rows;
 }
 
 void launch_gated_delta_chain(cudaStream_t s, const float* q, const float* k, const float* v, const float* g,
@@ -148,33 +169,21 @@ void launch_gated_delta_chain(cudaStream_t s, const float* q, const float* k, co
     throw std::invalid_argument("gated_delta_chain: key head dim " + std::to_string(dk) +
                                 " above 256 is not supported on cuda");
   static const int env = [] {
-    const char* e = std::getenv("HYPIC_GDN_CHAIN_THREADS");
+    const char* e = std::getenv("HYPIC_GDN_CHAIN_ROWS");
     return e && *e ? std::atoi(e) : 0;
   }();
-  const int want = chain_threads ? chain_threads : env;
+  const int want = chain_rows ? chain_rows : env;
   const int idk = static_cast<int>(dk), idv = static_cast<int>(dv);
-  // Threads per column of S: the span kernel's rule (up to 32 rows per thread) by default; "wide"
-  // (HYPIC_GDN_CHAIN_THREADS=16 or more) gives each thread 8 rows, four times the warps per SM for
-  // a latency-bound chain (docs/perf-notes.md, PIC on the GPU v2). Not yet measured on the GPU.
-  if (want >= 16) {
-    if (dk <= 32)
-      run<4, 8>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, idk, idv, state, out, links, n_links);
-    else if (dk <= 64)
-      run<8, 8>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, idk, idv, state, out, links, n_links);
-    else if (dk <= 128)
-      run<16, 8>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, idk, idv, state, out, links, n_links);
-    else
-      run<32, 8>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, idk, idv, state, out, links, n_links);
-    return;
-  }
-  if (dk <= 32)
-    run<1, kGdnRows>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, idk, idv, state, out, links, n_links);
-  else if (dk <= 64)
-    run<2, kGdnRows>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, idk, idv, state, out, links, n_links);
-  else if (dk <= 128)
-    run<4, kGdnRows>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, idk, idv, state, out, links, n_links);
+  // Rows of S per thread. The chain is latency-bound (each token's update waits on the last), so
+  // more threads per column help until the block's reductions cost more: on the H200 (35B-A3B,
+  // dk 128) 8 rows took 16 x 2k documents from 104.6 to 68.6 ms against 32 rows (docs/perf-notes.md,
+  // PIC on the GPU v3). 4 rows only where a column's 32 threads hold all of dk (<= 128).
+  if (want == 32)
+    run_rows<kGdnRows>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, idk, idv, state, out, links, n_links);
+  else if (want == 4 && dk <= 128)
+    run_rows<4>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, idk, idv, state, out, links, n_links);
   else
-    run<8, kGdnRows>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, idk, idv, state, out, links, n_links);
+    run_rows<8>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, idk, idv, state, out, links, n_links);
 }
 
 }  // namespace hypic::cuda
