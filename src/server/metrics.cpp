@@ -103,6 +103,9 @@ std::string Metrics::render(const SegmentCacheStats& c) const {
   scalar(out, "hypic_segment_cache_bytes", "gauge", "Bytes held by the segment cache", static_cast<double>(c.bytes));
   scalar(out, "hypic_segment_cache_entries", "gauge", "Entries in the segment cache", static_cast<double>(c.entries));
   scalar(out, "hypic_segment_cache_budget_bytes", "gauge", "Segment cache byte budget", static_cast<double>(c.budget));
+  scalar(out, "hypic_segment_cache_waits_total", "counter",
+         "Times a request let go of its segments and waited: the cache was full of entries other requests held",
+         static_cast<double>(cache_waits.load()));
   scalar(out, "hypic_segment_cache_host_hits_total", "counter",
          "Segments copied back from the host tier (--host-cache-mib) on a memory miss",
          static_cast<double>(c.host_hits));

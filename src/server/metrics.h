@@ -38,6 +38,7 @@ struct Metrics {
   std::atomic<int64_t> queue_depth{0}, running{0};
   std::atomic<int64_t> kv_reserved_tokens{0};  // KV rows held by running sequences (sum of capacities)
   std::atomic<uint64_t> cancelled{0}, prefill_chunks{0}, decode_steps{0};
+  std::atomic<uint64_t> cache_waits{0};  // requests that waited for others' segment entries
 
  private:
   mutable std::mutex mu_;

@@ -54,6 +54,11 @@ struct Scheduler::Seq {
   int32_t next_id = 0;
   int32_t picked = -1;  // the token chosen on the device (greedy rows), or -1
   bool finished = false;
+  // The segment cache was full of entries other requests hold: this request let go of its own and
+  // waits until some request lets go of entries (Scheduler::unpinned_ passes this value).
+  bool cache_wait = false;
+  uint64_t cache_wait_at = 0;
+  bool holds_entries() const { return plan || compose; }
 };
 
 Scheduler::Scheduler(Model& model, const Tokenizer* tok, SchedulerOptions opt, Metrics& metrics)
@@ -183,6 +188,8 @@ void Scheduler::loop() {
       for (auto& s : running_) fail(*s->job, 500, std::string("engine error: ") + e.what());
       running_.clear();
     }
+    for (const auto& s : running_)
+      if (s->finished && s->holds_entries()) ++unpinned_;
     running_.erase(std::remove_if(running_.begin(), running_.end(), [](const auto& s) { return s->finished; }),
                    running_.end());
     metrics_.running = static_cast<int64_t>(running_.size());
@@ -211,7 +218,9 @@ void Scheduler::step() {
   // every fourth unit still follows the round robin, so short prompts arriving without pause
   // cannot starve a long prompt or a segment post.
   const size_t n_run = running_.size();
-  auto prefilling = [](const Seq& s) { return !s.finished && s.stage != Seq::Stage::Decode; };
+  auto prefilling = [this](const Seq& s) {
+    return !s.finished && s.stage != Seq::Stage::Decode && !(s.cache_wait && s.cache_wait_at == unpinned_);
+  };
   size_t first = n_run;
   if (short_first_ < 3)
     for (size_t i = 0; i < n_run && first == n_run; ++i) {
@@ -401,14 +410,30 @@ bool Scheduler::prefill_unit(Seq& s) {
   if (s.stage == Seq::Stage::Warm) {
     // The request's plan looks every context segment up once; a missing entry is built in
     // isolation (one per iteration, so other requests' work interleaves) and pinned by the plan.
-    if (!s.plan) {
-      s.plan = std::make_unique<PicPlan>(engine_.plan(segs, g.pic));
-      for (const auto& p : s.plan->parts)
-        if (p.entry) remember(p.entry);
-    }
-    if (const size_t i = s.plan->next_missing(); i < s.plan->parts.size()) {
-      // One bounded step of the build per iteration: a long segment does not hold the engine either.
-      if (engine_.build_step(*s.plan, i, build_budget())) remember(s.plan->parts[i].entry);
+    // When the cache is full of entries other requests hold, this request lets go of its own
+    // (cached, unpinned: others may evict them) and waits until a request lets go of entries, so
+    // that requests never hold each other up; alone, its segments exceed the budget (503).
+    try {
+      s.cache_wait = false;
+      if (!s.plan) {
+        s.plan = std::make_unique<PicPlan>(engine_.plan(segs, g.pic));
+        for (const auto& p : s.plan->parts)
+          if (p.entry) remember(p.entry);
+      }
+      if (const size_t i = s.plan->next_missing(); i < s.plan->parts.size()) {
+        // One bounded step of the build per iteration: a long segment does not hold the engine either.
+        if (engine_.build_step(*s.plan, i, build_budget())) remember(s.plan->parts[i].entry);
+        return false;
+      }
+    } catch (const std::length_error&) {
+      const bool others = std::any_of(running_.begin(), running_.end(), [&](const auto& o) {
+        return o.get() != &s && !o->finished && o->holds_entries();
+      });
+      if (!others) throw;
+      s.plan.reset();
+      s.cache_wait = true;
+      s.cache_wait_at = unpinned_;
+      metrics_.cache_waits++;
       return false;
     }
     s.stage = Seq::Stage::Compose;
@@ -427,6 +452,7 @@ bool Scheduler::prefill_unit(Seq& s) {
     std::optional<PrefillResult> done = engine_.step_compose(*s.compose, opt_.compose_chunk);
     if (!done) return false;
     s.compose.reset();
+    ++unpinned_;
     PrefillResult r = std::move(*done);
     s.st = std::move(r.state);
     model_.reserve(s.st, std::max<int64_t>(cap, 1));

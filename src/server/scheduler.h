@@ -128,6 +128,7 @@ class Scheduler {
   std::atomic<int64_t> beat_ns_{0};  // steady clock at the start of the current iteration
   std::atomic<bool> busy_{false};
   size_t next_prefill_ = 0;  // where the round robin over prefilling sequences resumes
+  uint64_t unpinned_ = 0;    // counts requests letting go of their segment entries (engine thread)
   int short_first_ = 0;      // short prompts run ahead of the round robin in a row
   void beat();
   void loop();

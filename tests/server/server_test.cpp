@@ -12,6 +12,7 @@
 #include <atomic>
 #include <chrono>
 #include <filesystem>
+#include <future>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -392,6 +393,65 @@ TEST(Server, ChatPartsMarkedForCachingBecomeSegments) {
   auto r2 = s.post("/v1/chat/completions", greedy({{"messages", msgs(d2, d1)}, {"max_tokens", 3}}));
   ASSERT_EQ(r2.first, 200);
   EXPECT_GT(r2.second["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>(), 0);
+}
+
+// A segment cache too small for every running request's entries at once: requests that find it
+// full of entries other requests hold let go of theirs and wait their turn, and all of them answer
+// as a server with room for everything does. A request whose own segments exceed the budget gets a
+// 503 that says so.
+TEST(Server, FullSegmentCacheMakesRequestsWaitNotFail) {
+  auto doc = [](int r, int d) {
+    std::string s = "Document " + std::to_string(r) + "." + std::to_string(d) + ":";
+    const char* words[] = {"river", "market", "lantern", "harbor", "summit", "archive", "meadow", "ferry"};
+    for (int w = 0; w < 120; ++w) s += std::string(" ") + words[(r * 7 + d * 3 + w * 5) % 8];
+    return s + ".";
+  };
+  auto prompt = [&](int r) {
+    std::string p = "Answer from the documents.";
+    for (int d = 0; d < 4; ++d) p += "<<PIC_SEP>>" + doc(r, d);
+    return p + "<<PIC_SEP>>Question: which word comes first?";
+  };
+  std::vector<std::string> want;
+  size_t one_request = 0;
+  {
+    TestServer big;
+    for (int r = 0; r < 3; ++r) {
+      auto res = big.post("/v1/completions", greedy({{"prompt", prompt(r)}, {"max_tokens", 6}}));
+      ASSERT_EQ(res.first, 200) << res.second.dump();
+      want.push_back(res.second["choices"][0]["text"]);
+      if (r == 0) one_request = big.get("/v1/segments").second["cache"]["bytes"].get<size_t>();
+    }
+  }
+  ASSERT_GT(one_request, 0u);
+  {
+    ServerOptions o;
+    o.sched.cache_budget_bytes = one_request + one_request / 3;  // one request's entries, not two
+    o.sched.max_running = 3;
+    TestServer tight(o);
+    std::vector<std::future<std::pair<int, json>>> got;
+    for (int r = 0; r < 3; ++r)
+      got.push_back(std::async(std::launch::async, [&, r] {
+        return tight.post("/v1/completions", greedy({{"prompt", prompt(r)}, {"max_tokens", 6}}));
+      }));
+    for (int r = 0; r < 3; ++r) {
+      auto res = got[static_cast<size_t>(r)].get();
+      ASSERT_EQ(res.first, 200) << "request " << r << ": " << res.second.dump();
+      EXPECT_EQ(res.second["choices"][0]["text"], want[static_cast<size_t>(r)]) << "request " << r;
+    }
+    const std::string m = tight.get_text("/metrics");
+    const size_t at = m.find("\nhypic_segment_cache_waits_total ");
+    ASSERT_NE(at, std::string::npos) << m;
+    EXPECT_GT(std::stod(m.substr(at + 33)), 0) << "three requests of four new documents each in a cache for one";
+  }
+  {
+    ServerOptions o;
+    o.sched.cache_budget_bytes = one_request / 3;  // not even one request's entries
+    TestServer small(o);
+    auto res = small.post("/v1/completions", greedy({{"prompt", prompt(0)}, {"max_tokens", 2}}));
+    expect_error(res, 503, "segments over the cache budget");
+    EXPECT_NE(res.second["error"]["message"].get<std::string>().find("segment"), std::string::npos)
+        << res.second.dump();
+  }
 }
 
 TEST(Server, StopStrings) {
