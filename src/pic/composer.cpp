@@ -479,10 +479,18 @@ PicPlan PicEngine::plan(const std::vector<std::vector<int32_t>>& segs, const Pic
     part.len = static_cast<int64_t>(segs[i].size());
     part.head = std::min<int64_t>(seam, part.len);
     part.tail = std::min<int64_t>(tail, part.len - part.head);
-    if (part.has_body()) part.entry = lookup(part.key);
     pos += part.len;
     p.parts.push_back(std::move(part));
   }
+  // Every entry looked up at once: the disk tier reads a request's files in parallel.
+  std::vector<SegmentKey> keys;
+  std::vector<size_t> at;
+  for (size_t i = 0; i < p.parts.size(); ++i)
+    if (p.parts[i].has_body()) keys.push_back(p.parts[i].key), at.push_back(i);
+  auto found = cache_.store() ? cache_.find_or_load_many(keys, [this](const SegmentEntry& e) { return check_entry(e); })
+                              : std::vector<std::shared_ptr<const SegmentEntry>>();
+  for (size_t j = 0; j < keys.size(); ++j) p.parts[at[j]].entry = cache_.store() ? found[j] : cache_.find(keys[j]);
+  batch.end();  // the copies of the entries found in the host or disk tier are queued (or this throws)
   return p;
 }
 

@@ -2,8 +2,11 @@
 
 #include <xxhash.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <stdexcept>
+#include <thread>
 #include <unordered_map>
 
 #include "pic/segment_store.h"
@@ -49,7 +52,11 @@ std::shared_ptr<const SegmentEntry> SegmentCache::find(const SegmentKey& key) {
   if (!host_be_) return nullptr;
   std::shared_ptr<SegmentEntry> host = host_find(key);
   if (!host) return nullptr;
-  std::shared_ptr<SegmentEntry> dev = promote(*host);
+  return queue_promotion(std::move(host));
+}
+
+std::shared_ptr<const SegmentEntry> SegmentCache::queue_promotion(std::shared_ptr<SegmentEntry> host) {
+  std::shared_ptr<SegmentEntry> dev = promote(*copy_be_, *host);
   Pending& p = pending();
   p.items.emplace_back(std::move(host), dev);
   if (p.depth == 0) {
@@ -58,6 +65,35 @@ std::shared_ptr<const SegmentEntry> SegmentCache::find(const SegmentKey& key) {
     issue(items);
   }
   return dev;
+}
+
+std::vector<std::shared_ptr<const SegmentEntry>> SegmentCache::find_or_load_many(
+    const std::vector<SegmentKey>& keys, const std::function<std::string(const SegmentEntry&)>& check) {
+  std::vector<std::shared_ptr<const SegmentEntry>> out(keys.size());
+  std::vector<size_t> disk;  // indices that missed memory and the host tier
+  for (size_t i = 0; i < keys.size(); ++i) {
+    out[i] = find(keys[i]);
+    if (!out[i] && store_) disk.push_back(i);
+  }
+  if (disk.empty()) return out;
+  // Reading and checksumming a file runs at a core's memory bandwidth: several at once.
+  std::vector<std::shared_ptr<SegmentEntry>> loaded(disk.size());
+  const size_t n_threads = std::min<size_t>({disk.size(), std::max(1u, std::thread::hardware_concurrency()), 8});
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t j = next++; j < disk.size(); j = next++) loaded[j] = store_->load_host(keys[disk[j]], check);
+  };
+  std::vector<std::thread> th;
+  for (size_t t = 1; t < n_threads; ++t) th.emplace_back(work);
+  work();
+  for (auto& t : th) t.join();
+  const bool on_host = store_->backend().device().kind == DeviceKind::CPU;
+  for (size_t j = 0; j < disk.size(); ++j) {
+    if (!loaded[j]) continue;
+    // The CPU uses host tensors as they are; a GPU gets them through the promotion copies.
+    out[disk[j]] = on_host ? insert_memory(std::move(loaded[j])) : queue_promotion(std::move(loaded[j]));
+  }
+  return out;
 }
 
 SegmentCache::Pending& SegmentCache::pending() {
@@ -69,22 +105,29 @@ SegmentCache::PromotionBatch::PromotionBatch(SegmentCache& c) : c_(c) {
   ++c_.pending().depth;
 }
 
-SegmentCache::PromotionBatch::~PromotionBatch() {
+void SegmentCache::PromotionBatch::end() {
+  if (ended_) return;
+  ended_ = true;
   Pending& p = c_.pending();
   if (--p.depth > 0 || p.items.empty()) return;
   auto items = std::move(p.items);
   p.items.clear();
+  c_.issue(items);
+}
+
+SegmentCache::PromotionBatch::~PromotionBatch() {
   try {
-    c_.issue(items);
+    end();
   } catch (const std::exception& e) {
-    // A destructor may not throw; the entries were never published, so nothing cached is wrong.
-    std::fprintf(stderr, "hypic: segment cache: copying %zu entries from the host tier failed: %s\n", items.size(),
-                 e.what());
+    // Only when the batch's owner left by an exception (and drops the entries): nothing cached is
+    // wrong, since the entries enter the cache only once their copies are queued.
+    std::fprintf(stderr, "hypic: segment cache: queueing copies back to the device failed: %s\n", e.what());
   }
 }
 
 void SegmentCache::attach_host_tier(Backend& be, size_t budget_bytes) {
   host_be_ = &be;
+  copy_be_ = &be;
   host_budget_ = budget_bytes;
   std::lock_guard<std::mutex> g(host_mu_);
   host_st_.host_budget = budget_bytes;
@@ -103,8 +146,7 @@ std::shared_ptr<SegmentEntry> SegmentCache::host_find(const SegmentKey& key) {
   return nullptr;
 }
 
-// Device tensors of the entry's shapes; the copies come in issue().
-std::shared_ptr<SegmentEntry> SegmentCache::promote(const SegmentEntry& host) {
+std::shared_ptr<SegmentEntry> SegmentCache::promote(Backend& be, const SegmentEntry& host) {
   auto e = std::make_shared<SegmentEntry>();
   e->key = host.key;
   e->layers.resize(host.layers.size());
@@ -112,7 +154,7 @@ std::shared_ptr<SegmentEntry> SegmentCache::promote(const SegmentEntry& host) {
     auto src = host.layers[l].tensors();
     auto dst = e->layers[l].tensors();
     for (size_t i = 0; i < src.size(); ++i)
-      if (src[i]->defined()) *dst[i] = host_be_->alloc_uninit(src[i]->dtype(), src[i]->shape());
+      if (src[i]->defined()) *dst[i] = be.alloc_uninit(src[i]->dtype(), src[i]->shape());
   }
   e->bytes = host.bytes;
   e->ready.resize(host.layers.size());
@@ -135,7 +177,7 @@ void SegmentCache::issue(std::vector<std::pair<std::shared_ptr<SegmentEntry>, st
       for (size_t i = 0; i < s.size(); ++i)
         if (s[i]->defined()) src.push_back(*s[i]), dst.push_back(*t[i]);
     }
-    std::shared_ptr<Backend::Fence> f = host_be_->copy_async(src, dst);
+    std::shared_ptr<Backend::Fence> f = copy_be_->copy_async(src, dst);
     for (auto& [h, d] : batch)
       if (l < d->ready.size()) d->ready[l] = f;
   }
@@ -264,6 +306,7 @@ void SegmentCache::evict_for(size_t need, std::vector<std::shared_ptr<SegmentEnt
 
 void SegmentCache::attach_store(std::shared_ptr<SegmentStore> store) {
   store_ = std::move(store);
+  if (store_ && !copy_be_) copy_be_ = &store_->backend();
 }
 
 std::shared_ptr<const SegmentEntry> SegmentCache::insert(std::shared_ptr<SegmentEntry> e) {
@@ -274,11 +317,7 @@ std::shared_ptr<const SegmentEntry> SegmentCache::insert(std::shared_ptr<Segment
 
 std::shared_ptr<const SegmentEntry> SegmentCache::find_or_load(
     const SegmentKey& key, const std::function<std::string(const SegmentEntry&)>& check) {
-  if (auto hit = find(key)) return hit;
-  if (!store_) return nullptr;
-  auto e = store_->load(key, check);
-  if (!e) return nullptr;
-  return insert_memory(std::move(e));
+  return find_or_load_many({key}, check)[0];
 }
 
 std::shared_ptr<const SegmentEntry> SegmentCache::insert_memory(std::shared_ptr<SegmentEntry> e) {

@@ -98,6 +98,12 @@ class SegmentCache {
   // well, see SegmentStore::load), put in memory without being written back, and returned.
   std::shared_ptr<const SegmentEntry> find_or_load(const SegmentKey& key,
                                                    const std::function<std::string(const SegmentEntry&)>& check = {});
+  // find_or_load of several keys (a request's segments): memory and host hits first, then the
+  // disk tier's files read on several threads at once into host memory, and on a GPU their copies
+  // to the device queued together, layer by layer, like host hits (the PromotionBatch rule holds:
+  // inside a batch, do not read the entries before it ends). Null where a key is found nowhere.
+  std::vector<std::shared_ptr<const SegmentEntry>> find_or_load_many(
+      const std::vector<SegmentKey>& keys, const std::function<std::string(const SegmentEntry&)>& check = {});
   // The host tier: `be`'s alloc_host memory, at most budget_bytes. Attach before the cache is
   // shared between threads; the backend must outlive the cache.
   void attach_host_tier(Backend& be, size_t budget_bytes);
@@ -108,16 +114,20 @@ class SegmentCache {
   // While a PromotionBatch lives on a thread, host hits found by that thread are copied back
   // together when it ends, layer by layer across the entries (every entry's first layers arrive
   // first, so that composition can start while the rest arrives), and enter memory then. The
-  // entries returned meanwhile must not be read before the batch ends.
+  // entries returned meanwhile must not be read before the batch ends: call end(), which throws
+  // if the copies could not be queued (the entries are then unusable); the destructor of a batch
+  // left by an exception queues them on a best-effort basis and swallows errors.
   class PromotionBatch {
    public:
     explicit PromotionBatch(SegmentCache& c);
     ~PromotionBatch();
+    void end();
     PromotionBatch(const PromotionBatch&) = delete;
     PromotionBatch& operator=(const PromotionBatch&) = delete;
 
    private:
     SegmentCache& c_;
+    bool ended_ = false;
   };
   bool erase(const SegmentKey& key);
   // Empties memory and the host tier (the disk tier keeps its files).
@@ -140,9 +150,13 @@ class SegmentCache {
     for (auto& e : es) demote(e);
   }
   std::shared_ptr<SegmentEntry> host_find(const SegmentKey& key);
-  std::shared_ptr<SegmentEntry> promote(const SegmentEntry& host);  // device tensors, copies queued
+  // Device tensors for a host entry on `be`; its copies come with issue().
+  static std::shared_ptr<SegmentEntry> promote(Backend& be, const SegmentEntry& host);
+  // Queues a host entry's copy back to be_ (now, or when the thread's PromotionBatch ends).
+  std::shared_ptr<const SegmentEntry> queue_promotion(std::shared_ptr<SegmentEntry> host);
   void issue(std::vector<std::pair<std::shared_ptr<SegmentEntry>, std::shared_ptr<SegmentEntry>>>& batch);
-  Backend* host_be_ = nullptr;
+  Backend* host_be_ = nullptr;  // the host tier's backend (null: no host tier)
+  Backend* copy_be_ = nullptr;  // where promotions go: the host tier's or the disk tier's backend
   size_t host_budget_ = 0;
   mutable std::mutex host_mu_;
   std::unordered_multimap<uint64_t, Node> host_index_;

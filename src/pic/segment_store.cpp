@@ -296,6 +296,17 @@ void SegmentStore::quarantine(const std::string& path, uint64_t h, uint64_t dev,
 }
 
 std::shared_ptr<SegmentEntry> SegmentStore::load(const SegmentKey& key, const Validator& check) {
+  auto e = load_host(key, check);
+  if (!e) return nullptr;
+  for (auto& l : e->layers)
+    for (int f = 0; f < kFields; ++f) {
+      Tensor& t = field_of(l, f);
+      if (t.defined()) t = be_.to_device(t);
+    }
+  return e;
+}
+
+std::shared_ptr<SegmentEntry> SegmentStore::load_host(const SegmentKey& key, const Validator& check) {
   const uint64_t h = key.hash();
   const std::string path = path_for(key);
   {
@@ -382,9 +393,9 @@ std::shared_ptr<SegmentEntry> SegmentStore::load(const SegmentKey& key, const Va
       Tensor& dst = field_of(e->layers[layer], b[0]);
       if (dst.defined())
         throw Bad{where + ": layer " + std::to_string(layer) + " field " + field_name(b[0]) + " given twice"};
-      Tensor host = Tensor::empty(dt, shape);
+      Tensor host = Tensor::uninitialized(dt, shape);  // read in full below
       r.read(host.raw(), nbytes, "tensor data");
-      dst = host;  // moved to the device once the whole file checks out
+      dst = host;  // moved to the device once the whole file checks out (load)
     }
     const uint64_t want = r.digest();
     uint64_t sum;
@@ -418,11 +429,6 @@ std::shared_ptr<SegmentEntry> SegmentStore::load(const SegmentKey& key, const Va
       return nullptr;
     }
   }
-  for (auto& l : e->layers)
-    for (int f = 0; f < kFields; ++f) {
-      Tensor& t = field_of(l, f);
-      if (t.defined()) t = be_.to_device(t);
-    }
   e->account();
   ::futimens(fd.fd, nullptr);  // refresh atime/mtime for LRU across restarts; best effort
   std::lock_guard<std::mutex> g(mu_);

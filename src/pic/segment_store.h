@@ -65,6 +65,10 @@ class SegmentStore {
   // The entry stored for `key`, or nullptr (no file, or a rejected one). Tensors are on the
   // backend's device.
   std::shared_ptr<SegmentEntry> load(const SegmentKey& key, const Validator& check = {});
+  // The same, with the tensors left in host memory (for copies the caller queues itself).
+  // Thread-safe: a request's files may be read on several threads at once.
+  std::shared_ptr<SegmentEntry> load_host(const SegmentKey& key, const Validator& check = {});
+  Backend& backend() const { return be_; }
   // Writes `e` through to disk. Returns false (logged and counted, never thrown) on failure or
   // when the entry alone exceeds the budget.
   bool save(const SegmentEntry& e);

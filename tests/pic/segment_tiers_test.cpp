@@ -4,6 +4,7 @@
 // Runs on the CPU backend (its copies are synchronous; the GPU's asynchronous path is covered by
 // tests/backend/cuda_model_test.cpp).
 #include <gtest/gtest.h>
+#include <stdlib.h>
 
 #include <cstring>
 #include <filesystem>
@@ -199,6 +200,53 @@ TEST(TiersPic, RequestsFromTheHostTierAnswerAsFromMemory) {
   Tensor x = lm.backend->to_host(a.logits), y = lm.backend->to_host(b.logits);
   ASSERT_EQ(x.nbytes(), y.nbytes());
   EXPECT_EQ(std::memcmp(x.raw(), y.raw(), x.nbytes()), 0);
+}
+
+// A request's entries that are on disk are read together (several threads) and come back in the
+// request's order beside memory hits and misses; the answer is bitwise the writer's.
+TEST(TiersPic, DiskEntriesOfARequestAreReadTogether) {
+  auto lm = load_model((fs::path(HYPIC_TEST_DATA) / "models" / "qwen3_5_dense").string(), "cpu", 2);
+  std::mt19937 rng(9);
+  const int64_t V = lm.model->config().vocab_size;
+  auto seg = [&](int n) {
+    std::vector<int32_t> s(static_cast<size_t>(n));
+    for (auto& t : s) t = static_cast<int32_t>(rng() % static_cast<uint32_t>(V));
+    return s;
+  };
+  std::vector<std::vector<int32_t>> req = {seg(16)};
+  for (int d = 0; d < 6; ++d) req.push_back(seg(20 + 5 * d));
+  req.push_back(seg(6));
+  PicOptions o;
+  o.mode = PicMode::Pic;
+  o.seam = 4;
+  std::string tmpl = (fs::temp_directory_path() / "hypic_tiers_XXXXXX").string();
+  ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
+  const std::string dir = tmpl;
+  {
+    PicEngine writer(*lm.model, size_t(64) << 20);
+    writer.attach_cache_dir(dir);
+    writer.prefill(req, o);
+    EXPECT_EQ(writer.cache().stats().disk_writes, 7u);
+  }
+  PicEngine writer(*lm.model, size_t(64) << 20), reader(*lm.model, size_t(64) << 20);
+  writer.attach_cache_dir(dir);
+  reader.attach_cache_dir(dir);
+  // The reader has documents 0 and 1 in memory already (read from disk by a first request).
+  reader.prefill({seg(16), req[1], req[2], seg(5)}, o);
+  EXPECT_EQ(reader.cache().stats().disk_hits, 2u);
+  auto req2 = req;
+  req2[0] = seg(16);  // a new prefix (a miss), then the six documents, then a new document
+  req2.insert(req2.end() - 1, seg(30));
+  PrefillResult b = reader.prefill(req2, o);  // first: the writer would put the two new entries on disk
+  PrefillResult a = writer.prefill(req2, o);
+  EXPECT_EQ(b.report.hit_segments, 6);
+  EXPECT_EQ(b.report.miss_segments, 2);
+  EXPECT_EQ(reader.cache().stats().disk_hits, 6u) << "documents 2-5 from disk, 0-1 from memory";
+  Tensor x = lm.backend->to_host(a.logits), y = lm.backend->to_host(b.logits);
+  ASSERT_EQ(x.nbytes(), y.nbytes());
+  EXPECT_EQ(std::memcmp(x.raw(), y.raw(), x.nbytes()), 0);
+  std::error_code ec;
+  fs::remove_all(dir, ec);
 }
 
 }  // namespace
