@@ -487,9 +487,9 @@ PicPlan PicEngine::plan(const std::vector<std::vector<int32_t>>& segs, const Pic
   std::vector<size_t> at;
   for (size_t i = 0; i < p.parts.size(); ++i)
     if (p.parts[i].has_body()) keys.push_back(p.parts[i].key), at.push_back(i);
-  auto found = cache_.store() ? cache_.find_or_load_many(keys, [this](const SegmentEntry& e) { return check_entry(e); })
-                              : std::vector<std::shared_ptr<const SegmentEntry>>();
-  for (size_t j = 0; j < keys.size(); ++j) p.parts[at[j]].entry = cache_.store() ? found[j] : cache_.find(keys[j]);
+  // (Without a disk tier this is find() of each key.)
+  auto found = cache_.find_or_load_many(keys, [this](const SegmentEntry& e) { return check_entry(e); });
+  for (size_t j = 0; j < keys.size(); ++j) p.parts[at[j]].entry = std::move(found[j]);
   batch.end();  // the copies of the entries found in the host or disk tier are queued (or this throws)
   return p;
 }
