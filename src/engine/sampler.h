@@ -35,7 +35,8 @@ class Sampler {
  private:
   SamplingParams p_;
   std::mt19937_64 rng_;
-  std::vector<std::pair<float, int32_t>> scratch_;
+  std::vector<float> weights_;                      // exp((logit - max) / temperature)
+  std::vector<std::pair<float, int32_t>> scratch_;  // (logit, id) candidates for top-k / top-p
 };
 
 // Keeps ids out of sampling: their logits become -inf (ids outside the row are ignored). Used by

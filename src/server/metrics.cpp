@@ -29,6 +29,8 @@ void scalar(std::string& out, const char* name, const char* type, const char* he
   out += '\n';
 }
 const std::vector<double> kLatencyBounds = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120};
+const std::vector<double> kPhaseBounds = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                                          0.1,    0.25,  0.5,    1,     2.5,  5,     10};
 }  // namespace
 
 Histogram::Histogram(std::vector<double> bounds) : bounds_(std::move(bounds)), counts_(bounds_.size() + 1, 0) {}
@@ -42,17 +44,19 @@ void Histogram::observe(double v) {
   ++n_;
 }
 
-void Histogram::render(std::string& out, const std::string& name) const {
+void Histogram::render(std::string& out, const std::string& name, const std::string& labels) const {
   std::lock_guard<std::mutex> g(mu_);
+  const std::string pre = labels.empty() ? "" : labels + ",";
+  const std::string own = labels.empty() ? "" : "{" + labels + "}";
   uint64_t cum = 0;
   for (size_t i = 0; i < bounds_.size(); ++i) {
     cum += counts_[i];
-    out += name + "_bucket{le=\"" + num(bounds_[i]) + "\"} " + std::to_string(cum) + "\n";
+    out += name + "_bucket{" + pre + "le=\"" + num(bounds_[i]) + "\"} " + std::to_string(cum) + "\n";
   }
   cum += counts_.back();
-  out += name + "_bucket{le=\"+Inf\"} " + std::to_string(cum) + "\n";
-  out += name + "_sum " + num(sum_) + "\n";
-  out += name + "_count " + std::to_string(n_) + "\n";
+  out += name + "_bucket{" + pre + "le=\"+Inf\"} " + std::to_string(cum) + "\n";
+  out += name + "_sum" + own + " " + num(sum_) + "\n";
+  out += name + "_count" + own + " " + std::to_string(n_) + "\n";
 }
 
 Metrics::Metrics() : ttft_(kLatencyBounds), latency_(kLatencyBounds) {}
@@ -60,6 +64,15 @@ Metrics::Metrics() : ttft_(kLatencyBounds), latency_(kLatencyBounds) {}
 void Metrics::count_request(const std::string& endpoint, int status) {
   std::lock_guard<std::mutex> g(mu_);
   ++requests_[{endpoint, status}];
+}
+
+void Metrics::observe_phase(const std::string& phase, double seconds) {
+  Histogram* h = nullptr;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    h = &phases_.try_emplace(phase, kPhaseBounds).first->second;  // map nodes stay put
+  }
+  h->observe(seconds);
 }
 
 void Metrics::observe_generation(double ttft_s, double total_s, int64_t prompt_computed, int64_t prompt_reused,
@@ -86,6 +99,13 @@ std::string Metrics::render(const SegmentCacheStats& c) const {
   ttft_.render(out, "hypic_time_to_first_token_seconds");
   header(out, "hypic_request_latency_seconds", "histogram", "Generation request arrival to last token");
   latency_.render(out, "hypic_request_latency_seconds");
+  header(out, "hypic_engine_phase_seconds", "histogram",
+         "Engine iteration phases, device work included: prefill units by kind (prefill, prefix, build, compose, "
+         "segments), the batched decode forward (decode), picking the next tokens (sample)");
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    for (const auto& [phase, h] : phases_) h.render(out, "hypic_engine_phase_seconds", "phase=\"" + phase + "\"");
+  }
   scalar(out, "hypic_prompt_tokens_prefilled_total", "counter",
          "Prompt tokens run through the model (isolated segment prefills, seams, questions)",
          static_cast<double>(prompt_computed_.load()));

@@ -16,8 +16,8 @@ class Histogram {
  public:
   explicit Histogram(std::vector<double> bounds);
   void observe(double v);
-  // Appends `name_bucket{le=...}`, `name_sum`, `name_count` lines.
-  void render(std::string& out, const std::string& name) const;
+  // Appends `name_bucket{le=...}`, `name_sum`, `name_count` lines; `labels` (`k="v"`) go on each.
+  void render(std::string& out, const std::string& name, const std::string& labels = "") const;
 
  private:
   std::vector<double> bounds_;
@@ -33,6 +33,10 @@ struct Metrics {
   // Generation requests that finished (any status): latency figures and token counts.
   void observe_generation(double ttft_s, double total_s, int64_t prompt_computed, int64_t prompt_reused,
                           int64_t generated, int hit_segments, int miss_segments);
+  // One engine iteration's phase (seconds, device work included): the prefill unit by its kind
+  // (prefill, prefix, build, compose, segments), the batched decode forward (decode), and taking
+  // the next tokens from the logits (sample).
+  void observe_phase(const std::string& phase, double seconds);
   std::string render(const SegmentCacheStats& cache) const;
 
   std::atomic<int64_t> queue_depth{0}, running{0};
@@ -44,6 +48,7 @@ struct Metrics {
   mutable std::mutex mu_;
   std::map<std::pair<std::string, int>, uint64_t> requests_;
   Histogram ttft_, latency_;
+  std::map<std::string, Histogram> phases_;  // guarded by mu_ (insertion); each histogram locks itself
   std::atomic<uint64_t> prompt_computed_{0}, prompt_reused_{0}, generated_{0}, seg_hits_{0}, seg_misses_{0};
 };
 

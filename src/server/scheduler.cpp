@@ -241,8 +241,12 @@ void Scheduler::step() {
       next_prefill_ = i + 1;
     }
     metrics_.prefill_chunks++;
+    const char* kind = unit_kind(*s);
+    const auto t0 = Clock::now();
     try {
       if (prefill_unit(*s) && s->job->kind == Job::Kind::Generate) start_decode(*s);
+      model_.backend().synchronize();  // the unit's device work counts in its phase
+      metrics_.observe_phase(kind, ms_since(t0) / 1000.0);
     } catch (const std::length_error& e) {
       fail(*s->job, 503, e.what());
       s->finished = true;
@@ -257,6 +261,8 @@ void Scheduler::step() {
   }
   // Sample the next token of every decoding sequence, then advance them together. Greedy rows
   // without log-probs or masks are picked on the device, and their ids come back in one read.
+  const auto t_sample = Clock::now();
+  bool sampled = false;
   {
     std::vector<Seq*> greedy;
     for (auto& s : running_)
@@ -280,6 +286,7 @@ void Scheduler::step() {
   for (auto& s : running_) {
     if (s->finished || s->stage != Seq::Stage::Decode) continue;
     try {
+      sampled = true;
       decode_sample(*s);
       if (!s->finished) cont.push_back(s.get());
     } catch (const std::exception& e) {
@@ -287,9 +294,30 @@ void Scheduler::step() {
       s->finished = true;
     }
   }
+  if (sampled) metrics_.observe_phase("sample", ms_since(t_sample) / 1000.0);
   if (!cont.empty()) {
     metrics_.decode_steps++;
+    const auto t0 = Clock::now();
     decode_step(cont);
+    model_.backend().synchronize();
+    metrics_.observe_phase("decode", ms_since(t0) / 1000.0);
+  }
+}
+
+const char* Scheduler::unit_kind(const Seq& s) const {
+  if (s.job->kind == Job::Kind::Segments) return "segments";
+  const GenSpec& g = s.job->gen;
+  switch (s.stage) {
+    case Seq::Stage::Start:
+      if (g.segments.size() < 2) return "prefill";
+      if (g.pic.mode == PicMode::Prefix) return "prefix";
+      return g.pic.mode == PicMode::Pic || g.pic.mode == PicMode::Naive ? "build" : "prefill";
+    case Seq::Stage::Warm:
+      return "build";
+    case Seq::Stage::Compose:
+      return "compose";
+    default:
+      return "prefill";
   }
 }
 

@@ -137,6 +137,7 @@ class Scheduler {
   // PIC work per iteration: compose_chunk rows through every layer; a segment build's step takes
   // as many whole layers of its chunk as that many token-layers allow.
   int64_t build_budget() const { return int64_t{opt_.compose_chunk} * model_.config().num_hidden_layers; }
+  const char* unit_kind(const Seq& s) const;  // the phase label of s's next prefill unit
   void start_decode(Seq& s);
   void decode_sample(Seq& s);              // samples from s.logits (or takes s.picked), emits; may finish the job
   bool device_greedy(const Seq& s) const;  // greedy, no log-probs, no mask: argmax on the device

@@ -80,6 +80,49 @@ TEST(Sampler, FrequenciesFollowTheSoftmax) {
   }
 }
 
+// A large vocabulary: the sampler orders only the first 1024 candidates unless the nucleus needs
+// more; the support and the frequencies must not depend on that.
+TEST(Sampler, LargeVocabulariesKeepTheExactSupportAndFrequencies) {
+  const int V = 20000;
+  std::vector<float> l(V, 0.f);  // flat: a 0.9 nucleus needs ~18k ids, past the first 1024
+  for (int i = 0; i < 8; ++i) l[static_cast<size_t>(1000 * i + 17)] = 2.f;
+  std::vector<int32_t> by_value(V);
+  for (int i = 0; i < V; ++i) by_value[static_cast<size_t>(i)] = i;
+  std::stable_sort(by_value.begin(), by_value.end(), [&](int32_t a, int32_t b) { return l[a] > l[b]; });
+  auto support = [&](double p, int k) {  // the smallest best-first prefix with mass >= p (within top k)
+    auto lp = log_softmax(l);
+    const size_t n = k > 0 ? static_cast<size_t>(k) : by_value.size();
+    double total = 0, acc = 0;
+    for (size_t i = 0; i < n; ++i) total += std::exp(lp[static_cast<size_t>(by_value[i])]);
+    size_t keep = 0;
+    while (keep < n && acc < p * total) acc += std::exp(lp[static_cast<size_t>(by_value[keep++])]);
+    return keep;
+  };
+  const size_t keep = support(0.9, 0);
+  ASSERT_GT(keep, 10000u);
+  Sampler wide({1.f, 0, 0.9f, 5});
+  int max_rank = 0;
+  std::vector<int> rank(V);
+  for (int i = 0; i < V; ++i) rank[static_cast<size_t>(by_value[static_cast<size_t>(i)])] = i;
+  for (int i = 0; i < 150; ++i) max_rank = std::max(max_rank, rank[static_cast<size_t>(wide.sample(l))]);
+  EXPECT_LT(max_rank, static_cast<int>(keep));
+  EXPECT_GT(max_rank, 1024);  // the rest of the nucleus was reachable
+  // top-k 4 of the 8 peaks, then a nucleus of half of their mass: ids 17 and 1017 only.
+  Sampler kp({1.f, 4, 0.5f, 6});
+  std::map<int32_t, int> n;
+  const int N = 8000;
+  for (int i = 0; i < N; ++i) ++n[kp.sample(l)];
+  ASSERT_EQ(n.size(), 2u);
+  EXPECT_NEAR(double(n[17]) / N, 0.5, 5 * std::sqrt(0.25 / N));
+  EXPECT_NEAR(double(n[1017]) / N, 0.5, 5 * std::sqrt(0.25 / N));
+  // Plain temperature sampling over the whole row: the 8 peaks take 8e^2 / (8e^2 + V - 8) of the mass.
+  Sampler all({1.f, 0, 1.f, 7});
+  int peaks = 0;
+  for (int i = 0; i < N; ++i) peaks += l[static_cast<size_t>(all.sample(l))] > 1.f;
+  const double p = 8 * std::exp(2.0) / (8 * std::exp(2.0) + V - 8);
+  EXPECT_NEAR(double(peaks) / N, p, 5 * std::sqrt(p * (1 - p) / N) + 1e-4);
+}
+
 TEST(Sampler, LogprobsAreNormalisedAndTopIsSorted) {
   auto l = random_logits(300, 11);
   auto lp = log_softmax(l);

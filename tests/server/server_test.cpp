@@ -327,6 +327,11 @@ TEST(Server, RagRequestReusesShuffledDocuments) {
   const std::string m = s.get_text("/metrics");
   EXPECT_NE(m.find("hypic_segment_cache_hits_total 5"), std::string::npos) << m;
   EXPECT_NE(m.find("hypic_prompt_tokens_reused_total " + std::to_string(cached)), std::string::npos) << m;
+  // The engine's time went to entry builds and compositions (and the full request's prefill).
+  for (const char* phase : {"build", "compose", "prefill"})
+    EXPECT_NE(m.find(std::string("hypic_engine_phase_seconds_count{phase=\"") + phase + "\"}"), std::string::npos)
+        << phase << " in\n"
+        << m;
 }
 
 // The next turn of a conversation repeats the previous prompt: pic starts from the composed
@@ -709,7 +714,11 @@ TEST(Server, MetricsContent) {
         "hypic_time_to_first_token_seconds_bucket{le=\"+Inf\"} 1", "hypic_request_latency_seconds_count 1",
         "hypic_generation_tokens_total 3", "hypic_prompt_tokens_prefilled_total", "hypic_prompt_tokens_reused_total 0",
         "hypic_segment_cache_hits_total", "hypic_segment_cache_misses_total", "hypic_segment_cache_evictions_total",
-        "hypic_segment_cache_bytes", "hypic_segment_cache_entries", "hypic_queue_depth 0", "hypic_running_requests"})
+        "hypic_segment_cache_bytes", "hypic_segment_cache_entries", "hypic_queue_depth 0", "hypic_running_requests",
+        // One prefill unit, three tokens picked, two decode forwards (the third token ends the request).
+        "# TYPE hypic_engine_phase_seconds histogram", "hypic_engine_phase_seconds_count{phase=\"prefill\"} 1",
+        "hypic_engine_phase_seconds_count{phase=\"sample\"} 3", "hypic_engine_phase_seconds_count{phase=\"decode\"} 2",
+        "hypic_engine_phase_seconds_bucket{phase=\"decode\",le=\"+Inf\"} 2"})
     EXPECT_NE(m.find(want), std::string::npos) << "missing '" << want << "' in\n" << m;
 }
 
