@@ -37,10 +37,7 @@ int32_t Sampler::sample(std::span<const float> logits) {
     const float w = std::exp((v - mx) * inv_t);
     return w == w ? static_cast<double>(w) : 0.0;
   };
-  auto draw = [&](double mass) {
-    std::uniform_real_distribution<double> u(0.0, mass > 0 ? mass : 1.0);
-    return u(rng_);
-  };
+  auto draw = [&](double mass) { return uniform() * (mass > 0 ? mass : 1.0); };
   const bool cut_k = p_.top_k > 0 && p_.top_k < V;
   double total = 0;  // the mass the nucleus is measured against: the whole row, or the k best
   if (!cut_k) {
@@ -97,6 +94,10 @@ int32_t Sampler::sample(std::span<const float> logits) {
     if (r < acc) return scratch_[i].second;
   }
   return scratch_[keep - 1].second;
+}
+
+double Sampler::uniform() {
+  return std::uniform_real_distribution<double>(0.0, 1.0)(rng_);
 }
 
 void mask_ids(std::span<float> logits, std::span<const int32_t> ids) {

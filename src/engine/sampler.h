@@ -31,6 +31,12 @@ class Sampler {
   // Picks a token from logits (host memory, length V).
   int32_t sample(std::span<const float> logits);
   const SamplingParams& params() const { return p_; }
+  // Greedy or plain temperature sampling over `vocab` ids (no top-k / top-p cut): what
+  // Backend::sample_rows draws on the device, given uniform().
+  bool plain(int64_t vocab) const { return (p_.top_k == 0 || p_.top_k >= vocab) && p_.top_p >= 1.f; }
+  // The next draw in [0, 1) of this sampler's seeded stream: sample() takes one per sampled token
+  // (none when greedy), so a request's tokens follow its seed wherever the draw is applied.
+  double uniform();
 
  private:
   SamplingParams p_;

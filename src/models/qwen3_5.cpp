@@ -35,7 +35,7 @@ class StoreSource : public WeightSource {
 };
 
 // Seeded random weights for benchmarks on real shapes. Values come from a counter-based generator
-// (splitmix64 per block of 2^16 elements, Box-Muller normals), so blocks are generated in parallel on
+// (splitmix64 per block of 2^16 elements, near-normal values), so blocks are generated in parallel on
 // every core and a 35B-parameter model is ready in seconds; the same seed gives the same weights.
 class RandomSource : public WeightSource {
  public:
@@ -66,22 +66,26 @@ class RandomSource : public WeightSource {
           return z ^ (z >> 31);
         };
         auto uniform = [&] { return (static_cast<float>(next() >> 40) + 0.5f) * (1.0f / 16777216.0f); };
+        // Near-normal values from one 64-bit draw: the sum of its four 16-bit parts (Irwin-Hall,
+        // variance 4/12 after scaling), ~20x cheaper than Box-Muller's log and sincos, which made
+        // a 35B model take over a minute to generate.
+        constexpr float kIh = 1.7320508f / 65536.f;  // sqrt(3) / 2^16: unit variance
+        auto normal = [&] {
+          const uint64_t r = next();
+          const float s4 = static_cast<float>((r & 0xffff) + ((r >> 16) & 0xffff) + ((r >> 32) & 0xffff) + (r >> 48));
+          return (s4 - 2.f * 65535.f) * kIh;
+        };
         const int64_t off = b * kBlock, m = std::min(kBlock, n - off);
-        for (int64_t i = 0; i < m; i += 2) {
-          const float u1 = uniform(), u2 = uniform();
-          const float r = std::sqrt(-2.f * std::log(u1)), a = 6.2831853f * u2;
-          const float z[2] = {r * std::cos(a), r * std::sin(a)};
-          for (int j = 0; j < 2 && i + j < m; ++j) {
-            float& v = buf[static_cast<size_t>(i + j)];
-            if (is_alog)
-              v = std::log(1.f + 15.f * uniform());
-            else if (is_dtb)
-              v = 1.f;
-            else if (is_norm)
-              v = norm_base + 0.02f * sd * z[j];
-            else
-              v = sd * z[j];
-          }
+        for (int64_t i = 0; i < m; ++i) {
+          float& v = buf[static_cast<size_t>(i)];
+          if (is_alog)
+            v = std::log(1.f + 15.f * uniform());
+          else if (is_dtb)
+            v = 1.f;
+          else if (is_norm)
+            v = norm_base + 0.02f * sd * normal();
+          else
+            v = sd * normal();
         }
         convert_from_f32(buf.data(), dt_, static_cast<char*>(t.raw()) + off * dtype_size(dt_), static_cast<size_t>(m));
       }

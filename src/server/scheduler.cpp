@@ -74,6 +74,10 @@ Scheduler::Scheduler(Model& model, const Tokenizer* tok, SchedulerOptions opt, M
   if (tok_) {
     try {
       padded_ids_ = padded_ids_to_mask(model_, tok_);
+      std::vector<int32_t> sorted = padded_ids_;
+      std::sort(sorted.begin(), sorted.end());
+      const int64_t V = model_.config().vocab_size, n = static_cast<int64_t>(sorted.size());
+      if (n > 0 && n < V && sorted.front() == V - n && sorted.back() == V - 1) padded_from_ = V - n;
     } catch (const std::invalid_argument& e) {
       spdlog::warn("mask_padded_ids will have no effect: {}", e.what());
     }
@@ -259,26 +263,39 @@ void Scheduler::step() {
     }
     break;
   }
-  // Sample the next token of every decoding sequence, then advance them together. Greedy rows
-  // without log-probs or masks are picked on the device, and their ids come back in one read.
+  // Sample the next token of every decoding sequence, then advance them together. Greedy and plain
+  // temperature rows (no log-probs, no top-k / top-p, at most a tail mask) are drawn on the device
+  // from their sampler's next uniform draw, and their ids come back in one read; the others read
+  // their logits row.
   const auto t_sample = Clock::now();
   bool sampled = false;
   {
-    std::vector<Seq*> greedy;
+    std::vector<Seq*> picks;
     for (auto& s : running_)
-      if (!s->finished && s->stage == Seq::Stage::Decode && device_greedy(*s)) greedy.push_back(s.get());
-    if (!greedy.empty()) {
+      if (!s->finished && s->stage == Seq::Stage::Decode && device_pick(*s)) picks.push_back(s.get());
+    if (!picks.empty()) {
       try {
         Backend& be = model_.backend();
-        Tensor ids = be.alloc_uninit(DType::I32, {static_cast<int64_t>(greedy.size())});
-        for (size_t i = 0; i < greedy.size(); ++i) {
-          Tensor one = ids.slice_rows(static_cast<int64_t>(i), static_cast<int64_t>(i) + 1);
-          be.argmax_rows(greedy[i]->logits, one);
+        const int64_t n = static_cast<int64_t>(picks.size());
+        std::vector<float> par(static_cast<size_t>(3 * n));
+        for (int64_t i = 0; i < n; ++i) {
+          const Seq& s = *picks[static_cast<size_t>(i)];
+          const float t = s.job->gen.sampling.temperature;
+          par[static_cast<size_t>(3 * i)] = t;
+          par[static_cast<size_t>(3 * i + 1)] = t > 0.f ? static_cast<float>(s.sampler->uniform()) : 0.f;
+          par[static_cast<size_t>(3 * i + 2)] =
+              s.job->gen.mask_padded_ids && padded_from_ > 0 ? static_cast<float>(padded_from_) : 0.f;
+        }
+        Tensor params = be.alloc_uninit(DType::F32, {n, 3}), ids = be.alloc_uninit(DType::I32, {n});
+        be.write(params, par.data(), par.size() * sizeof(float));
+        for (int64_t i = 0; i < n; ++i) {
+          Tensor one = ids.slice_rows(i, i + 1);
+          be.sample_rows(picks[static_cast<size_t>(i)]->logits, params.slice_rows(i, i + 1), one);
         }
         Tensor h = be.to_host(ids);
-        for (size_t i = 0; i < greedy.size(); ++i) greedy[i]->picked = h.data<int32_t>()[i];
+        for (int64_t i = 0; i < n; ++i) picks[static_cast<size_t>(i)]->picked = h.data<int32_t>()[i];
       } catch (const std::exception&) {
-        for (Seq* s : greedy) s->picked = -1;  // decode_sample reads the logits instead
+        for (Seq* s : picks) s->picked = -1;  // decode_sample reads the logits instead
       }
     }
   }
@@ -512,10 +529,11 @@ void Scheduler::start_decode(Seq& s) {
   if (j.gen.max_tokens <= 0) finish(s, "length");
 }
 
-bool Scheduler::device_greedy(const Seq& s) const {
+bool Scheduler::device_pick(const Seq& s) const {
   const GenSpec& g = s.job->gen;
-  return g.sampling.temperature == 0.f && g.logprobs < 0 && !(g.mask_padded_ids && !padded_ids_.empty()) &&
-         s.logits.defined();
+  if (g.logprobs >= 0 || !s.logits.defined() || !s.sampler) return false;
+  if (g.mask_padded_ids && !padded_ids_.empty() && padded_from_ == 0) return false;  // holes: masked on the host
+  return g.sampling.temperature == 0.f || s.sampler->plain(model_.config().vocab_size);
 }
 
 void Scheduler::decode_sample(Seq& s) {

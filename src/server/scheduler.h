@@ -139,8 +139,10 @@ class Scheduler {
   int64_t build_budget() const { return int64_t{opt_.compose_chunk} * model_.config().num_hidden_layers; }
   const char* unit_kind(const Seq& s) const;  // the phase label of s's next prefill unit
   void start_decode(Seq& s);
-  void decode_sample(Seq& s);              // samples from s.logits (or takes s.picked), emits; may finish the job
-  bool device_greedy(const Seq& s) const;  // greedy, no log-probs, no mask: argmax on the device
+  void decode_sample(Seq& s);  // samples from s.logits (or takes s.picked), emits; may finish the job
+  // Greedy or plain temperature sampling, no log-probs, no mask or a tail mask: the token is
+  // drawn on the device (Backend::sample_rows) and only its id comes back.
+  bool device_pick(const Seq& s) const;
   // Advances each sequence by its next token: one Model::forward_batch over all of them (a
   // replayed graph per batch size on the GPU), or one forward each when the batch call fails.
   void decode_step(std::vector<Seq*>& seqs);
@@ -153,6 +155,7 @@ class Scheduler {
   Model& model_;
   const Tokenizer* tok_;
   std::vector<int32_t> padded_ids_;  // ids without a tokenizer entry (requests with mask_padded_ids)
+  int64_t padded_from_ = 0;          // > 0: padded_ids_ are exactly the ids from here to the vocabulary's end
   SchedulerOptions opt_;
   Metrics& metrics_;
   mutable PicEngine engine_;

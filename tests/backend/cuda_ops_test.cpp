@@ -461,6 +461,49 @@ TEST_F(CudaOps, MoeExperts) {
     }
 }
 
+// The device draw: greedy rows equal the reference; sampled rows pick an id whose running mass
+// brackets u * total (float sums on the device against double ones here), below the row's limit.
+TEST_F(CudaOps, SampleRowsDrawsByTheRunningMass) {
+  const int64_t V = 248320, R = 12;
+  Tensor x = randn({R, V}, rng, 3.f);
+  for (int64_t i = 0; i < V; ++i) x.data<float>()[11 * V + i] = i % 7 == 0 ? 20.f : -20.f;  // a peaked row
+  std::vector<float> par(static_cast<size_t>(3 * R));
+  std::uniform_real_distribution<float> uni(0.f, 1.f);
+  for (int64_t r = 0; r < R; ++r) {
+    par[static_cast<size_t>(3 * r)] = r % 3 == 0 ? 0.f : (r % 3 == 1 ? 0.7f : 1.3f);
+    par[static_cast<size_t>(3 * r + 1)] = uni(rng);
+    par[static_cast<size_t>(3 * r + 2)] = r % 2 ? 151669.f : 0.f;
+  }
+  Tensor p = Tensor::empty(DType::F32, {R, 3});
+  std::copy(par.begin(), par.end(), p.data<float>());
+  Tensor ref = Tensor::empty(DType::I32, {R}), got = gpu->alloc(DType::I32, {R});
+  cpu->sample_rows(x, p, ref);
+  gpu->sample_rows(dev(x), dev(p), got);
+  Tensor g = gpu->to_host(got);
+  for (int64_t r = 0; r < R; ++r) {
+    const float t = par[static_cast<size_t>(3 * r)], u = par[static_cast<size_t>(3 * r + 1)];
+    const int64_t n = r % 2 ? 151669 : V;
+    const int32_t id = g.data<int32_t>()[r];
+    ASSERT_GE(id, 0);
+    ASSERT_LT(id, n) << "row " << r;
+    if (t == 0.f || r == 11) {
+      EXPECT_EQ(id, ref.data<int32_t>()[r]) << "row " << r;
+      continue;
+    }
+    const float* row = x.data<float>() + r * V;
+    const float mx = *std::max_element(row, row + n);
+    double total = 0, before = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const double w = std::exp((row[i] - mx) / t);
+      if (i < id) before += w;
+      total += w;
+    }
+    const double after = before + std::exp((row[id] - mx) / t), target = u * total;
+    EXPECT_LE(before, target + 1e-5 * total) << "row " << r;
+    EXPECT_GE(after, target - 1e-5 * total) << "row " << r;
+  }
+}
+
 TEST_F(CudaOps, BadInputIsRejectedWithAClearError) {
   Tensor x = randn({4, 8}, rng);
   Tensor w = gpu->alloc(DType::F32, {5, 8}), y = gpu->alloc(DType::F32, {4, 5});
@@ -562,6 +605,39 @@ TEST_F(CudaOps, DecodeStepOpsMatchCpuPerSequence) {
       EXPECT_EQ(err(vcache_g[b], vcache_c[b]), 0.0) << "value cache " << b;
     }
   }
+}
+
+// The batched decode attention groups the query heads of one key head in a block (8, 4, 2 or 1
+// of them): every grouping, head size and split count (a long cache, a 1-key sequence) against
+// the CPU per sequence.
+TEST_F(CudaOps, DecodeAttentionGroupsQueryHeadsOfAKeyHead) {
+  struct Shape {
+    int64_t Hq, Hkv, D;
+  };
+  auto addr = [](const Tensor& t) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(t.raw())); };
+  for (const Shape sh : {Shape{16, 2, 256}, Shape{16, 1, 128}, Shape{6, 3, 64}, Shape{5, 5, 96}, Shape{12, 4, 256}})
+    for (const std::vector<int64_t>& pos : {std::vector<int64_t>{0, 4100, 17}, std::vector<int64_t>{2999}}) {
+      const int64_t B = static_cast<int64_t>(pos.size()), cap = 4200, D = sh.D;
+      Tensor q = randn({B, sh.Hq, D}, rng), k = randn({B, sh.Hkv, D}, rng), v = randn({B, sh.Hkv, D}, rng);
+      std::vector<Tensor> kc, vc, kg, vg;
+      std::vector<int64_t> ctab(static_cast<size_t>(2 * B)), gtab(static_cast<size_t>(2 * B));
+      for (int64_t b = 0; b < B; ++b) {
+        kc.push_back(randn({cap, sh.Hkv, D}, rng));
+        vc.push_back(randn({cap, sh.Hkv, D}, rng));
+        kg.push_back(dev(kc.back()));
+        vg.push_back(dev(vc.back()));
+        ctab[static_cast<size_t>(b)] = addr(kc.back()), ctab[static_cast<size_t>(B + b)] = addr(vc.back());
+        gtab[static_cast<size_t>(b)] = addr(kg.back()), gtab[static_cast<size_t>(B + b)] = addr(vg.back());
+      }
+      Tensor dtab = gpu->alloc(DType::I64, {2 * B}), dpos = gpu->alloc(DType::I64, {B});
+      gpu->write(dtab, gtab.data(), gtab.size() * sizeof(int64_t));
+      gpu->write(dpos, pos.data(), pos.size() * sizeof(int64_t));
+      const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+      Tensor oc = cpu->alloc(DType::F32, {B, sh.Hq, D}), og = poisoned(DType::F32, {B, sh.Hq, D});
+      cpu->attention_step(q, k, v, host_i64(ctab), host_i64(pos), scale, oc);
+      gpu->attention_step(dev(q), dev(k), dev(v), dtab, dpos, scale, og);
+      EXPECT_LE(err(og, oc), 1e-5) << sh.Hq << "/" << sh.Hkv << " heads, D " << D << ", B " << B;
+    }
 }
 
 // A recorded graph replays the recorded work on new table contents: the step ops read their

@@ -6,6 +6,8 @@
 #include <map>
 #include <random>
 
+#include "backend/backend.h"
+
 using namespace hypic;
 
 namespace {
@@ -166,4 +168,38 @@ TEST(Sampler, MaskedIdsAreNeverPicked) {
     const auto lp = token_logprob(l, argmax(l), 5);
     for (const auto& [id, p] : lp.top) EXPECT_TRUE(id != best && id != 0 && id != 96);
   }
+}
+
+// Backend::sample_rows (the device draw's reference) picks what the Sampler picks from the same
+// uniform draw: the server may draw a request's token on either side.
+TEST(Sampler, DeviceDrawReferenceMatchesTheSampler) {
+  auto be = make_backend("cpu", 1);
+  const int64_t V = 3000;
+  for (uint64_t seed = 0; seed < 40; ++seed) {
+    auto l = random_logits(static_cast<int>(V), seed);
+    const float t = seed % 4 == 0 ? 0.f : 0.3f + 0.2f * static_cast<float>(seed % 5);
+    Sampler a({t, 0, 1.f, seed}), b({t, 0, 1.f, seed});
+    ASSERT_TRUE(a.plain(V));
+    const int32_t want = a.sample(l);
+    const float par[3] = {t, t > 0 ? static_cast<float>(b.uniform()) : 0.f, 0.f};
+    Tensor x = Tensor::empty(DType::F32, {1, V}), p = Tensor::empty(DType::F32, {1, 3});
+    Tensor ids = Tensor::empty(DType::I32, {1});
+    std::copy(l.begin(), l.end(), x.data<float>());
+    std::copy(par, par + 3, p.data<float>());
+    be->sample_rows(x, p, ids);
+    EXPECT_EQ(ids.data<int32_t>()[0], want) << "seed " << seed << " t " << t;
+  }
+  // A limit keeps the tail out: the largest logit sits past it.
+  std::vector<float> l(V, 0.f);
+  l[V - 1] = 50.f;
+  Tensor x = Tensor::empty(DType::F32, {2, V}), p = Tensor::empty(DType::F32, {2, 3}),
+         ids = Tensor::empty(DType::I32, {2});
+  std::copy(l.begin(), l.end(), x.data<float>());
+  std::copy(l.begin(), l.end(), x.data<float>() + V);
+  const float par[6] = {0.f, 0.f, 2000.f, 1.f, 0.999f, 2000.f};
+  std::copy(par, par + 6, p.data<float>());
+  be->sample_rows(x, p, ids);
+  EXPECT_EQ(ids.data<int32_t>()[0], 0);  // greedy: ties to the lowest id below the limit
+  EXPECT_GE(ids.data<int32_t>()[1], 1990);
+  EXPECT_LT(ids.data<int32_t>()[1], 2000);
 }

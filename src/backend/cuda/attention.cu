@@ -1,8 +1,9 @@
 // Causal GQA attention on the GPU in f32: decode steps, short spans and the precise mode (prefill
-// spans otherwise go to the tensor-core kernel in flash_attention.cu). One block per (query row,
-// query head, key split): the visible keys of a row are cut into splits of at least 128 keys so a
-// single decode row still fills the GPU (flash-decoding); warps share a split with an online
-// softmax each, and a second kernel merges the splits' (max, sum, accumulator) triples.
+// spans otherwise go to the tensor-core kernel in flash_attention.cu). k_attention: one block per
+// (query row, query head, key split); k_attention_step (batched decode): one block per (sequence,
+// query heads of one key head, key split). The visible keys are cut into splits so a single
+// decode row still fills the GPU (flash-decoding); warps share a split with an online softmax
+// each, and a second kernel merges the splits' (max, sum, accumulator) triples.
 #include <algorithm>
 #include <cfloat>
 
@@ -21,20 +22,12 @@ constexpr int kPer = kMaxD / 32;  // elements of a head vector per lane
 __global__ void __launch_bounds__(kWarps * 32)
     k_attention(const float* q, const float* k, const float* v, int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv,
                 int64_t kv_len, int64_t q_offset, float scale, int64_t chunk, float* out, float* part_ml,
-                float* part_acc, const int64_t* caches, const int64_t* positions) {
+                float* part_acc) {
   pdl_entry();
   const int64_t t = blockIdx.x, h = blockIdx.y, sp = blockIdx.z;
   const int64_t g = h / (Hq / Hkv);
   const int lane = threadIdx.x % 32, w = threadIdx.x / 32;
-  int64_t visible = min(kv_len, q_offset + t + 1);
-  // Decode step over a batch: row t is sequence t's one token, at positions[t], over its own cache;
-  // the splits share out that sequence's keys (a fixed grid whatever the lengths: replayable).
-  if (caches) {
-    k = reinterpret_cast<const float*>(caches[t]);
-    v = reinterpret_cast<const float*>(caches[gridDim.x + t]);
-    visible = positions[t] + 1;
-    chunk = (visible + gridDim.z - 1) / gridDim.z;
-  }
+  const int64_t visible = min(kv_len, q_offset + t + 1);
   const int64_t j0 = sp * chunk, n = min(visible, j0 + chunk);
   float qr[kPer], acc[kPer];
   const float* qp = q + (t * Hq + h) * D;
@@ -156,6 +149,142 @@ __global__ void k_attention_merge(const float* part_ml, const float* part_acc, i
   }
 }
 
+// Decode step, one block per (sequence, group of HG query heads sharing a key head, key split):
+// each key and value row is read once for all HG heads. One block per query head (k_attention)
+// reads a GQA group's rows Hq/Hkv times, which at long contexts made decode steps memory-bound
+// on re-reads (8x for Qwen3.5-35B-A3B's 16 query heads over 2 key heads).
+template <int HG>
+__global__ void __launch_bounds__(kWarps * 32)
+    k_attention_step(const float* q, const int64_t* caches, const int64_t* positions, int64_t Hq, int64_t Hkv,
+                     int64_t D, int64_t Dv, float scale, float* out, float* part_ml, float* part_acc) {
+  pdl_entry();
+  const int64_t t = blockIdx.x, B = gridDim.x, sp = blockIdx.z, h0 = blockIdx.y * HG;
+  const int64_t g = h0 / (Hq / Hkv);
+  const int lane = threadIdx.x % 32, w = threadIdx.x / 32;
+  const float* k = reinterpret_cast<const float*>(caches[t]);
+  const float* v = reinterpret_cast<const float*>(caches[B + t]);
+  // A fixed grid whatever the lengths (replayable): the splits share out this sequence's keys.
+  const int64_t visible = positions[t] + 1, chunk = (visible + gridDim.z - 1) / gridDim.z;
+  const int64_t j0 = sp * chunk, n = min(visible, j0 + chunk);
+  float qr[HG][kPer], acc[HG][kPer], m[HG], l[HG];
+#pragma unroll
+  for (int hh = 0; hh < HG; ++hh) {
+    m[hh] = -FLT_MAX;
+    l[hh] = 0.f;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int d = lane + 32 * i;
+      qr[hh][i] = d < D ? q[(t * Hq + h0 + hh) * D + d] : 0.f;
+      acc[hh][i] = 0.f;
+    }
+  }
+  // Several keys per warp step, their key and value rows loaded before any reduction: decode
+  // reads each row once, so the bytes in flight set the speed.
+  constexpr int kU = HG >= 8 ? 2 : 4;
+  for (int64_t jb = j0 + w * kU; jb < n; jb += kWarps * kU) {
+    float kr[kU][kPer], vr[kU][kPer];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int64_t j = jb + u;
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const int d = lane + 32 * i;
+        kr[u][i] = j < n && d < D ? k[(j * Hkv + g) * D + d] : 0.f;
+        vr[u][i] = j < n && d < Dv ? v[(j * Hkv + g) * Dv + d] : 0.f;
+      }
+    }
+    float s[HG][kU];
+#pragma unroll
+    for (int hh = 0; hh < HG; ++hh)
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        float x = 0.f;
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) x += qr[hh][i] * kr[u][i];
+        s[hh][u] = x;
+      }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+      for (int hh = 0; hh < HG; ++hh)
+#pragma unroll
+        for (int u = 0; u < kU; ++u) s[hh][u] += __shfl_xor_sync(0xffffffffu, s[hh][u], o);
+#pragma unroll
+    for (int hh = 0; hh < HG; ++hh) {
+      float mn = m[hh];
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        s[hh][u] = jb + u < n ? s[hh][u] * scale : -FLT_MAX;
+        mn = fmaxf(mn, s[hh][u]);
+      }
+      const float corr = expf(m[hh] - mn);
+      float p[kU], ps = 0.f;
+#pragma unroll
+      for (int u = 0; u < kU; ++u) ps += p[u] = jb + u < n ? expf(s[hh][u] - mn) : 0.f;
+      l[hh] = l[hh] * corr + ps;
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        float a = acc[hh][i] * corr;
+#pragma unroll
+        for (int u = 0; u < kU; ++u) a += p[u] * vr[u][i];
+        acc[hh][i] = a;
+      }
+      m[hh] = mn;
+    }
+  }
+  // The warps' shares merged per head, then written (one split) or left for k_attention_merge.
+  __shared__ float sm[kWarps][HG], sl[kWarps][HG], sacc[kWarps][HG][kMaxD];
+#pragma unroll
+  for (int hh = 0; hh < HG; ++hh) {
+    if (lane == 0) {
+      sm[w][hh] = m[hh];
+      sl[w][hh] = l[hh];
+    }
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int d = lane + 32 * i;
+      if (d < Dv) sacc[w][hh][d] = acc[hh][i];
+    }
+  }
+  __syncthreads();
+  for (int hh = 0; hh < HG; ++hh) {
+    float M = -FLT_MAX;
+    for (int i = 0; i < kWarps; ++i) M = fmaxf(M, sm[i][hh]);
+    float L = 0.f, f[kWarps];
+    for (int i = 0; i < kWarps; ++i) {
+      f[i] = sl[i][hh] > 0.f ? expf(sm[i][hh] - M) : 0.f;
+      L += sl[i][hh] * f[i];
+    }
+    const int64_t h = h0 + hh;
+    if (gridDim.z == 1) {
+      for (int64_t d = threadIdx.x; d < Dv; d += blockDim.x) {
+        float o = 0.f;
+        for (int i = 0; i < kWarps; ++i) o += sacc[i][hh][d] * f[i];
+        out[(t * Hq + h) * Dv + d] = o / L;
+      }
+      continue;
+    }
+    const int64_t slot = (t * Hq + h) * gridDim.z + sp;
+    if (threadIdx.x == 0) {
+      part_ml[2 * slot] = M;
+      part_ml[2 * slot + 1] = L;
+    }
+    for (int64_t d = threadIdx.x; d < Dv; d += blockDim.x) {
+      float o = 0.f;
+      for (int i = 0; i < kWarps; ++i) o += sacc[i][hh][d] * f[i];
+      part_acc[slot * Dv + d] = o;
+    }
+  }
+}
+
+// Query heads one decode block serves: the largest of 8, 4, 2, 1 dividing the GQA group.
+int step_heads(int64_t Hq, int64_t Hkv) {
+  const int64_t G = Hq / std::max<int64_t>(Hkv, 1);
+  for (int hg : {8, 4, 2})
+    if (G % hg == 0) return hg;
+  return 1;
+}
+
 }  // namespace
 
 int attention_splits(int64_t T, int64_t Hq, int64_t kv_len) {
@@ -176,8 +305,7 @@ void launch_attention(cudaStream_t s, const float* q, const float* k, const floa
   float* part_ml = part;
   float* part_acc = part ? part + 2 * T * Hq * splits : nullptr;
   launch(s, dim3(static_cast<unsigned>(T), static_cast<unsigned>(Hq), static_cast<unsigned>(splits)), kWarps * 32, 0,
-         k_attention, q, k, v, Hq, Hkv, D, Dv, kv_len, q_offset, scale, chunk, out, part_ml, part_acc, nullptr,
-         nullptr);
+         k_attention, q, k, v, Hq, Hkv, D, Dv, kv_len, q_offset, scale, chunk, out, part_ml, part_acc);
   CUDA_LAUNCH_CHECK("k_attention");
   if (splits > 1) {
     launch(s, dim3(static_cast<unsigned>(T), static_cast<unsigned>(Hq)), 128, 0, k_attention_merge, part_ml, part_acc,
@@ -194,9 +322,10 @@ void launch_attention_merge(cudaStream_t s, const float* part, int64_t T, int64_
   CUDA_LAUNCH_CHECK("k_attention_merge");
 }
 
-int attention_step_splits(int64_t B, int64_t Hq) {
-  return static_cast<int>(
-      std::max<int64_t>(1, std::min<int64_t>(64, (1024 + B * Hq - 1) / std::max<int64_t>(1, B * Hq))));
+int attention_step_splits(int64_t B, int64_t Hq, int64_t Hkv) {
+  // ~2048 blocks whatever the batch: a single long sequence still spreads over every SM.
+  const int64_t groups = B * (Hq / step_heads(Hq, Hkv));
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(256, (2048 + groups - 1) / groups)));
 }
 
 void launch_attention_step(cudaStream_t s, const float* q, const int64_t* caches, const int64_t* positions, int64_t B,
@@ -205,12 +334,31 @@ void launch_attention_step(cudaStream_t s, const float* q, const int64_t* caches
   if (D > kMaxD || Dv > kMaxD)
     throw std::invalid_argument("attention_step: head dims up to " + std::to_string(kMaxD) + " on cuda, got " +
                                 std::to_string(D) + "/" + std::to_string(Dv));
-  const int splits = attention_step_splits(B, Hq);
+  if (Hkv < 1 || Hq % Hkv != 0)
+    throw std::invalid_argument("attention_step: " + std::to_string(Hq) + " query heads over " + std::to_string(Hkv) +
+                                " key heads");
+  const int splits = attention_step_splits(B, Hq, Hkv), hg = step_heads(Hq, Hkv);
   float* part_ml = part;
   float* part_acc = part + 2 * B * Hq * splits;
-  launch(s, dim3(static_cast<unsigned>(B), static_cast<unsigned>(Hq), static_cast<unsigned>(splits)), kWarps * 32, 0,
-         k_attention, q, nullptr, nullptr, Hq, Hkv, D, Dv, 0, 0, scale, 0, out, part_ml, part_acc, caches, positions);
-  CUDA_LAUNCH_CHECK("k_attention(step)");
+  const dim3 grid(static_cast<unsigned>(B), static_cast<unsigned>(Hq / hg), static_cast<unsigned>(splits));
+  auto go = [&](auto kernel) {
+    launch(s, grid, kWarps * 32, 0, kernel, q, caches, positions, Hq, Hkv, D, Dv, scale, out, part_ml, part_acc);
+  };
+  switch (hg) {
+    case 8:
+      go(k_attention_step<8>);
+      break;
+    case 4:
+      go(k_attention_step<4>);
+      break;
+    case 2:
+      go(k_attention_step<2>);
+      break;
+    default:
+      go(k_attention_step<1>);
+      break;
+  }
+  CUDA_LAUNCH_CHECK("k_attention_step");
   if (splits > 1) {
     launch(s, dim3(static_cast<unsigned>(B), static_cast<unsigned>(Hq)), 128, 0, k_attention_merge, part_ml, part_acc,
            Hq, Dv, splits, out);

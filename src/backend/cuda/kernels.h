@@ -40,6 +40,7 @@ void launch_causal_conv1d_silu(cudaStream_t s, const float* x, const void* w, DT
                                int64_t T, int64_t C, int64_t K);
 void launch_set_identity(cudaStream_t s, float* t, int64_t H, int64_t n);
 void launch_argmax_rows(cudaStream_t s, const float* x, int64_t R, int64_t V, int32_t* ids);
+void launch_sample_rows(cudaStream_t s, const float* x, int64_t R, int64_t V, const float* params, int32_t* ids);
 // rows: out[i, :] = x[idx[i], :], or zeros where idx[i] < 0 (padding)
 void launch_gather_rows(cudaStream_t s, const float* x, const int32_t* idx, float* out, int64_t n, int64_t H);
 // the same rounded to bf16/f16 (to = BF16 or F16)
@@ -161,11 +162,11 @@ void launch_gated_delta_rule_step(cudaStream_t s, const float* q, const float* k
                                   int64_t dv, const int64_t* states, float* out);
 void launch_kv_write(cudaStream_t s, const float* k, const float* v, const int64_t* caches, const int64_t* positions,
                      int64_t B, int64_t Hkv, int64_t D, int64_t Dv);
-// Key splits per sequence of a step: fixed by B and Hq alone (never by the lengths), so a
-// captured step stays valid as the sequences grow.
-int attention_step_splits(int64_t B, int64_t Hq);
-inline int64_t attention_step_part_floats(int64_t B, int64_t Hq, int64_t Dv) {
-  return B * Hq * attention_step_splits(B, Hq) * (Dv + 2);
+// Key splits per sequence of a step: fixed by the batch and head counts alone (never by the
+// lengths), so a captured step stays valid as the sequences grow.
+int attention_step_splits(int64_t B, int64_t Hq, int64_t Hkv);
+inline int64_t attention_step_part_floats(int64_t B, int64_t Hq, int64_t Hkv, int64_t Dv) {
+  return B * Hq * attention_step_splits(B, Hq, Hkv) * (Dv + 2);
 }
 void launch_attention_step(cudaStream_t s, const float* q, const int64_t* caches, const int64_t* positions, int64_t B,
                            int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv, float scale, float* out, float* part);
