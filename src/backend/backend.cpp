@@ -201,51 +201,45 @@ void Backend::argmax_rows(const Tensor& x, Tensor& ids) {
   write(ids, out.data(), out.size() * sizeof(int32_t));
 }
 
-void Backend::sample_rows(const Tensor& x, const Tensor& params, Tensor& ids) {
-  checks::need_f32("sample_rows", "x", x, device().kind);
-  checks::need_f32("sample_rows", "params", params, device().kind);
-  checks::need_def("sample_rows", "ids", ids, device().kind);
-  checks::need_ndim("sample_rows", "x", x, 2);
+void Backend::sample_rows(const Tensor& x, const Tensor& params, const Tensor& mask, Tensor& ids) {
+  checks::check_sample_rows(x, params, mask, ids, device().kind);
   const int64_t R = x.dim(0), V = x.dim(1);
-  if (params.ndim() != 2 || params.dim(0) != R || params.dim(1) != 3)
-    checks::fail("sample_rows", "params " + params.str() + ": expected f32[" + std::to_string(R) + ", 3]");
-  if (ids.dtype() != DType::I32 || ids.ndim() != 1 || ids.dim(0) != R)
-    checks::fail("sample_rows", "ids " + ids.str() + ": expected i32[" + std::to_string(R) + "]");
-  if (V == 0) checks::fail("sample_rows", "x " + x.str() + " has empty rows");
-  Tensor h = to_host(x), hp = to_host(params);
+  Tensor h = to_host(x), hp = to_host(params), hm = mask.defined() ? to_host(mask) : Tensor();
   std::vector<int32_t> out(static_cast<size_t>(R));
   for (int64_t r = 0; r < R; ++r) {
     const float* row = h.data<float>() + r * V;
-    const float t = hp.data<float>()[3 * r], u = hp.data<float>()[3 * r + 1], lim = hp.data<float>()[3 * r + 2];
-    const int64_t n = lim >= 1.f && lim < static_cast<float>(V) ? static_cast<int64_t>(lim) : V;
+    const float t = hp.data<float>()[3 * r], u = hp.data<float>()[3 * r + 1];
+    const uint8_t* off = hm.defined() && hp.data<float>()[3 * r + 2] != 0.f ? hm.data<uint8_t>() : nullptr;
+    auto on = [&](int64_t i) { return !off || !off[i]; };
     float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t i = 0; i < n; ++i) mx = row[i] > mx ? row[i] : mx;
+    for (int64_t i = 0; i < V; ++i)
+      if (on(i) && row[i] > mx) mx = row[i];
     int32_t pick = 0;
     if (t <= 0.f) {
-      for (int64_t i = 0; i < n; ++i)
-        if (row[i] == mx) {
+      for (int64_t i = 0; i < V; ++i)
+        if (on(i) && row[i] == mx) {
           pick = static_cast<int32_t>(i);
           break;
         }
     } else {
       const float m = std::isfinite(mx) ? mx : 0.f;
-      auto weight = [&](float v) {
-        const float w = std::exp((v - m) / t);
-        return w == w ? static_cast<double>(w) : 0.0;
+      auto weight = [&](int64_t i) {
+        const float w = std::exp((row[i] - m) / t);
+        return on(i) && w == w ? static_cast<double>(w) : 0.0;
       };
       double total = 0;
-      int64_t last = n - 1;
-      for (int64_t i = 0; i < n; ++i) total += weight(row[i]);
-      for (int64_t i = n - 1; i >= 0; --i)
-        if (weight(row[i]) > 0) {
-          last = i;
-          break;
-        }
+      int64_t last = -1;
+      for (int64_t i = 0; i < V; ++i) {
+        const double w = weight(i);
+        total += w;
+        if (w > 0) last = i;
+      }
+      // Rounding past the last id with mass: that id (the CPU sampler's rule).
       const double target = static_cast<double>(u) * total;
       double acc = 0;
-      pick = static_cast<int32_t>(last);
-      for (int64_t i = 0; i < n; ++i) {
-        acc += weight(row[i]);
+      pick = static_cast<int32_t>(last >= 0 ? last : V - 1);
+      for (int64_t i = 0; i < V; ++i) {
+        acc += weight(i);
         if (target < acc) {
           pick = static_cast<int32_t>(i);
           break;

@@ -225,11 +225,12 @@ class Backend {
   // ids[r] = argmax of row r of x [R, V] (f32), ties to the lowest id as torch.argmax: greedy
   // decoding without the logits leaving the device. ids: I32 [R] on this device.
   virtual void argmax_rows(const Tensor& x, Tensor& ids);
-  // ids[r] drawn from softmax(x[r, :n] / t) by the uniform draw u in [0, 1): the first id, in id
+  // ids[r] drawn from softmax(x[r] / t) by the uniform draw u in [0, 1): the first id, in id
   // order, whose running mass exceeds u times the row's mass (NaN logits have none); t = 0 is the
-  // argmax. params: F32 [R, 3] of (t, u, n) on this device; n limits the ids (a padded vocabulary's
-  // tail is never drawn), n outside [1, V) means all V. The reference loops on the host.
-  virtual void sample_rows(const Tensor& x, const Tensor& params, Tensor& ids);
+  // argmax (ties to the lowest id). params: F32 [R, 3] of (t, u, m) on this device; rows with
+  // m != 0 never draw an id whose `mask` byte is set (U8 [V], or undefined when no row masks: a
+  // padded vocabulary's ids without a token). The reference loops on the host.
+  virtual void sample_rows(const Tensor& x, const Tensor& params, const Tensor& mask, Tensor& ids);
 
   // ---- mixture of experts -------------------------------------------------------------------
   // Softmax over router logits[T, E], top-k (renormalised when norm_topk), SwiGLU experts,

@@ -97,6 +97,8 @@ void check_gated_delta_rule_step(const Tensor& q, const Tensor& k, const Tensor&
                                  const Tensor& states, const Tensor& out, DeviceKind dev);
 void check_attention_step(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& caches,
                           const Tensor& positions, const Tensor& out, DeviceKind dev);
+// x F32 [R, V] (V >= 1), params F32 [R, 3], mask U8 [V] or undefined, ids I32 [R].
+void check_sample_rows(const Tensor& x, const Tensor& params, const Tensor& mask, const Tensor& ids, DeviceKind dev);
 // Returns the experts' intermediate size.
 int64_t check_moe(const Tensor& x, const Tensor& router_logits, int top_k, const ExpertWeights& experts,
                   const Tensor& out, DeviceKind dev);

@@ -289,6 +289,25 @@ void check_gated_delta_rule_step(const Tensor& q, const Tensor& k, const Tensor&
   check_step_table(op, "states", states, B, dev);
 }
 
+void check_sample_rows(const Tensor& x, const Tensor& params, const Tensor& mask, const Tensor& ids, DeviceKind dev) {
+  const char* op = "sample_rows";
+  need_f32(op, "x", x, dev);
+  need_f32(op, "params", params, dev);
+  need_def(op, "ids", ids, dev);
+  need_ndim(op, "x", x, 2);
+  const int64_t R = x.dim(0), V = x.dim(1);
+  if (V == 0) fail(op, "x " + x.str() + " has empty rows");
+  if (V > INT32_MAX) fail(op, "x " + x.str() + ": rows of more than 2^31 ids");
+  need_shape(op, "params", params, {R, 3});
+  if (ids.dtype() != DType::I32) fail(op, "ids " + ids.str() + ": expected i32");
+  need_shape(op, "ids", ids, {R});
+  if (mask.defined()) {
+    need_def(op, "mask", mask, dev);
+    if (mask.dtype() != DType::U8) fail(op, "mask " + mask.str() + ": expected u8");
+    need_shape(op, "mask", mask, {V});
+  }
+}
+
 void check_attention_step(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& caches,
                           const Tensor& positions, const Tensor& out, DeviceKind dev) {
   const char* op = "attention_step";

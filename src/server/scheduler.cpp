@@ -74,10 +74,12 @@ Scheduler::Scheduler(Model& model, const Tokenizer* tok, SchedulerOptions opt, M
   if (tok_) {
     try {
       padded_ids_ = padded_ids_to_mask(model_, tok_);
-      std::vector<int32_t> sorted = padded_ids_;
-      std::sort(sorted.begin(), sorted.end());
-      const int64_t V = model_.config().vocab_size, n = static_cast<int64_t>(sorted.size());
-      if (n > 0 && n < V && sorted.front() == V - n && sorted.back() == V - 1) padded_from_ = V - n;
+      if (!padded_ids_.empty()) {
+        std::vector<uint8_t> m(static_cast<size_t>(model_.config().vocab_size), 0);
+        for (int32_t id : padded_ids_) m.at(static_cast<size_t>(id)) = 1;
+        padded_mask_ = model_.backend().alloc_uninit(DType::U8, {static_cast<int64_t>(m.size())});
+        model_.backend().write(padded_mask_, m.data(), m.size());
+      }
     } catch (const std::invalid_argument& e) {
       spdlog::warn("mask_padded_ids will have no effect: {}", e.what());
     }
@@ -264,7 +266,7 @@ void Scheduler::step() {
     break;
   }
   // Sample the next token of every decoding sequence, then advance them together. Greedy and plain
-  // temperature rows (no log-probs, no top-k / top-p, at most a tail mask) are drawn on the device
+  // temperature rows (no log-probs, no top-k / top-p) are drawn on the device
   // from their sampler's next uniform draw, and their ids come back in one read; the others read
   // their logits row.
   const auto t_sample = Clock::now();
@@ -283,14 +285,13 @@ void Scheduler::step() {
           const float t = s.job->gen.sampling.temperature;
           par[static_cast<size_t>(3 * i)] = t;
           par[static_cast<size_t>(3 * i + 1)] = t > 0.f ? static_cast<float>(s.sampler->uniform()) : 0.f;
-          par[static_cast<size_t>(3 * i + 2)] =
-              s.job->gen.mask_padded_ids && padded_from_ > 0 ? static_cast<float>(padded_from_) : 0.f;
+          par[static_cast<size_t>(3 * i + 2)] = s.job->gen.mask_padded_ids && padded_mask_.defined() ? 1.f : 0.f;
         }
         Tensor params = be.alloc_uninit(DType::F32, {n, 3}), ids = be.alloc_uninit(DType::I32, {n});
         be.write(params, par.data(), par.size() * sizeof(float));
         for (int64_t i = 0; i < n; ++i) {
           Tensor one = ids.slice_rows(i, i + 1);
-          be.sample_rows(picks[static_cast<size_t>(i)]->logits, params.slice_rows(i, i + 1), one);
+          be.sample_rows(picks[static_cast<size_t>(i)]->logits, params.slice_rows(i, i + 1), padded_mask_, one);
         }
         Tensor h = be.to_host(ids);
         for (int64_t i = 0; i < n; ++i) picks[static_cast<size_t>(i)]->picked = h.data<int32_t>()[i];
@@ -532,7 +533,6 @@ void Scheduler::start_decode(Seq& s) {
 bool Scheduler::device_pick(const Seq& s) const {
   const GenSpec& g = s.job->gen;
   if (g.logprobs >= 0 || !s.logits.defined() || !s.sampler) return false;
-  if (g.mask_padded_ids && !padded_ids_.empty() && padded_from_ == 0) return false;  // holes: masked on the host
   return g.sampling.temperature == 0.f || s.sampler->plain(model_.config().vocab_size);
 }
 

@@ -140,8 +140,8 @@ class Scheduler {
   const char* unit_kind(const Seq& s) const;  // the phase label of s's next prefill unit
   void start_decode(Seq& s);
   void decode_sample(Seq& s);  // samples from s.logits (or takes s.picked), emits; may finish the job
-  // Greedy or plain temperature sampling, no log-probs, no mask or a tail mask: the token is
-  // drawn on the device (Backend::sample_rows) and only its id comes back.
+  // Greedy or plain temperature sampling without log-probs: the token is drawn on the device
+  // (Backend::sample_rows, padded ids masked there) and only its id comes back.
   bool device_pick(const Seq& s) const;
   // Advances each sequence by its next token: one Model::forward_batch over all of them (a
   // replayed graph per batch size on the GPU), or one forward each when the batch call fails.
@@ -155,7 +155,7 @@ class Scheduler {
   Model& model_;
   const Tokenizer* tok_;
   std::vector<int32_t> padded_ids_;  // ids without a tokenizer entry (requests with mask_padded_ids)
-  int64_t padded_from_ = 0;          // > 0: padded_ids_ are exactly the ids from here to the vocabulary's end
+  Tensor padded_mask_;               // U8 [vocab] on the model's device: 1 at padded_ids_ (device draws)
   SchedulerOptions opt_;
   Metrics& metrics_;
   mutable PicEngine engine_;

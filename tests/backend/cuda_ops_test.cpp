@@ -462,7 +462,7 @@ TEST_F(CudaOps, MoeExperts) {
 }
 
 // The device draw: greedy rows equal the reference; sampled rows pick an id whose running mass
-// brackets u * total (float sums on the device against double ones here), below the row's limit.
+// brackets u * total (float sums on the device against double ones here), never a masked id.
 TEST_F(CudaOps, SampleRowsDrawsByTheRunningMass) {
   const int64_t V = 248320, R = 12;
   Tensor x = randn({R, V}, rng, 3.f);
@@ -472,29 +472,35 @@ TEST_F(CudaOps, SampleRowsDrawsByTheRunningMass) {
   for (int64_t r = 0; r < R; ++r) {
     par[static_cast<size_t>(3 * r)] = r % 3 == 0 ? 0.f : (r % 3 == 1 ? 0.7f : 1.3f);
     par[static_cast<size_t>(3 * r + 1)] = uni(rng);
-    par[static_cast<size_t>(3 * r + 2)] = r % 2 ? 151669.f : 0.f;
+    par[static_cast<size_t>(3 * r + 2)] = r % 2 ? 1.f : 0.f;
   }
+  Tensor mask = Tensor::empty(DType::U8, {V});  // a padded tail and a few ids inside
+  for (int64_t i = 0; i < V; ++i) mask.data<uint8_t>()[i] = i >= 151669 || i % 1000 == 1;
   Tensor p = Tensor::empty(DType::F32, {R, 3});
   std::copy(par.begin(), par.end(), p.data<float>());
   Tensor ref = Tensor::empty(DType::I32, {R}), got = gpu->alloc(DType::I32, {R});
-  cpu->sample_rows(x, p, ref);
-  gpu->sample_rows(dev(x), dev(p), got);
+  cpu->sample_rows(x, p, mask, ref);
+  gpu->sample_rows(dev(x), dev(p), dev(mask), got);
   Tensor g = gpu->to_host(got);
   for (int64_t r = 0; r < R; ++r) {
     const float t = par[static_cast<size_t>(3 * r)], u = par[static_cast<size_t>(3 * r + 1)];
-    const int64_t n = r % 2 ? 151669 : V;
+    const bool masked = r % 2;
+    auto on = [&](int64_t i) { return !masked || !mask.data<uint8_t>()[i]; };
     const int32_t id = g.data<int32_t>()[r];
     ASSERT_GE(id, 0);
-    ASSERT_LT(id, n) << "row " << r;
+    ASSERT_LT(id, V);
+    ASSERT_TRUE(on(id)) << "row " << r << " drew masked id " << id;
     if (t == 0.f || r == 11) {
       EXPECT_EQ(id, ref.data<int32_t>()[r]) << "row " << r;
       continue;
     }
     const float* row = x.data<float>() + r * V;
-    const float mx = *std::max_element(row, row + n);
+    float mx = -INFINITY;
+    for (int64_t i = 0; i < V; ++i)
+      if (on(i)) mx = std::max(mx, row[i]);
     double total = 0, before = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      const double w = std::exp((row[i] - mx) / t);
+    for (int64_t i = 0; i < V; ++i) {
+      const double w = on(i) ? std::exp((row[i] - mx) / t) : 0.0;
       if (i < id) before += w;
       total += w;
     }

@@ -186,20 +186,23 @@ TEST(Sampler, DeviceDrawReferenceMatchesTheSampler) {
     Tensor ids = Tensor::empty(DType::I32, {1});
     std::copy(l.begin(), l.end(), x.data<float>());
     std::copy(par, par + 3, p.data<float>());
-    be->sample_rows(x, p, ids);
+    be->sample_rows(x, p, Tensor(), ids);
     EXPECT_EQ(ids.data<int32_t>()[0], want) << "seed " << seed << " t " << t;
   }
-  // A limit keeps the tail out: the largest logit sits past it.
+  // Masked ids are never drawn: the largest logits sit in a masked tail (and one masked id inside).
   std::vector<float> l(V, 0.f);
   l[V - 1] = 50.f;
-  Tensor x = Tensor::empty(DType::F32, {2, V}), p = Tensor::empty(DType::F32, {2, 3}),
-         ids = Tensor::empty(DType::I32, {2});
-  std::copy(l.begin(), l.end(), x.data<float>());
-  std::copy(l.begin(), l.end(), x.data<float>() + V);
-  const float par[6] = {0.f, 0.f, 2000.f, 1.f, 0.999f, 2000.f};
-  std::copy(par, par + 6, p.data<float>());
-  be->sample_rows(x, p, ids);
-  EXPECT_EQ(ids.data<int32_t>()[0], 0);  // greedy: ties to the lowest id below the limit
+  l[3] = 50.f;
+  Tensor mask = Tensor::empty(DType::U8, {V});
+  for (int64_t i = 0; i < V; ++i) mask.data<uint8_t>()[i] = i >= 2000 || i == 3;
+  Tensor x = Tensor::empty(DType::F32, {3, V}), p = Tensor::empty(DType::F32, {3, 3}),
+         ids = Tensor::empty(DType::I32, {3});
+  for (int r = 0; r < 3; ++r) std::copy(l.begin(), l.end(), x.data<float>() + r * V);
+  const float par[9] = {0.f, 0.f, 1.f, 1.f, 0.999f, 1.f, 0.f, 0.f, 0.f};
+  std::copy(par, par + 9, p.data<float>());
+  be->sample_rows(x, p, mask, ids);
+  EXPECT_EQ(ids.data<int32_t>()[0], 0);  // greedy: ties to the lowest unmasked id
   EXPECT_GE(ids.data<int32_t>()[1], 1990);
   EXPECT_LT(ids.data<int32_t>()[1], 2000);
+  EXPECT_EQ(ids.data<int32_t>()[2], 3);  // a row without the mask
 }

@@ -1008,20 +1008,11 @@ void CudaBackend::attention_step(const Tensor& q, const Tensor& k, const Tensor&
                         D, Dv, scale, out.data<float>(), part.data<float>());
 }
 
-void CudaBackend::sample_rows(const Tensor& x, const Tensor& params, Tensor& ids) {
+void CudaBackend::sample_rows(const Tensor& x, const Tensor& params, const Tensor& mask, Tensor& ids) {
   OpScope scope_(*impl_, "sample_rows");
-  need_f32("sample_rows", "x", x, kDev);
-  need_f32("sample_rows", "params", params, kDev);
-  need_def("sample_rows", "ids", ids, kDev);
-  need_ndim("sample_rows", "x", x, 2);
-  const int64_t R = x.dim(0), V = x.dim(1);
-  if (params.ndim() != 2 || params.dim(0) != R || params.dim(1) != 3)
-    fail("sample_rows", "params " + params.str() + ": expected f32[" + std::to_string(R) + ", 3]");
-  if (ids.dtype() != DType::I32 || ids.ndim() != 1 || ids.dim(0) != R)
-    fail("sample_rows", "ids " + ids.str() + ": expected i32[" + std::to_string(R) + "]");
-  if (V == 0) fail("sample_rows", "x " + x.str() + " has empty rows");
-  if (V > INT32_MAX) fail("sample_rows", "x " + x.str() + ": rows over 2^31 ids");
-  launch_sample_rows(impl_->stream, x.data<float>(), R, V, params.data<float>(), ids.data<int32_t>());
+  check_sample_rows(x, params, mask, ids, kDev);
+  launch_sample_rows(impl_->stream, x.data<float>(), x.dim(0), x.dim(1), params.data<float>(),
+                     mask.defined() ? mask.data<uint8_t>() : nullptr, ids.data<int32_t>());
 }
 
 void CudaBackend::argmax_rows(const Tensor& x, Tensor& ids) {

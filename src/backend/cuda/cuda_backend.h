@@ -95,7 +95,7 @@ class CudaBackend : public Backend {
                       float scale, Tensor& out) override;
 
   void argmax_rows(const Tensor& x, Tensor& ids) override;
-  void sample_rows(const Tensor& x, const Tensor& params, Tensor& ids) override;
+  void sample_rows(const Tensor& x, const Tensor& params, const Tensor& mask, Tensor& ids) override;
 
   void compose_state(const Tensor& T, const Tensor& S, const Tensor& B, float alpha, Tensor& out) override;
   void set_identity(Tensor& t) override;

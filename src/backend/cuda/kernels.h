@@ -40,7 +40,8 @@ void launch_causal_conv1d_silu(cudaStream_t s, const float* x, const void* w, DT
                                int64_t T, int64_t C, int64_t K);
 void launch_set_identity(cudaStream_t s, float* t, int64_t H, int64_t n);
 void launch_argmax_rows(cudaStream_t s, const float* x, int64_t R, int64_t V, int32_t* ids);
-void launch_sample_rows(cudaStream_t s, const float* x, int64_t R, int64_t V, const float* params, int32_t* ids);
+void launch_sample_rows(cudaStream_t s, const float* x, int64_t R, int64_t V, const float* params, const uint8_t* mask,
+                        int32_t* ids);
 // rows: out[i, :] = x[idx[i], :], or zeros where idx[i] < 0 (padding)
 void launch_gather_rows(cudaStream_t s, const float* x, const int32_t* idx, float* out, int64_t n, int64_t H);
 // the same rounded to bf16/f16 (to = BF16 or F16)

@@ -21,7 +21,7 @@ constexpr int kThreads = 1024;
 // the runs' masses orders the whole row by id: the run holding u * total is then rescanned by its
 // thread alone.
 __global__ void __launch_bounds__(kThreads)
-    k_sample_rows(const float* x, int64_t V, const float* params, int32_t* ids) {
+    k_sample_rows(const float* x, int64_t V, const float* params, const uint8_t* mask, int32_t* ids) {
   pdl_entry();
   using Reduce = cub::BlockReduce<float, kThreads>;
   using Scan = cub::BlockScan<float, kThreads>;
@@ -34,11 +34,12 @@ __global__ void __launch_bounds__(kThreads)
   const float* r = x + blockIdx.x * V;
   const float* p = params + 3 * blockIdx.x;
   const float temp = p[0], u = p[1];
-  const int64_t n = p[2] >= 1.f && p[2] < static_cast<float>(V) ? static_cast<int64_t>(p[2]) : V;
-  const int64_t per = (n + kThreads - 1) / kThreads, i0 = threadIdx.x * per, i1 = min(n, i0 + per);
-  // The row's maximum over the eligible ids (NaN never wins).
+  const uint8_t* off = p[2] != 0.f ? mask : nullptr;
+  const int64_t n = V, per = (n + kThreads - 1) / kThreads, i0 = threadIdx.x * per, i1 = min(n, i0 + per);
+  // A masked id reads as NaN: it never wins the maximum and has no mass.
+  auto at = [&](int64_t i) { return off && off[i] ? NAN : r[i]; };
   float mx = -INFINITY;
-  for (int64_t i = i0; i < i1; ++i) mx = r[i] > mx ? r[i] : mx;
+  for (int64_t i = i0; i < i1; ++i) mx = at(i) > mx ? at(i) : mx;
   const float block_max = Reduce(tmp.reduce).Reduce(mx, [](float a, float b) { return fmaxf(a, b); });
   if (threadIdx.x == 0) {
     s_max = block_max;
@@ -49,7 +50,7 @@ __global__ void __launch_bounds__(kThreads)
   const float m = isfinite(s_max) ? s_max : 0.f;
   if (temp <= 0.f) {  // greedy: the lowest id holding the maximum
     for (int64_t i = i0; i < i1; ++i)
-      if (r[i] == s_max) {
+      if (at(i) == s_max) {
         atomicMin(&s_found, static_cast<int>(i));
         break;
       }
@@ -65,7 +66,7 @@ __global__ void __launch_bounds__(kThreads)
   float mass = 0.f;
   int last = -1;
   for (int64_t i = i0; i < i1; ++i) {
-    const float w = weight(r[i]);
+    const float w = weight(at(i));
     mass += w;
     if (w > 0.f) last = static_cast<int>(i);
   }
@@ -77,7 +78,7 @@ __global__ void __launch_bounds__(kThreads)
     float acc = before;
     int pick = last;
     for (int64_t i = i0; i < i1; ++i) {
-      acc += weight(r[i]);
+      acc += weight(at(i));
       if (target < acc) {
         pick = static_cast<int>(i);
         break;
@@ -93,9 +94,10 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-void launch_sample_rows(cudaStream_t s, const float* x, int64_t R, int64_t V, const float* params, int32_t* ids) {
+void launch_sample_rows(cudaStream_t s, const float* x, int64_t R, int64_t V, const float* params, const uint8_t* mask,
+                        int32_t* ids) {
   if (R == 0) return;
-  launch(s, static_cast<unsigned>(R), kThreads, 0, k_sample_rows, x, V, params, ids);
+  launch(s, static_cast<unsigned>(R), kThreads, 0, k_sample_rows, x, V, params, mask, ids);
   CUDA_LAUNCH_CHECK("k_sample_rows");
 }
 
