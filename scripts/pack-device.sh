@@ -19,10 +19,13 @@ bins=("$build/hypic")
 if [ "${PACK_TOOLS:-1}" = 1 ]; then
   for t in hypic_loadtest hypic_rag_trace; do [ -x "$build/tools/loadtest/$t" ] && bins+=("$build/tools/loadtest/$t"); done
 fi
-# PACK_TESTS=0 leaves the GPU test binaries out (a benchmark-only call with the load tools).
-if [ "${PACK_TESTS:-1}" = 1 ]; then
-  for t in "$build"/tests/cuda_*_test; do [ -x "$t" ] && bins+=("$t"); done
-fi
+# PACK_TESTS=0 leaves the GPU test binaries out (a benchmark-only call with the load tools);
+# PACK_TESTS=ops (or model) packs only cuda_ops_test (cuda_model_test).
+case "${PACK_TESTS:-1}" in
+  0) ;;
+  1) for t in "$build"/tests/cuda_*_test; do [ -x "$t" ] && bins+=("$t"); done ;;
+  *) bins+=("$build/tests/cuda_${PACK_TESTS}_test") ;;
+esac
 for b in "${bins[@]}"; do
   cp "$b" "$stage/bin/"
   strip --strip-debug "$stage/bin/$(basename "$b")"
