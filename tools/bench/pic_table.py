@@ -60,10 +60,23 @@ def main():
             print(f"{r['mode']:7} {r['rate']:6.2f} {r['ttft_ms_p50']:9.1f} {r['ttft_ms_p90']:9.1f} {r['ttft_ms_p99']:9.1f} "
                   f"{r['itl_ms_p50']:7.1f} {r['itl_ms_p99']:7.1f} {r['output_tokens_per_s']:9.1f} {r['rejected']:4d}")
         for m, b in best.items():
-            print(f"{m}: highest rate with p90 TTFT within the SLO: {b} req/s")
-        if best.get("prefix"):
-            print(f"pic / prefix sustainable rate: {best.get('pic', 0) / best['prefix']:.2f}x")
+            print(f"{m}: highest rate with p90 TTFT within its run's SLO: {b} req/s")
+        # The same question at fixed SLOs, from the rows: the highest rate up to which every rate
+        # of the mode kept p90 TTFT within it, with no errors or 429s.
+        at = {}
+        for slo in (1000.0, 2500.0):
+            for m in sorted({r["mode"] for r in serve}):
+                ok = 0.0
+                for r in sorted((r for r in serve if r["mode"] == m), key=lambda r: r["rate"]):
+                    if r["errors"] or r["rejected"] or not r["ok"] or r["ttft_ms_p90"] > slo:
+                        break
+                    ok = r["rate"]
+                at.setdefault(f"{slo:.0f}", {})[m] = ok
+            row = at[f"{slo:.0f}"]
+            ratio = f", pic / prefix {row['pic'] / row['prefix']:.2f}x" if row.get("prefix") and "pic" in row else ""
+            print(f"p90 TTFT <= {slo:.0f} ms: " + ", ".join(f"{m} {v} req/s" for m, v in row.items()) + ratio)
         out["max_rate_within_slo"] = best
+        out["max_rate_at_slo_ms"] = at
     print(json.dumps(out))
     if len(sys.argv) > 2 and series:
         try:
