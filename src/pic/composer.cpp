@@ -540,14 +540,28 @@ PrefillResult PicEngine::prefill_full(const std::vector<std::vector<int32_t>>& s
   return r;
 }
 
-PrefillResult PicEngine::prefill_prefix(const std::vector<std::vector<int32_t>>& segs, bool skip_question) {
+// Prefix caching under way (start_prefix, step_prefix): the prompt, its segment ends, and how far
+// the recomputation has gone.
+struct PrefixRun {
   std::vector<int32_t> all;
-  std::vector<size_t> bounds;  // segment ends before the question
+  std::vector<size_t> ends;  // every segment's end, the question's included
+  size_t run_segments = 0;   // segments to compute: all, or all but the question
+  size_t seg = 0, pos = 0;   // the segment under way and the tokens done
+  PrefillResult r;
+};
+
+std::shared_ptr<PrefixRun> PicEngine::start_prefix(const std::vector<std::vector<int32_t>>& segs, bool skip_question) {
+  check_segments(model_, segs);
+  auto run = std::make_shared<PrefixRun>();
+  auto& all = run->all;
+  std::vector<size_t> bounds;  // segment ends before the question: where snapshots may sit
   for (size_t i = 0; i < segs.size(); ++i) {
     all.insert(all.end(), segs[i].begin(), segs[i].end());
+    run->ends.push_back(all.size());
     if (i + 1 < segs.size()) bounds.push_back(all.size());
   }
-  PrefillResult r;
+  run->run_segments = segs.size() - (skip_question ? 1 : 0);
+  PrefillResult& r = run->r;
   size_t done = 0;
   {
     std::lock_guard<std::mutex> g(prefix_->mu);
@@ -561,25 +575,45 @@ PrefillResult PicEngine::prefill_prefix(const std::vector<std::vector<int32_t>>&
   r.report.reused_tokens = static_cast<int64_t>(done);
   r.report.prefix_tokens = static_cast<int64_t>(done);
   for (size_t b : bounds) r.report.hit_segments += b <= done ? 1 : 0;
-  // Recompute the rest segment by segment, snapshotting each new boundary.
-  size_t pos = 0;
-  for (size_t i = 0; i + (skip_question ? 1 : 0) < segs.size(); ++i) {
-    const size_t end = pos + segs[i].size();
-    if (end > done) {
-      const size_t from = std::max(pos, done);
-      std::span<const int32_t> span(all.data() + from, end - from);
-      r.logits = model_.forward(span, r.state);
-      r.report.computed_tokens += static_cast<int64_t>(span.size());
-      if (i + 1 < segs.size()) {
+  run->pos = done;
+  return run;
+}
+
+std::optional<PrefillResult> PicEngine::step_prefix(PrefixRun& run, int64_t max_tokens) {
+  // The rest, segment by segment, at most max_tokens (at least one chunk) per step; each new
+  // segment end is snapshotted for later requests.
+  int64_t budget = std::max<int64_t>(max_tokens, 1);
+  PrefillResult& r = run.r;
+  while (run.seg < run.run_segments && budget > 0) {
+    const size_t end = run.ends[run.seg];
+    if (run.pos >= end) {
+      ++run.seg;
+      continue;
+    }
+    const size_t n = std::min(end - run.pos, static_cast<size_t>(budget));
+    r.logits = model_.forward(std::span<const int32_t>(run.all.data() + run.pos, n), r.state);
+    r.report.computed_tokens += static_cast<int64_t>(n);
+    run.pos += n;
+    budget -= static_cast<int64_t>(n);
+    if (run.pos == end) {
+      if (run.seg + 1 < run.ends.size()) {
         ++r.report.miss_segments;
         std::lock_guard<std::mutex> g(prefix_->mu);
-        prefix_->put(std::vector<int32_t>(all.begin(), all.begin() + static_cast<long>(end)),
+        prefix_->put(std::vector<int32_t>(run.all.begin(), run.all.begin() + static_cast<long>(end)),
                      snapshot(model_, r.state));
       }
+      ++run.seg;
     }
-    pos = end;
   }
-  return r;
+  while (run.seg < run.run_segments && run.pos >= run.ends[run.seg]) ++run.seg;
+  if (run.seg < run.run_segments) return std::nullopt;
+  return std::move(run.r);
+}
+
+PrefillResult PicEngine::prefill_prefix(const std::vector<std::vector<int32_t>>& segs, bool skip_question) {
+  auto run = start_prefix(segs, skip_question);
+  for (;;)
+    if (auto r = step_prefix(*run, std::numeric_limits<int64_t>::max())) return std::move(*r);
 }
 
 size_t PicEngine::cached_prefix_segments(const std::vector<std::vector<int32_t>>& segs, const PicOptions& opt) {

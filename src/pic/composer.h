@@ -58,6 +58,8 @@ struct CacheReport {
 struct EntryBuild;
 // A composition being run over several calls (PicEngine::step_compose).
 struct ComposeRun;
+// Prefix caching being run over several calls (PicEngine::step_prefix).
+struct PrefixRun;
 
 // One PIC request (pic and naive modes) as every caller runs it (CLI, eval, the server): each
 // context segment's part with its cache key, position and seams, the entry found or built for it,
@@ -112,6 +114,12 @@ class PicEngine {
   // step. The same computation as compose(): bitwise on the CPU, to rounding on the GPU.
   std::shared_ptr<ComposeRun> start_compose(const std::vector<std::vector<int32_t>>& segments, const PicPlan& plan);
   std::optional<PrefillResult> step_compose(ComposeRun& run, int64_t max_rows);
+  // Prefix mode in steps (a long uncached context does not hold the engine either): start takes
+  // the longest cached exact prefix ending at a segment end; each step recomputes at most
+  // max_tokens more (at least one), snapshotting every segment end it passes; the question is left
+  // out with skip_question. The same computation as prefill() in prefix mode on the CPU.
+  std::shared_ptr<PrefixRun> start_prefix(const std::vector<std::vector<int32_t>>& segments, bool skip_question);
+  std::optional<PrefillResult> step_prefix(PrefixRun& run, int64_t max_tokens);
   SegmentCache& cache() { return cache_; }
   // pic / naive: how many leading context segments an exact-prefix snapshot covers for this
   // request now (their seams are not recomputed; their bodies' K/V still come from the entries);

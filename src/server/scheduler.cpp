@@ -33,12 +33,13 @@ bool Job::wait(std::vector<TokenOut>& got, std::chrono::milliseconds timeout) {
 // Engine-side state of one admitted job.
 struct Scheduler::Seq {
   std::shared_ptr<Job> job;
-  enum class Stage { Start, Warm, Compose, Chunked, Decode } stage = Stage::Start;
+  enum class Stage { Start, Prefix, Warm, Compose, Chunked, Decode } stage = Stage::Start;
   // prefill progress
   size_t warm_next = 0;                   // segment posts: the next segment to look up or build
   std::shared_ptr<EntryBuild> seg_build;  // segment posts: that segment's build under way
   std::unique_ptr<PicPlan> plan;          // pic / naive: entries found or built so far (pinned)
   std::shared_ptr<ComposeRun> compose;    // pic / naive: the composition under way
+  std::shared_ptr<PrefixRun> prefix;      // prefix: the recomputation under way
   int hits = 0, misses = 0;
   std::vector<int32_t> flat;
   size_t flat_done = 0;
@@ -330,6 +331,8 @@ const char* Scheduler::unit_kind(const Seq& s) const {
       if (g.segments.size() < 2) return "prefill";
       if (g.pic.mode == PicMode::Prefix) return "prefix";
       return g.pic.mode == PicMode::Pic || g.pic.mode == PicMode::Naive ? "build" : "prefill";
+    case Seq::Stage::Prefix:
+      return "prefix";
     case Seq::Stage::Warm:
       return "build";
     case Seq::Stage::Compose:
@@ -417,32 +420,36 @@ bool Scheduler::prefill_unit(Seq& s) {
   if (s.stage == Seq::Stage::Start) {
     const bool composed = segs.size() > 1 && (g.pic.mode == PicMode::Pic || g.pic.mode == PicMode::Naive);
     if (segs.size() > 1 && g.pic.mode == PicMode::Prefix) {
-      // The context through the prefix cache in one unit; a question longer than a prefill
-      // chunk then goes in chunks.
-      PicOptions po = g.pic;
-      po.skip_question = segs.back().size() > static_cast<size_t>(opt_.prefill_chunk);
-      PrefillResult r = engine_.prefill(segs, po);
-      s.st = std::move(r.state);
-      model_.reserve(s.st, std::max<int64_t>(cap, 1));
-      {
-        std::lock_guard<std::mutex> lk(j.mu);  // the logger may read it for a cancelled job
-        j.report = r.report;
-      }
-      if (!po.skip_question) {
-        s.logits = r.logits;
-        return true;
-      }
-      s.flat = segs.back();
-      s.stage = Seq::Stage::Chunked;
-      return false;
-    }
-    if (composed) {
+      // The longest cached prefix, then the rest at most prefill_chunk tokens per unit; a
+      // question longer than a prefill chunk goes in chunks after.
+      s.prefix = engine_.start_prefix(segs, segs.back().size() > static_cast<size_t>(opt_.prefill_chunk));
+      s.stage = Seq::Stage::Prefix;
+    } else if (composed) {
       s.stage = Seq::Stage::Warm;
     } else {
       for (auto& x : segs) s.flat.insert(s.flat.end(), x.begin(), x.end());
       s.st = model_.new_state(std::max<int64_t>(cap, 1));
       s.stage = Seq::Stage::Chunked;
     }
+  }
+  if (s.stage == Seq::Stage::Prefix) {
+    std::optional<PrefillResult> done = engine_.step_prefix(*s.prefix, opt_.prefill_chunk);
+    if (!done) return false;
+    s.prefix.reset();
+    PrefillResult r = std::move(*done);
+    s.st = std::move(r.state);
+    model_.reserve(s.st, std::max<int64_t>(cap, 1));
+    {
+      std::lock_guard<std::mutex> lk(j.mu);  // the logger may read it for a cancelled job
+      j.report = r.report;
+    }
+    if (segs.back().size() <= static_cast<size_t>(opt_.prefill_chunk)) {
+      s.logits = r.logits;
+      return true;
+    }
+    s.flat = segs.back();
+    s.stage = Seq::Stage::Chunked;
+    return false;
   }
   if (s.stage == Seq::Stage::Chunked) {
     const size_t n = std::min(static_cast<size_t>(opt_.prefill_chunk), s.flat.size() - s.flat_done);

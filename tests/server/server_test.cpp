@@ -635,6 +635,52 @@ TEST(Server, ManySegmentPromptsAreComposedInSteps) {
   EXPECT_GE(composed[1], 8);  // three seams a step
 }
 
+// Prefix mode recomputes an uncached context at most --prefill-chunk tokens per engine iteration
+// (a long prompt does not hold every stream behind it), snapshotting each segment end; the answer
+// is the one-iteration answer (to rounding), and a later request reuses the snapshots.
+TEST(Server, PrefixModeRecomputesInSteps) {
+  std::string p = "You answer from the documents.";
+  for (int i = 0; i < 6; ++i)
+    p += "<<PIC_SEP>>Document " + std::to_string(i) + ": item " + std::to_string(i * 7) + " is stored in room " +
+         std::to_string(i % 5) + " next to the red boxes, behind the blue crates, under the window.";
+  p += "<<PIC_SEP>>Where is 21?";
+  auto steps = [](TestServer& s) {
+    const std::string m = s.get_text("/metrics"), key = "\nhypic_prefill_steps_total ";
+    const size_t at = m.find(key);
+    return at == std::string::npos ? -1LL : std::stoll(m.substr(at + key.size()));
+  };
+  json text[2];
+  long long taken[2];
+  for (int c = 0; c < 2; ++c) {
+    ServerOptions o;
+    o.sched.prefill_chunk = c == 0 ? 4096 : 16;
+    TestServer s(o);
+    const long long before = steps(s);
+    auto r = s.post("/v1/completions",
+                    greedy({{"prompt", p}, {"max_tokens", 5}, {"logprobs", 2}, {"pic", {{"mode", "prefix"}}}}));
+    ASSERT_EQ(r.first, 200) << r.second.dump();
+    taken[c] = steps(s) - before;
+    text[c] = r.second["choices"][0];
+    EXPECT_EQ(r.second["pic"]["miss_segments"], 7);
+    // The same prompt again: every segment end was snapshotted, only the question is computed.
+    auto again = s.post("/v1/completions", greedy({{"prompt", p}, {"max_tokens", 1}, {"pic", {{"mode", "prefix"}}}}));
+    ASSERT_EQ(again.first, 200) << again.second.dump();
+    EXPECT_EQ(again.second["pic"]["hit_segments"], 7);
+    EXPECT_LT(again.second["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>(),
+              again.second["usage"]["prompt_tokens"].get<int>());
+    EXPECT_GT(again.second["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>(), 100);
+  }
+  // The same tokens; log-probs to rounding (the linear layers' chunked recurrence splits the
+  // context at other points).
+  EXPECT_EQ(text[0]["text"], text[1]["text"]);
+  EXPECT_EQ(text[0]["logprobs"]["tokens"], text[1]["logprobs"]["tokens"]);
+  for (size_t i = 0; i < text[0]["logprobs"]["token_logprobs"].size(); ++i)
+    EXPECT_NEAR(text[0]["logprobs"]["token_logprobs"][i].get<double>(),
+                text[1]["logprobs"]["token_logprobs"][i].get<double>(), 1e-4);
+  EXPECT_EQ(taken[0], 1);  // the whole prompt in one unit
+  EXPECT_GE(taken[1], 8);  // 16 tokens a unit
+}
+
 TEST(Server, SegmentsRoundTrip) {
   TestServer s;
   const std::string d1 = "A document about glaciers and how slowly they move across mountains.";
