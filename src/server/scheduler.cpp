@@ -66,7 +66,8 @@ Scheduler::Scheduler(Model& model, const Tokenizer* tok, SchedulerOptions opt, M
     : model_(model), tok_(tok), opt_(opt), metrics_(metrics), engine_(model, opt.cache_budget_bytes) {
   if (opt_.max_running < 1) throw std::invalid_argument("--max-running must be >= 1");
   if (opt_.max_queue < 1) throw std::invalid_argument("--max-queue must be >= 1");
-  if (opt_.prefill_chunk < 1) throw std::invalid_argument("--prefill-chunk must be >= 1");
+  if (opt_.prefill_chunk < 0) throw std::invalid_argument("--prefill-chunk must be >= 0");
+  if (opt_.prefill_chunk == 0) opt_.prefill_chunk = model.backend().name() == "cpu" ? 512 : 2048;
   if (opt_.compose_chunk < 0) throw std::invalid_argument("--compose-chunk must be >= 0");
   if (opt_.compose_chunk == 0)
     opt_.compose_chunk = model.backend().name() == "cpu" ? std::max(opt_.prefill_chunk / 32, 1) : opt_.prefill_chunk;

@@ -82,7 +82,7 @@ struct SchedulerOptions {
   size_t cache_budget_bytes = size_t(4096) << 20;
   int max_queue = 64;
   int max_running = 8;
-  int prefill_chunk = 512;
+  int prefill_chunk = 0;  // 0: 512 on the CPU, 2048 on a GPU (MoE layers read most experts at 512 rows already)
   // PIC work per engine iteration, in rows through every layer: a composition step's seam rows, and
   // a segment build step's token-layers (whole layers of its chunk, at least one). 0:
   // prefill_chunk / 32 on the CPU (its composition products run row-independent, several times a
