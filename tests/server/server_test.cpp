@@ -123,6 +123,13 @@ json greedy(json extra) {
   return b;
 }
 
+// The engine iterations that ran a prefill unit so far (-1 when the counter is missing).
+long long prefill_steps(const TestServer& s) {
+  const std::string m = s.get_text("/metrics"), key = "\nhypic_prefill_steps_total ";
+  const size_t at = m.find(key);
+  return at == std::string::npos ? -1LL : std::stoll(m.substr(at + key.size()));
+}
+
 // Polls /metrics until `line` appears (the engine thread updates gauges asynchronously).
 bool wait_metric(const TestServer& s, const std::string& line) {
   for (int i = 0; i < 2000; ++i) {
@@ -588,11 +595,7 @@ TEST(Server, LongSegmentsAreBuiltInSteps) {
   EXPECT_EQ(warm.second["data"][0]["cached"], true);
   EXPECT_EQ(warm.second["data"][0]["id"], cold.second["data"][0]["id"]);
   EXPECT_EQ(warm.second["data"][0]["bytes"], cold.second["data"][0]["bytes"]);
-  const std::string m = s.get_text("/metrics");
-  const std::string key = "\nhypic_prefill_steps_total ";
-  const size_t p = m.find(key);
-  ASSERT_NE(p, std::string::npos) << m;
-  EXPECT_GE(std::stoll(m.substr(p + key.size())), 3) << "one prefill step per chunk of 1024 tokens";
+  EXPECT_GE(prefill_steps(s), 3) << "one prefill step per chunk of 1024 tokens";
 }
 
 // A prompt of many cached segments is composed at most compose_chunk seam rows per engine
@@ -607,11 +610,6 @@ TEST(Server, ManySegmentPromptsAreComposedInSteps) {
     }
     return p + "<<PIC_SEP>>Where is 21?";
   };
-  auto steps = [](TestServer& s) {
-    const std::string m = s.get_text("/metrics"), key = "\nhypic_prefill_steps_total ";
-    const size_t p = m.find(key);
-    return p == std::string::npos ? -1LL : std::stoll(m.substr(p + key.size()));
-  };
   json text[2];
   long long composed[2];
   for (int c = 0; c < 2; ++c) {
@@ -621,13 +619,13 @@ TEST(Server, ManySegmentPromptsAreComposedInSteps) {
     // The documents cached in another order: every segment hits, and no exact-prefix snapshot fits.
     auto cold = s.post("/v1/completions", greedy({{"prompt", prompt(true)}, {"max_tokens", 1}}));
     ASSERT_EQ(cold.first, 200) << cold.second.dump();
-    const long long before = steps(s);
+    const long long before = prefill_steps(s);
     auto warm = s.post("/v1/completions", greedy({{"prompt", prompt(false)}, {"max_tokens", 6}, {"logprobs", 2}}));
     ASSERT_EQ(warm.first, 200) << warm.second.dump();
     EXPECT_EQ(warm.second["pic"]["hit_segments"], 25);
     EXPECT_EQ(warm.second["pic"]["prefix_tokens"], 0);
     ASSERT_LE(warm.second["pic"]["computed_tokens"].get<int>(), 24 * 8 + 24) << "a question longer than a chunk";
-    composed[c] = steps(s) - before;
+    composed[c] = prefill_steps(s) - before;
     text[c] = warm.second["choices"][0];
   }
   EXPECT_EQ(text[0], text[1]);
@@ -644,22 +642,17 @@ TEST(Server, PrefixModeRecomputesInSteps) {
     p += "<<PIC_SEP>>Document " + std::to_string(i) + ": item " + std::to_string(i * 7) + " is stored in room " +
          std::to_string(i % 5) + " next to the red boxes, behind the blue crates, under the window.";
   p += "<<PIC_SEP>>Where is 21?";
-  auto steps = [](TestServer& s) {
-    const std::string m = s.get_text("/metrics"), key = "\nhypic_prefill_steps_total ";
-    const size_t at = m.find(key);
-    return at == std::string::npos ? -1LL : std::stoll(m.substr(at + key.size()));
-  };
   json text[2];
   long long taken[2];
   for (int c = 0; c < 2; ++c) {
     ServerOptions o;
     o.sched.prefill_chunk = c == 0 ? 4096 : 16;
     TestServer s(o);
-    const long long before = steps(s);
+    const long long before = prefill_steps(s);
     auto r = s.post("/v1/completions",
                     greedy({{"prompt", p}, {"max_tokens", 5}, {"logprobs", 2}, {"pic", {{"mode", "prefix"}}}}));
     ASSERT_EQ(r.first, 200) << r.second.dump();
-    taken[c] = steps(s) - before;
+    taken[c] = prefill_steps(s) - before;
     text[c] = r.second["choices"][0];
     EXPECT_EQ(r.second["pic"]["miss_segments"], 7);
     // The same prompt again: every segment end was snapshotted, only the question is computed.
