@@ -11,7 +11,8 @@
 //       [--docs-min 8] [--docs-max 16] [--doc-words 1000] [--gen-min 64] [--gen-max 256]
 //       [--slo-ms 1000] [--max-running 16] [--seed 1] [--trace-out FILE]
 //
-// Prints one JSON line per (mode, rate), one summary line per mode, and a table. Exits 1 when a
+// Prints one JSON line per (mode, rate) (with the server's engine phase times over that rate, from
+// /metrics), one summary line per mode, and a table. Exits 1 when a
 // request fails for another reason than a 429 (a transport error, a lost or truncated stream).
 #include <httplib.h>
 
@@ -20,6 +21,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -256,6 +258,29 @@ Result send(const std::string& host, int port, const std::string& mode, const st
   return res;
 }
 
+// The server's engine phase totals (hypic_engine_phase_seconds: sum and count per phase), read
+// from /metrics; empty when the server has none. A rate's row reports the difference.
+std::map<std::string, std::pair<double, double>> phase_totals(const std::string& host, int port) {
+  std::map<std::string, std::pair<double, double>> out;
+  httplib::Client cli(host, port);
+  cli.set_read_timeout(30, 0);
+  auto r = cli.Get("/metrics");
+  if (!r || r->status != 200) return out;
+  std::istringstream in(r->body);
+  std::string line;
+  const std::string pre = "hypic_engine_phase_seconds_";
+  while (std::getline(in, line)) {
+    if (line.rfind(pre, 0) != 0) continue;
+    const bool sum = line.compare(pre.size(), 4, "sum{") == 0, count = line.compare(pre.size(), 6, "count{") == 0;
+    const size_t q0 = line.find("phase=\""), q1 = q0 == std::string::npos ? q0 : line.find('"', q0 + 7);
+    const size_t sp = line.rfind(' ');
+    if ((!sum && !count) || q1 == std::string::npos || sp == std::string::npos) continue;
+    auto& v = out[line.substr(q0 + 7, q1 - q0 - 7)];
+    (sum ? v.first : v.second) = std::atof(line.c_str() + sp + 1);
+  }
+  return out;
+}
+
 std::string prompt_of(const Request& r, const std::vector<std::string>& pool) {
   // A 32-token-class system prefix, the documents as segments, the question.
   std::string p = "You are a careful assistant. Answer the question using only the documents below, and cite them.";
@@ -299,6 +324,7 @@ int main(int argc, char** argv) {
                             {"docs", r.docs}, {"question", r.question}, {"max_tokens", r.max_tokens}}
                            .dump()
                     << "\n";
+      const auto phases_before = phase_totals(host, port);
       std::vector<Result> results(trace.size());
       std::vector<std::thread> th;
       const auto t0 = Clock::now();
@@ -348,6 +374,15 @@ int main(int argc, char** argv) {
                {"cached_token_fraction", prompt ? static_cast<double>(cached) / static_cast<double>(prompt) : 0.0},
                {"within_slo", within}};
       if (!first_error.empty()) row["first_error"] = first_error;
+      // Where the server's engine spent this rate's time: seconds and mean ms per call, by phase.
+      json phases = json::object();
+      for (const auto& [name, v] : phase_totals(host, port)) {
+        const auto it = phases_before.find(name);
+        const double s = v.first - (it == phases_before.end() ? 0 : it->second.first);
+        const double n = v.second - (it == phases_before.end() ? 0 : it->second.second);
+        if (n > 0) phases[name] = {{"seconds", s}, {"calls", n}, {"ms_per_call", 1000 * s / n}};
+      }
+      if (!phases.empty()) row["engine_phases"] = phases;
       std::printf("%s\n", row.dump().c_str());
       std::fflush(stdout);
       rows.push_back(row);
