@@ -268,9 +268,8 @@ void Scheduler::step() {
     break;
   }
   // Sample the next token of every decoding sequence, then advance them together. Greedy and plain
-  // temperature rows (no log-probs, no top-k / top-p) are drawn on the device
-  // from their sampler's next uniform draw, and their ids come back in one read; the others read
-  // their logits row.
+  // temperature rows (no log-probs, no top-k / top-p) are drawn on the device from their sampler's
+  // next uniform draw, and their ids come back in one read; the others read their logits row.
   const auto t_sample = Clock::now();
   bool sampled = false;
   {
