@@ -116,6 +116,15 @@ struct HttpServer::Impl {
     // Checked at start: a default that cannot apply (no tokenizer) is a configuration error.
     if (opt.mask_padded_ids) padded_ids_to_mask(*lm.model, lm.tokenizer.get());
     facts.mask_padded_ids = opt.mask_padded_ids;
+    if (!opt.mask_padded_ids && lm.tokenizer) {
+      // Sampled ids without a token produce no text: a stream goes quiet for as many tokens.
+      const size_t n = lm.tokenizer->ids_without_entry(cfg.vocab_size).size();
+      if (n > 0)
+        spdlog::warn(
+            "{} of the model's {} output ids have no token in the tokenizer; sampled, they produce no "
+            "text (--mask-padded-ids, or the request field mask_padded_ids, keeps them out)",
+            n, cfg.vocab_size);
+    }
     sched = std::make_unique<Scheduler>(*lm.model, lm.tokenizer.get(), opt.sched, metrics);
     sched->start();
     setup();

@@ -948,6 +948,18 @@ TEST(Server, PaddedVocabularyStreamingAndNot) {
   const auto ref = generate_in_process(model_dir(), prompt, 24, false);
   EXPECT_EQ(masked.ids, ref.ids);
   {
+    // A server without --mask-padded-ids says at start that padded ids may be sampled.
+    auto sink = std::make_shared<spdlog::sinks::ringbuffer_sink_mt>(64);
+    spdlog::default_logger()->sinks().push_back(sink);
+    { TestServer warned({}, dir.string()); }
+    auto& sinks = spdlog::default_logger()->sinks();
+    sinks.erase(std::find(sinks.begin(), sinks.end(), sink));
+    bool seen = false;
+    for (const std::string& line : sink->last_formatted())
+      seen |= line.find("output ids have no token in the tokenizer") != std::string::npos;
+    EXPECT_TRUE(seen) << "no warning about the padded vocabulary";
+  }
+  {
     TestServer s({}, dir.string());
     const json req = greedy({{"prompt", prompt}, {"max_tokens", 24}, {"logprobs", 2}});
     auto r = s.post("/v1/completions", req);
