@@ -135,6 +135,33 @@ void Backend::attention_step(const Tensor& q, const Tensor& k, const Tensor& v, 
   }
 }
 
+void Backend::copy_rows(std::span<const RowCopy> pieces, int rot_dim, double theta) {
+  checks::check_copy_rows(pieces, rot_dim, theta, device().kind);
+  for (const auto& p : pieces) {
+    if (p.rows == 0) continue;
+    Tensor d = p.dst->slice_rows(p.dst_row, p.dst_row + p.rows);
+    copy(p.src->slice_rows(p.src_row, p.src_row + p.rows), d);
+    if (p.rope_shift != 0) {
+      const std::vector<int64_t> shift(static_cast<size_t>(p.rows), p.rope_shift);
+      rope_neox(d, shift, rot_dim, theta);
+    }
+  }
+}
+
+void Backend::causal_conv1d_silu_spans(const Tensor& x, const Tensor& w, std::span<const ConvSpan> spans, Tensor& state,
+                                       Tensor& out) {
+  checks::check_conv1d_spans(x, w, spans, state, out, device().kind);
+  int64_t r0 = 0;
+  for (const auto& sp : spans) {
+    if (sp.rows > 0) {
+      Tensor o = out.slice_rows(r0, r0 + sp.rows);
+      causal_conv1d_silu(x.slice_rows(r0, r0 + sp.rows), w, state, o);
+      r0 += sp.rows;
+    }
+    if (sp.after) copy(*sp.after, state);
+  }
+}
+
 void Backend::attention_spans(const Tensor& q, const Tensor& k, const Tensor& v, std::span<const RowSpan> spans,
                               float scale, Tensor& out) {
   int64_t r0 = 0;

@@ -56,6 +56,9 @@ class Backend {
   virtual void copy(const Tensor& src, Tensor& dst) = 0;  // same dtype and numel
   virtual void fill(Tensor& t, float value) = 0;          // f32 tensors
   virtual void synchronize() {}
+  // Drops what a profiling backend recorded so far (HYPIC_CUDA_PROFILE), so that a benchmark's
+  // profile covers its timed requests and not its warm-up.
+  virtual void profile_reset() {}
   // Rows per prefill chunk (Model::forward splits long prompts; results do not depend on it): large
   // enough to amortise per-call costs, small enough to bound activation memory.
   virtual int64_t prefill_chunk() const { return 1024; }
@@ -139,6 +142,19 @@ class Backend {
   virtual void copy_cols(const Tensor& src, int64_t col, Tensor& dst) = 0;
   // Writes src[R, width] into columns [col, col + width) of dst[R, C].
   virtual void set_cols(const Tensor& src, int64_t col, Tensor& dst) = 0;
+  // Row ranges copied between tensors in one call (one launch on the GPU): dst rows [dst_row,
+  // dst_row + rows) <- src rows [src_row, src_row + rows), a row being everything after dim 0 (src
+  // and dst of a piece share dtype and row size). A piece with a rope_shift (f32 [*, H, D] rows) is
+  // rotated on the way by that many positions as rope_neox would over rot_dim dims: PIC splices
+  // keys cached at relative positions at their place in a prompt (RoPE angles add). No piece may
+  // write where another piece reads or writes.
+  struct RowCopy {
+    const Tensor* src = nullptr;
+    int64_t src_row = 0;
+    Tensor* dst = nullptr;
+    int64_t dst_row = 0, rows = 0, rope_shift = 0;
+  };
+  virtual void copy_rows(std::span<const RowCopy> pieces, int rot_dim = 0, double theta = 0);
 
   // ---- positions ----------------------------------------------------------------------------
   // In-place NeoX (half-split) rotary embedding of the first rot_dim dims of x[T, H, D];
@@ -165,6 +181,15 @@ class Backend {
   // Depthwise causal conv1d over time with SiLU: x[T, C], w[C, K], state[K-1, C] holds the
   // previous K-1 inputs (oldest first) and is advanced in place. out[T, C].
   virtual void causal_conv1d_silu(const Tensor& x, const Tensor& w, Tensor& state, Tensor& out) = 0;
+  // The same over consecutive spans of x's rows against one state: each span's rows, then the
+  // state becomes *after where it is set (a PIC composition: each seam is followed by its cached
+  // body, whose conv tail is the state after it). One launch for all spans on the GPU.
+  struct ConvSpan {
+    int64_t rows = 0;
+    const Tensor* after = nullptr;  // [K-1, C] like state
+  };
+  virtual void causal_conv1d_silu_spans(const Tensor& x, const Tensor& w, std::span<const ConvSpan> spans,
+                                        Tensor& state, Tensor& out);
   // Qwen3.5/Qwen3-Next gates: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b).
   virtual void gdn_gates(const Tensor& a, const Tensor& b, const Tensor& A_log, const Tensor& dt_bias, Tensor& g,
                          Tensor& beta) = 0;

@@ -1,6 +1,7 @@
 // Argument checks of every op, shared by the backends (declared in checks.h): the CPU and the GPU
 // reject the same calls with the same messages.
 #include <string>
+#include <vector>
 
 #include "backend/checks.h"
 
@@ -142,6 +143,65 @@ void check_conv1d(const Tensor& x, const Tensor& w, const Tensor& state, const T
   need_shape(op, "out", out, {T, C});
   if (overlaps(out, x) || overlaps(out, state) || overlaps(out, w) || overlaps(state, x))
     fail(op, "out, x and state must not overlap");
+}
+
+void check_conv1d_spans(const Tensor& x, const Tensor& w, std::span<const Backend::ConvSpan> spans, const Tensor& state,
+                        const Tensor& out, DeviceKind dev) {
+  const char* op = "causal_conv1d_silu_spans";
+  check_conv1d(x, w, state, out, dev);
+  int64_t rows = 0;
+  for (const auto& sp : spans) {
+    if (sp.rows < 0) fail(op, "a span of " + std::to_string(sp.rows) + " rows");
+    rows += sp.rows;
+    if (sp.after) {
+      need_f32(op, "after", *sp.after, dev);
+      need_shape(op, "after", *sp.after, state.shape());
+      if (overlaps(*sp.after, state) || overlaps(*sp.after, out)) fail(op, "after overlaps state or out");
+    }
+  }
+  if (rows != x.dim(0))
+    fail(op, "spans cover " + std::to_string(rows) + " rows, x " + x.str() + " has " + std::to_string(x.dim(0)));
+}
+
+void check_copy_rows(std::span<const Backend::RowCopy> pieces, int rot_dim, double theta, DeviceKind dev) {
+  const char* op = "copy_rows";
+  struct Range {
+    const char *a, *b;
+  };
+  std::vector<Range> reads, writes;
+  for (const auto& p : pieces) {
+    if (!p.src || !p.dst) fail(op, "a piece without src or dst");
+    need_def(op, "src", *p.src, dev);
+    need_def(op, "dst", *p.dst, dev);
+    const Tensor &s = *p.src, &d = *p.dst;
+    if (s.ndim() == 0 || d.ndim() == 0) fail(op, "src " + s.str() + " and dst " + d.str() + " need rows");
+    if (s.dtype() != d.dtype()) fail(op, "src " + s.str() + " and dst " + d.str() + ": dtypes differ");
+    const int64_t ws = s.dim(0) ? s.numel() / s.dim(0) : 0, wd = d.dim(0) ? d.numel() / d.dim(0) : 0;
+    if (ws != wd && p.rows > 0) fail(op, "src " + s.str() + " and dst " + d.str() + ": row sizes differ");
+    if (p.rows < 0 || p.src_row < 0 || p.dst_row < 0 || p.src_row + p.rows > s.dim(0) || p.dst_row + p.rows > d.dim(0))
+      fail(op, std::to_string(p.rows) + " rows from row " + std::to_string(p.src_row) + " of src " + s.str() +
+                   " to row " + std::to_string(p.dst_row) + " of dst " + d.str() + ": out of range");
+    if (p.rope_shift != 0) {
+      if (s.dtype() != DType::F32 || d.ndim() != 3)
+        fail(op, "a rotated piece needs f32 [rows, H, D] tensors, got dst " + d.str());
+      if (rot_dim <= 0 || rot_dim % 2 != 0 || rot_dim > d.dim(2))
+        fail(op, "rot_dim " + std::to_string(rot_dim) + " must be even, positive and <= the head dim of " + d.str());
+      if (!(theta > 0)) fail(op, "theta must be positive");
+    }
+    if (p.rows == 0) continue;
+    const size_t rb = s.nbytes() / static_cast<size_t>(s.dim(0));
+    auto at = [&](const Tensor& t, int64_t r) {
+      return static_cast<const char*>(t.raw()) + rb * static_cast<size_t>(r);
+    };
+    reads.push_back({at(s, p.src_row), at(s, p.src_row + p.rows)});
+    writes.push_back({at(d, p.dst_row), at(d, p.dst_row + p.rows)});
+  }
+  // Pieces run in any order on the GPU (a few hundred per call: pairs are cheap to check).
+  auto cross = [](const Range& u, const Range& v) { return u.a < v.b && v.a < u.b; };
+  for (size_t i = 0; i < writes.size(); ++i)
+    for (size_t j = 0; j < writes.size(); ++j)
+      if (cross(writes[i], reads[j]) || (i < j && cross(writes[i], writes[j])))
+        fail(op, "piece " + std::to_string(i) + " writes where piece " + std::to_string(j) + " reads or writes");
 }
 
 void check_gdn_gates(const Tensor& a, const Tensor& b, const Tensor& A_log, const Tensor& dt_bias, const Tensor& g,

@@ -434,6 +434,7 @@ void register_bench(CLI::App& app) {
         eng.prefill(multi_turn ? conv.next_turn() : w.request(false), po);
         std::vector<double> ttft;
         std::vector<double> computed, cached;
+        m.backend().profile_reset();  // a profile (HYPIC_CUDA_PROFILE) of the timed requests only
         for (int r = 0; r < ro.requests; ++r) {
           auto segs = multi_turn ? conv.next_turn() : w.request();
           if (md.tier == "host") eng.cache().demote_all();

@@ -494,15 +494,32 @@ void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> s
       // Every span's conv first. A conv depends only on its inputs and the conv state, which the
       // `after` work of a span (PIC composition: the cached body's conv tail) sets right after it,
       // never on the recurrent state: so all convs can run before any recurrence.
-      int64_t r0 = 0;
-      for (const auto& sp : spans) {
-        if (sp.rows > 0) {
-          Tensor co = conv_out.slice_rows(r0, r0 + sp.rows);
-          be_.causal_conv1d_silu(qkv.slice_rows(r0, r0 + sp.rows), g.conv, sp.state->conv, co);
-          r0 += sp.rows;
+      // Consecutive spans of one state go in one call (one launch on the GPU); a snapshot (keep)
+      // is taken between calls.
+      std::vector<Backend::ConvSpan> cs;
+      LayerState* cur = nullptr;
+      int64_t c0 = 0, r0 = 0;
+      auto flush = [&] {
+        if (!cs.empty()) {
+          Tensor co = conv_out.slice_rows(c0, r0);
+          be_.causal_conv1d_silu_spans(qkv.slice_rows(c0, r0), g.conv, cs, cur->conv, co);
         }
-        if (sp.after.any()) apply_after_conv(*sp.state, sp.after);
+        cs.clear();
+        c0 = r0;
+      };
+      for (const auto& sp : spans) {
+        if (cur && sp.state != cur) flush();
+        cur = sp.state;
+        cs.push_back({sp.rows, sp.after.conv});
+        r0 += sp.rows;
+        if (sp.after.keep) {
+          flush();
+          SpanAfter keep_only;
+          keep_only.keep = sp.after.keep;
+          apply_after_conv(*sp.state, keep_only);
+        }
       }
+      flush();
       split(0, T);
     }
     // The recurrences. Consecutive spans of one state whose `after` work is composition (a PIC
@@ -606,10 +623,12 @@ void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> s
     // later spans' rows are invisible to it (one launch instead of one per segment on the GPU).
     const std::span<const LayerSpan> run_spans = step ? std::span<const LayerSpan>() : spans;
     std::vector<Backend::RowSpan> run;
+    std::vector<Backend::RowCopy> writes;
     int64_t r0 = 0;
     for (size_t i = 0; i < run_spans.size();) {
       LayerState& ls = *run_spans[i].state;
       run.clear();
+      writes.clear();
       int64_t rows = 0;
       size_t j = i;
       int64_t end = 0;  // a run's spans must move forward, or a later write could hide a key
@@ -618,14 +637,14 @@ void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> s
         end = std::max(end, sp.pos0 + sp.rows);
         if (sp.rows > 0) {
           if (sp.pos0 + sp.rows > ls.k.dim(0)) throw std::logic_error("KV cache too small: call Model::reserve first");
-          Tensor kd = ls.k.slice_rows(sp.pos0, sp.pos0 + sp.rows), vd = ls.v.slice_rows(sp.pos0, sp.pos0 + sp.rows);
-          be_.copy(k.slice_rows(r0 + rows, r0 + rows + sp.rows), kd);
-          be_.copy(v.slice_rows(r0 + rows, r0 + rows + sp.rows), vd);
+          writes.push_back({&k, r0 + rows, &ls.k, sp.pos0, sp.rows});
+          writes.push_back({&v, r0 + rows, &ls.v, sp.pos0, sp.rows});
           run.push_back({sp.pos0, sp.rows});
           rows += sp.rows;
         }
         if (sp.after.any()) break;  // its work must follow its own attention
       }
+      be_.copy_rows(writes);  // every span's K/V rows in one call
       if (rows > 0) {
         Tensor os = o.slice_rows(r0, r0 + rows);
         be_.attention_spans(q.slice_rows(r0, r0 + rows), ls.k, ls.v, run, scale, os);

@@ -814,8 +814,9 @@ std::optional<PrefillResult> PicEngine::step_compose(ComposeRun& c, int64_t max_
     const bool linear = cfg.layer_types[static_cast<size_t>(l)] == LayerKind::Linear;
     spans.clear();
     groups.clear();
-    std::deque<Tensor> naive_states;  // naive mode: compact bodies' zero-start states
-    int64_t snap_row = 0;             // next seam row of the snapshot (full layers)
+    std::deque<Tensor> naive_states;       // naive mode: compact bodies' zero-start states
+    std::vector<Backend::RowCopy> splice;  // full layers: the bodies' and the snapshot's K/V rows
+    int64_t snap_row = 0;                  // next seam row of the snapshot (full layers)
     for (size_t i = p0; i < p1; ++i) {
       const ComposeRun::Part& p = c.parts[i];
       static const LayerSummary kNoBody;
@@ -846,13 +847,9 @@ std::optional<PrefillResult> PicEngine::step_compose(ComposeRun& c, int64_t max_
           // Splice the body's K/V; keys were stored at relative positions and RoPE angles add, so
           // rotating them by the segment's start is exact (only the rotary dims change).
           const int64_t b0 = p.head, b1 = p.len - p.tail;
-          Tensor kd = ls.k.slice_rows(p.pos + b0, p.pos + b1), vd = ls.v.slice_rows(p.pos + b0, p.pos + b1);
-          be.copy(sum.k.slice_rows(b0, b1), kd);
-          be.copy(sum.v.slice_rows(b0, b1), vd);
-          if (!naive && opt.rerotate && p.pos > 0) {
-            std::vector<int64_t> shift(static_cast<size_t>(b1 - b0), p.pos);
-            be.rope_neox(kd, shift, rot, cfg.rope_theta);
-          }
+          const bool rerotate = !naive && opt.rerotate && p.pos > 0;
+          splice.push_back({&sum.k, b0, &ls.k, p.pos + b0, b1 - b0, rerotate ? p.pos : 0});
+          splice.push_back({&sum.v, b0, &ls.v, p.pos + b0, b1 - b0, 0});
         }
         if (p.restored) {
           // The seam rows as the composition that made the snapshot computed them (the restored
@@ -860,9 +857,8 @@ std::optional<PrefillResult> PicEngine::step_compose(ComposeRun& c, int64_t max_
           const auto& sl = c.snap.layers[static_cast<size_t>(l)];
           for (auto [a, n] : {std::pair<int64_t, int64_t>{p.pos, p.head}, {p.pos + p.len - p.tail, p.tail}}) {
             if (n == 0) continue;
-            Tensor kd = ls.k.slice_rows(a, a + n), vd = ls.v.slice_rows(a, a + n);
-            be.copy(sl.k.slice_rows(snap_row, snap_row + n), kd);
-            be.copy(sl.v.slice_rows(snap_row, snap_row + n), vd);
+            splice.push_back({&sl.k, snap_row, &ls.k, a, n});
+            splice.push_back({&sl.v, snap_row, &ls.v, a, n});
             snap_row += n;
           }
           continue;
@@ -873,6 +869,7 @@ std::optional<PrefillResult> PicEngine::step_compose(ComposeRun& c, int64_t max_
       if (p.tail > 0) spans.push_back(LayerSpan{&ls, p.pos + p.len - p.tail, p.tail, nullptr, {}});
       groups.emplace_back(spans.size(), p.head + p.tail);
     }
+    be.copy_rows(splice, rot, cfg.rope_theta);  // one call for every segment of the layer
     if (keep_here && linear) {
       SpanAfter snap_after;
       snap_after.keep = &c.end.layers[static_cast<size_t>(l)];
@@ -912,14 +909,15 @@ std::optional<PrefillResult> PicEngine::step_compose(ComposeRun& c, int64_t max_
       e.k = be.alloc(DType::F32, {c.seam_rows, ls.k.dim(1), ls.k.dim(2)});
       e.v = be.alloc(DType::F32, {c.seam_rows, ls.v.dim(1), ls.v.dim(2)});
       int64_t o = 0;
+      std::vector<Backend::RowCopy> seams;
       for (const auto& p : c.parts)
         for (auto [a, n] : {std::pair<int64_t, int64_t>{p.pos, p.head}, {p.pos + p.len - p.tail, p.tail}}) {
           if (n == 0) continue;
-          Tensor kd = e.k.slice_rows(o, o + n), vd = e.v.slice_rows(o, o + n);
-          be.copy(ls.k.slice_rows(a, a + n), kd);
-          be.copy(ls.v.slice_rows(a, a + n), vd);
+          seams.push_back({&ls.k, a, &e.k, o, n});
+          seams.push_back({&ls.v, a, &e.v, o, n});
           o += n;
         }
+      be.copy_rows(seams);
     }
   }
   c.next = p1;

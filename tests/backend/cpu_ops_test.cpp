@@ -465,6 +465,64 @@ TEST_F(CpuOps, CausalConvMatchesReferenceAndSpansCompose) {
             "causal_conv1d_silu: out, x and state must not overlap");
 }
 
+// Spans of one conv call: each span's rows continue the state, a span's `after` replaces it (a
+// cached body's conv tail after a PIC seam); checked against the plain recurrence written here.
+TEST_F(CpuOps, CausalConvSpansRestartFromEachTail) {
+  const int64_t C = 11, K = 4, P = K - 1;
+  Tensor x = randn({7, C}, 30), w = randn({C, K}, 31, 0.5f), st0 = randn({P, C}, 32);
+  Tensor tail1 = randn({P, C}, 33), tail2 = randn({P, C}, 34);
+  const std::vector<Backend::ConvSpan> spans = {{2, &tail1}, {0, &tail2}, {4, nullptr}, {1, nullptr}};
+  Tensor state = st0.clone(), out = be->alloc(DType::F32, {7, C});
+  be->causal_conv1d_silu_spans(x, w, spans, state, out);
+  // Reference: rows 0-1 after st0; rows 2-6 after tail2 (tail1 is replaced before any row uses it).
+  Vec xv = vals(x), wv = vals(w), ref(static_cast<size_t>(7 * C));
+  auto run = [&](const Tensor& start, int64_t r0, int64_t r1) {
+    Vec xx = vals(start);
+    xx.insert(xx.end(), xv.begin() + r0 * C, xv.begin() + r1 * C);
+    for (int64_t t = r0; t < r1; ++t)
+      for (int64_t c = 0; c < C; ++c) {
+        double s = 0;
+        for (int64_t j = 0; j < K; ++j) s += wv[c * K + j] * xx[(t - r0 + j) * C + c];
+        ref[t * C + c] = dsilu(s);
+      }
+    return Vec(xx.end() - P * C, xx.end());
+  };
+  run(st0, 0, 2);
+  const Vec end_state = run(tail2, 2, 7);
+  EXPECT_LE(rel_l2(out, ref), 1e-6);
+  EXPECT_EQ(vals(state), end_state);
+  // Ending on a body: the state is its tail.
+  const std::vector<Backend::ConvSpan> closed = {{7, &tail1}};
+  be->causal_conv1d_silu_spans(x, w, closed, state, out);
+  EXPECT_EQ(vals(state), vals(tail1));
+  const std::vector<Backend::ConvSpan> short_spans = {{3, nullptr}};
+  EXPECT_EQ(error_of([&] { be->causal_conv1d_silu_spans(x, w, short_spans, state, out); }),
+            "causal_conv1d_silu_spans: spans cover 3 rows, x f32[7, 11] has 7");
+}
+
+// Row copies: plain pieces land where they belong, rotated pieces are rope_neox by the shift.
+TEST_F(CpuOps, CopyRowsPlacesAndRotatesPieces) {
+  const int64_t H = 2, D = 12;
+  const int rot = 8;
+  Tensor src = randn({10, H, D}, 40), dst = be->alloc(DType::F32, {20, H, D});
+  const std::vector<Backend::RowCopy> pieces = {{&src, 0, &dst, 10, 3, 0}, {&src, 3, &dst, 2, 4, 777}};
+  be->copy_rows(pieces, rot, 1e6);
+  Vec s = vals(src), got = vals(dst);
+  const int64_t row = H * D;
+  for (int64_t i = 0; i < 3 * row; ++i) ASSERT_EQ(got[10 * row + i], s[i]);
+  Tensor rotated = src.slice_rows(3, 7).clone();
+  const std::vector<int64_t> shift(4, 777);
+  be->rope_neox(rotated, shift, rot, 1e6);
+  Vec r = vals(rotated);
+  for (int64_t i = 0; i < 4 * row; ++i) ASSERT_EQ(got[2 * row + i], r[i]);
+  for (int64_t i = 0; i < 2 * row; ++i) ASSERT_EQ(got[i], 0.0);  // untouched rows
+  const std::vector<Backend::RowCopy> overlap = {{&src, 0, &dst, 0, 4}, {&src, 0, &dst, 2, 4}};
+  EXPECT_EQ(error_of([&] { be->copy_rows(overlap); }), "copy_rows: piece 0 writes where piece 1 reads or writes");
+  const std::vector<Backend::RowCopy> rotate_without_dims = {{&src, 0, &dst, 0, 2, 5}};
+  EXPECT_EQ(error_of([&] { be->copy_rows(rotate_without_dims); }),
+            "copy_rows: rot_dim 0 must be even, positive and <= the head dim of f32[20, 2, 12]");
+}
+
 // ---- gdn gates ------------------------------------------------------------------------------------
 TEST_F(CpuOps, GdnGates) {
   const int64_t T = 5, H = 7;

@@ -289,6 +289,76 @@ TEST_F(CudaOps, CausalConvAndGates) {
   }
 }
 
+// A composition's convs in one launch: spans of 0-5 rows (fewer than K-1 too), each followed or not
+// by a cached body's conv tail (`after`), the last span open or closed.
+TEST_F(CudaOps, CausalConvSpansMatchOneCallPerSpan) {
+  const int64_t C = 70, K = 4;
+  const std::vector<std::vector<std::pair<int64_t, bool>>> cases = {
+      {{3, true}, {2, true}, {0, true}, {5, false}},   // seams, an empty one, then the question
+      {{1, false}, {2, true}, {4, false}, {1, true}},  // ends on a body tail
+      {{2, false}, {1, false}},                        // no bodies: one continued conv
+      {{0, true}}};                                    // no rows: the state is the tail
+  for (const auto& cs : cases) {
+    int64_t T = 0;
+    for (auto [r, a] : cs) T += r;
+    Tensor x = randn({std::max<int64_t>(T, 1), C}, rng).slice_rows(0, T), w = as(randn({C, K}, rng, 0.5f), DType::BF16);
+    Tensor st = randn({K - 1, C}, rng);
+    std::vector<Tensor> tails_c, tails_g;
+    for (size_t i = 0; i < cs.size(); ++i)
+      tails_c.push_back(randn({K - 1, C}, rng)), tails_g.push_back(dev(tails_c.back()));
+    std::vector<Backend::ConvSpan> sc, sg;
+    for (size_t i = 0; i < cs.size(); ++i) {
+      sc.push_back({cs[i].first, cs[i].second ? &tails_c[i] : nullptr});
+      sg.push_back({cs[i].first, cs[i].second ? &tails_g[i] : nullptr});
+    }
+    Tensor stc = st.clone(), stg = dev(st);
+    Tensor oc = cpu->alloc(DType::F32, {T, C}), og = T ? poisoned(DType::F32, {T, C}) : gpu->alloc(DType::F32, {0, C});
+    cpu->causal_conv1d_silu_spans(x, w, sc, stc, oc);
+    gpu->causal_conv1d_silu_spans(dev(x), dev(w), sg, stg, og);
+    if (T) EXPECT_LE(err(og, oc), 1e-6) << "T=" << T;
+    EXPECT_EQ(err(stg, stc), 0.0) << "state, T=" << T;
+  }
+  // Spans that do not cover x are refused by name.
+  Tensor x = dev(randn({4, C}, rng)), w = dev(randn({C, K}, rng)), st = gpu->alloc(DType::F32, {K - 1, C});
+  Tensor o = gpu->alloc(DType::F32, {4, C});
+  const std::vector<Backend::ConvSpan> short_spans = {{1, nullptr}, {2, nullptr}};
+  EXPECT_NE(error_of([&] { gpu->causal_conv1d_silu_spans(x, w, short_spans, st, o); }).find("causal_conv1d_silu_spans"),
+            std::string::npos);
+}
+
+// A composition's K/V splice: body rows copied into a cache and the keys re-rotated on the way, the
+// snapshot's seam rows copied plainly, all in one launch; the CPU copies and rotates piece by piece.
+TEST_F(CudaOps, CopyRowsSplicesAndRotatesKeys) {
+  const int64_t H = 2, D = 64, rot = 16, S = 300;
+  Tensor body_k = randn({100, H, D}, rng), body_v = randn({100, H, D}, rng), snap = randn({12, H, D}, rng);
+  Tensor odd = randn({9, 3}, rng);  // rows of 3 words: not a multiple of 4
+  for (int round = 0; round < 2; ++round) {
+    Tensor kc = randn({S, H, D}, rng), vc = randn({S, H, D}, rng), oddc = randn({20, 3}, rng);
+    Tensor kg = dev(kc), vg = dev(vc), oddg = dev(oddc);
+    Tensor bk = dev(body_k), bv = dev(body_v), sn = dev(snap), od = dev(odd);
+    auto pieces = [&](const Tensor& bk_, const Tensor& bv_, const Tensor& sn_, const Tensor& od_, Tensor& k, Tensor& v,
+                      Tensor& o) {
+      return std::vector<Backend::RowCopy>{
+          {&bk_, 8, &k, 8, 92, 0},      {&bv_, 8, &v, 8, 92, 0}, {&bk_, 8, &k, 108, 92, 100}, {&bv_, 8, &v, 108, 92, 0},
+          {&bk_, 0, &k, 200, 50, 4321}, {&sn_, 0, &k, 0, 8, 0},  {&sn_, 8, &v, 100, 4, 0},    {&od_, 2, &o, 11, 7, 0}};
+    };
+    auto pc = pieces(body_k, body_v, snap, odd, kc, vc, oddc);
+    auto pg = pieces(bk, bv, sn, od, kg, vg, oddg);
+    if (round == 1) pc.resize(1), pg.resize(1);
+    cpu->copy_rows(pc, rot, 1e7);
+    gpu->copy_rows(pg, rot, 1e7);
+    EXPECT_LE(err(kg, kc), 1e-6);
+    EXPECT_EQ(err(vg, vc), 0.0);
+    EXPECT_EQ(err(oddg, oddc), 0.0);
+  }
+  // Overlapping pieces and rows out of range are refused by name.
+  Tensor k = gpu->alloc(DType::F32, {10, H, D}), b = gpu->alloc(DType::F32, {10, H, D});
+  const std::vector<Backend::RowCopy> overlap = {{&b, 0, &k, 0, 4}, {&b, 0, &k, 3, 4}};
+  EXPECT_NE(error_of([&] { gpu->copy_rows(overlap); }).find("copy_rows"), std::string::npos);
+  const std::vector<Backend::RowCopy> far = {{&b, 8, &k, 0, 4}};
+  EXPECT_NE(error_of([&] { gpu->copy_rows(far); }).find("out of range"), std::string::npos);
+}
+
 TEST_F(CudaOps, GatedDeltaRuleWithTransition) {
   struct Case {
     int64_t T, Hk, Hv, dk, dv;

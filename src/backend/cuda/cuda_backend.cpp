@@ -181,25 +181,33 @@ struct OpProfile {
   int level = 1;
   std::set<std::string> names;  // phase names made at run time ("gemv 1x4096x12352")
   const char* intern(std::string s) { return names.insert(std::move(s)).first->c_str(); }
+  void clear() {
+    cudaDeviceSynchronize();
+    for (auto& r : recs) cudaEventDestroy(r.a), cudaEventDestroy(r.b);
+    recs.clear();
+  }
   ~OpProfile() {
     if (recs.empty()) return;
     cudaDeviceSynchronize();
     std::map<std::string, std::pair<int64_t, double>> by;
-    double total = 0;
+    double total = 0, span = 0;
     for (auto& r : recs) {
-      float ms = 0;
+      float ms = 0, end = 0;
       if (cudaEventElapsedTime(&ms, r.a, r.b) == cudaSuccess) {
         by[r.op].first++;
         by[r.op].second += ms;
         if (!r.phase) total += ms;
       }
-      cudaEventDestroy(r.a);
-      cudaEventDestroy(r.b);
+      if (cudaEventElapsedTime(&end, recs.front().a, r.b) == cudaSuccess) span = std::max(span, double(end));
     }
+    for (auto& r : recs) cudaEventDestroy(r.a), cudaEventDestroy(r.b);
     std::vector<std::pair<double, std::string>> rows;
     for (auto& [op, v] : by) rows.push_back({v.second, op});
     std::sort(rows.rbegin(), rows.rend());
-    std::fprintf(stderr, "hypic cuda profile: %.1f ms of GPU time in %zu calls\n", total, recs.size());
+    // Busy against the span from the first op to the last: the rest is the GPU waiting for the
+    // host (launch overhead, syncs) or for the caller between requests.
+    std::fprintf(stderr, "hypic cuda profile: %.1f ms of GPU time in %zu calls over a span of %.1f ms\n", total,
+                 recs.size(), span);
     for (auto& [ms, op] : rows)
       std::fprintf(stderr, "  %-20s %8lld calls %10.2f ms %5.1f%%\n", op.c_str(), static_cast<long long>(by[op].first),
                    ms, 100 * ms / std::max(total, 1e-9));
@@ -604,6 +612,10 @@ void CudaBackend::synchronize() {
   CUDA_CHECK(cudaStreamSynchronize(impl_->stream));
 }
 
+void CudaBackend::profile_reset() {
+  if (impl_->prof) impl_->prof->clear();
+}
+
 // ---- dense -----------------------------------------------------------------------------------
 
 void CudaBackend::matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate) {
@@ -788,6 +800,35 @@ void CudaBackend::set_cols(const Tensor& src, int64_t col, Tensor& dst) {
                    last_dim(src), dtype_size(src.dtype()));
 }
 
+void CudaBackend::copy_rows(std::span<const RowCopy> pieces, int rot_dim, double theta) {
+  OpScope scope_(*impl_, "copy_rows");
+  check_copy_rows(pieces, rot_dim, theta, kDev);
+  std::vector<cuda::RowPiece> tab;
+  int64_t total = 0;
+  bool rotate = false;
+  for (const auto& p : pieces) {
+    if (p.rows == 0) continue;
+    const int64_t rb = static_cast<int64_t>(p.src->nbytes()) / p.src->dim(0);
+    if (rb % 4 != 0) fail("copy_rows", "rows of " + p.src->str() + " are not a whole number of 4-byte words");
+    cuda::RowPiece r;
+    r.src = static_cast<const char*>(p.src->raw()) + p.src_row * rb;
+    r.dst = static_cast<char*>(p.dst->raw()) + p.dst_row * rb;
+    r.words = rb / 4;
+    r.rows = p.rows;
+    r.first = total;
+    r.shift = p.rope_shift;
+    r.head_dim = p.dst->ndim() == 3 ? p.dst->dim(2) : r.words;
+    rotate = rotate || p.rope_shift != 0;
+    total += p.rows;
+    tab.push_back(r);
+  }
+  if (tab.empty()) return;
+  const float* f = rotate ? inv_freq(rot_dim, theta) : nullptr;
+  Tensor d = upload(tab.data(), DType::U8, static_cast<int64_t>(tab.size() * sizeof(cuda::RowPiece)));
+  launch_copy_rows(impl_->stream, reinterpret_cast<const cuda::RowPiece*>(d.raw()), static_cast<int>(tab.size()), total,
+                   f, rotate ? rot_dim / 2 : 0);
+}
+
 // ---- positions -------------------------------------------------------------------------------
 
 const float* CudaBackend::inv_freq(int rot_dim, double theta) {
@@ -899,6 +940,39 @@ void CudaBackend::causal_conv1d_silu(const Tensor& x, const Tensor& w, Tensor& s
   const int64_t T = x.dim(0), C = x.dim(1), K = w.dim(-1);
   launch_causal_conv1d_silu(impl_->stream, x.data<float>(), w.raw(), w.dtype(), state.data<float>(), out.data<float>(),
                             T, C, K);
+}
+
+void CudaBackend::causal_conv1d_silu_spans(const Tensor& x, const Tensor& w, std::span<const ConvSpan> spans,
+                                           Tensor& state, Tensor& out) {
+  OpScope scope_(*impl_, "causal_conv1d_silu");
+  check_conv1d_spans(x, w, spans, state, out, kDev);
+  const int64_t C = x.dim(1), K = w.dim(-1);
+  // Groups of rows that continue one another; each span with an `after` ends one, and the next
+  // starts from that tensor.
+  std::vector<cuda::ConvGroup> groups;
+  const float* start = state.data<float>();
+  int64_t row0 = 0, rows = 0;
+  for (const auto& sp : spans) {
+    rows += sp.rows;
+    if (sp.after) {
+      if (rows > 0) groups.push_back({row0, rows, start});
+      row0 += rows;
+      rows = 0;
+      start = sp.after->data<float>();
+    }
+  }
+  if (rows > 0) groups.push_back({row0, rows, start});
+  if (!groups.empty()) {
+    Tensor d = upload(groups.data(), DType::U8, static_cast<int64_t>(groups.size() * sizeof(cuda::ConvGroup)));
+    launch_conv1d_spans(impl_->stream, x.data<float>(), w.raw(), w.dtype(),
+                        reinterpret_cast<const cuda::ConvGroup*>(d.raw()), static_cast<int>(groups.size()),
+                        out.data<float>(), x.dim(0), C, K);
+  }
+  // The state after the last span: its `after`, or the last K-1 inputs of the open group.
+  if (rows > 0)
+    launch_conv1d_state(impl_->stream, x.data<float>() + row0 * C, start, state.data<float>(), rows, C, K);
+  else if (start != state.data<float>() && state.nbytes())
+    CUDA_CHECK(cudaMemcpyAsync(state.raw(), start, state.nbytes(), cudaMemcpyDeviceToDevice, impl_->stream));
 }
 
 void CudaBackend::gdn_gates(const Tensor& a, const Tensor& b, const Tensor& A_log, const Tensor& dt_bias, Tensor& g,

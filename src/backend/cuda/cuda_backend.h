@@ -43,6 +43,7 @@ class CudaBackend : public Backend {
   void copy(const Tensor& src, Tensor& dst) override;
   void fill(Tensor& t, float value) override;
   void synchronize() override;
+  void profile_reset() override;
   int64_t prefill_chunk() const override { return 8192; }  // fewer launches per token; memory is plenty
   int64_t peak_memory_bytes() const override { return static_cast<int64_t>(peak_bytes()); }
   int64_t free_memory_bytes() const override;
@@ -71,6 +72,7 @@ class CudaBackend : public Backend {
   void sigmoid_mul(const Tensor& x, const Tensor& gate, Tensor& out) override;
   void copy_cols(const Tensor& src, int64_t col, Tensor& dst) override;
   void set_cols(const Tensor& src, int64_t col, Tensor& dst) override;
+  void copy_rows(std::span<const RowCopy> pieces, int rot_dim = 0, double theta = 0) override;
 
   void rope_neox(Tensor& x, std::span<const int64_t> positions, int rot_dim, double theta) override;
   void rope_neox(Tensor& x, const Tensor& positions, int rot_dim, double theta) override;
@@ -83,6 +85,8 @@ class CudaBackend : public Backend {
                        Tensor& out) override;
 
   void causal_conv1d_silu(const Tensor& x, const Tensor& w, Tensor& state, Tensor& out) override;
+  void causal_conv1d_silu_spans(const Tensor& x, const Tensor& w, std::span<const ConvSpan> spans, Tensor& state,
+                                Tensor& out) override;
   void gdn_gates(const Tensor& a, const Tensor& b, const Tensor& A_log, const Tensor& dt_bias, Tensor& g,
                  Tensor& beta) override;
   void gated_delta_rule(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,

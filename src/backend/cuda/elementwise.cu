@@ -235,15 +235,91 @@ __global__ void k_conv1d(const float* x, const void* w, DType wdt, const float* 
   }
 }
 
-// The state becomes rows T .. T+K-2 of (state ++ x); ascending order per channel is safe in place.
-__global__ void k_conv1d_state(const float* x, float* state, int64_t T, int64_t C, int64_t K) {
+// The same over groups of rows, each from its own K-1 earlier inputs (a PIC composition's seams).
+__global__ void k_conv1d_spans(const float* x, const void* w, DType wdt, const ConvGroup* G, int ng, float* out,
+                               int64_t T, int64_t C, int64_t K) {
+  pdl_entry();
+  const int64_t n = T * C, P = K - 1;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i / C, c = i % C;
+    int lo = 0, hi = ng - 1;  // the last group starting at or before t
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (G[mid].row0 <= t)
+        lo = mid;
+      else
+        hi = mid - 1;
+    }
+    const ConvGroup g = G[lo];
+    float acc = 0.f;
+    for (int64_t j = 0; j < K; ++j) {
+      const int64_t r = t - g.row0 + j;
+      const float xv = r < P ? g.start[r * C + c] : x[(g.row0 + r - P) * C + c];
+      acc += ldw(w, wdt, c * K + j) * xv;
+    }
+    out[i] = silu(acc);
+  }
+}
+
+// The state becomes rows T .. T+K-2 of (start ++ x); ascending order per channel is safe in place
+// (start == state).
+__global__ void k_conv1d_state(const float* x, const float* start, float* state, int64_t T, int64_t C, int64_t K) {
   pdl_entry();
   const int64_t P = K - 1;
   for (int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; c < C; c += int64_t(gridDim.x) * blockDim.x)
     for (int64_t r = 0; r < P; ++r) {
       const int64_t src = T + r;
-      state[r * C + c] = src < P ? state[src * C + c] : x[(src - P) * C + c];
+      state[r * C + c] = src < P ? start[src * C + c] : x[(src - P) * C + c];
     }
+}
+
+// One block per row of the launch; the piece found by binary search over the pieces' first rows.
+// Rotation as k_rope_neox (same angles, same products), so a spliced key equals copy + rope_neox.
+__global__ void k_copy_rows(const RowPiece* P, int n, int64_t total, const float* inv_freq, int half) {
+  pdl_entry();
+  for (int64_t r = blockIdx.x; r < total; r += gridDim.x) {
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (P[mid].first <= r)
+        lo = mid;
+      else
+        hi = mid - 1;
+    }
+    const RowPiece p = P[lo];
+    const int64_t i = r - p.first;
+    const float* src = reinterpret_cast<const float*>(p.src) + i * p.words;
+    float* dst = reinterpret_cast<float*>(p.dst) + i * p.words;
+    if (p.shift == 0) {
+      if (p.words % 4 == 0 && ((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) & 15) == 0) {
+        const float4* s4 = reinterpret_cast<const float4*>(src);
+        float4* d4 = reinterpret_cast<float4*>(dst);
+        for (int64_t e = threadIdx.x; e < p.words / 4; e += blockDim.x) d4[e] = s4[e];
+      } else {
+        for (int64_t e = threadIdx.x; e < p.words; e += blockDim.x) dst[e] = src[e];
+      }
+      continue;
+    }
+    const float pos = static_cast<float>(p.shift);
+    for (int64_t e = threadIdx.x; e < p.words; e += blockDim.x) {
+      const int64_t j = e % p.head_dim;
+      if (j >= 2 * half) {
+        dst[e] = src[e];
+        continue;
+      }
+      const int ii = static_cast<int>(j < half ? j : j - half);
+      const float ang = pos * inv_freq[ii];
+      const float c = static_cast<float>(cos(static_cast<double>(ang)));
+      const float s = static_cast<float>(sin(static_cast<double>(ang)));
+      if (j < half) {
+        const float x1 = src[e], x2 = src[e + half];
+        dst[e] = x1 * c - x2 * s;
+      } else {
+        const float x1 = src[e - half], x2 = src[e];
+        dst[e] = x2 * c + x1 * s;
+      }
+    }
+  }
 }
 
 // Decode step: one token per sequence, each with its own state (addresses in `states`). A thread
@@ -469,9 +545,31 @@ void launch_causal_conv1d_silu(cudaStream_t s, const float* x, const void* w, DT
   launch(s, blocks_for(T * C), kThreads, 0, k_conv1d, x, w, wdt, state, out, T, C, K);
   CUDA_LAUNCH_CHECK("k_conv1d");
   if (K > 1) {
-    launch(s, blocks_for(C), kThreads, 0, k_conv1d_state, x, state, T, C, K);
+    launch(s, blocks_for(C), kThreads, 0, k_conv1d_state, x, static_cast<const float*>(state), state, T, C, K);
     CUDA_LAUNCH_CHECK("k_conv1d_state");
   }
+}
+
+void launch_conv1d_spans(cudaStream_t s, const float* x, const void* w, DType wdt, const ConvGroup* groups,
+                         int n_groups, float* out, int64_t T, int64_t C, int64_t K) {
+  if (T == 0 || C == 0 || n_groups == 0) return;
+  launch(s, blocks_for(T * C), kThreads, 0, k_conv1d_spans, x, w, wdt, groups, n_groups, out, T, C, K);
+  CUDA_LAUNCH_CHECK("k_conv1d_spans");
+}
+
+void launch_conv1d_state(cudaStream_t s, const float* x, const float* start, float* state, int64_t T, int64_t C,
+                         int64_t K) {
+  if (C == 0 || K <= 1) return;
+  launch(s, blocks_for(C), kThreads, 0, k_conv1d_state, x, start, state, T, C, K);
+  CUDA_LAUNCH_CHECK("k_conv1d_state");
+}
+
+void launch_copy_rows(cudaStream_t s, const RowPiece* pieces, int n, int64_t total_rows, const float* inv_freq,
+                      int half) {
+  if (n == 0 || total_rows == 0) return;
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(total_rows, int64_t(1) << 20));
+  launch(s, blocks, 128, 0, k_copy_rows, pieces, n, total_rows, inv_freq, half);
+  CUDA_LAUNCH_CHECK("k_copy_rows");
 }
 
 void launch_conv1d_step(cudaStream_t s, const float* x, const void* w, DType wdt, const int64_t* states, float* out,

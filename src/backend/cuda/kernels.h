@@ -38,6 +38,27 @@ void launch_gdn_gates(cudaStream_t s, const float* a, const float* b, const void
                       DType bdt, float* g, float* beta, int64_t T, int64_t H);
 void launch_causal_conv1d_silu(cudaStream_t s, const float* x, const void* w, DType wdt, float* state, float* out,
                                int64_t T, int64_t C, int64_t K);
+// Spans of rows of one conv (causal_conv1d_silu_spans): rows [row0, row0 + rows) of x start from
+// the K-1 inputs at `start` ([K-1, C], oldest first).
+struct ConvGroup {
+  int64_t row0 = 0, rows = 0;
+  const float* start = nullptr;
+};
+void launch_conv1d_spans(cudaStream_t s, const float* x, const void* w, DType wdt, const ConvGroup* groups,
+                         int n_groups, float* out, int64_t T, int64_t C, int64_t K);
+// state <- the last K-1 inputs of (start ++ x[0..T)) (start may be state itself).
+void launch_conv1d_state(cudaStream_t s, const float* x, const float* start, float* state, int64_t T, int64_t C,
+                         int64_t K);
+// Row-range copies (copy_rows): piece i covers rows [first, first + rows) of the launch; rows of
+// `words` 4-byte words; a nonzero shift rotates each head's first 2*half dims (NeoX) by that many
+// positions on the way.
+struct RowPiece {
+  const char* src = nullptr;
+  char* dst = nullptr;
+  int64_t words = 0, rows = 0, first = 0, shift = 0, head_dim = 0;
+};
+void launch_copy_rows(cudaStream_t s, const RowPiece* pieces, int n, int64_t total_rows, const float* inv_freq,
+                      int half);
 void launch_set_identity(cudaStream_t s, float* t, int64_t H, int64_t n);
 void launch_argmax_rows(cudaStream_t s, const float* x, int64_t R, int64_t V, int32_t* ids);
 void launch_sample_rows(cudaStream_t s, const float* x, int64_t R, int64_t V, const float* params, const uint8_t* mask,
