@@ -315,7 +315,9 @@ TEST_F(CudaOps, CausalConvSpansMatchOneCallPerSpan) {
     Tensor oc = cpu->alloc(DType::F32, {T, C}), og = T ? poisoned(DType::F32, {T, C}) : gpu->alloc(DType::F32, {0, C});
     cpu->causal_conv1d_silu_spans(x, w, sc, stc, oc);
     gpu->causal_conv1d_silu_spans(dev(x), dev(w), sg, stg, og);
-    if (T) EXPECT_LE(err(og, oc), 1e-6) << "T=" << T;
+    if (T) {
+      EXPECT_LE(err(og, oc), 1e-6) << "T=" << T;
+    }
     EXPECT_EQ(err(stg, stc), 0.0) << "state, T=" << T;
   }
   // Spans that do not cover x are refused by name.
@@ -437,15 +439,23 @@ TEST_F(CudaOps, GatedDeltaChainMatchesSpanOps) {
     cpu->gated_delta_chain(q, k, v, g, beta, true, sc, oc, lc);
     const auto lg = links_on(true);
 #if HYPIC_HAVE_CUDA
-    for (int rows : {8, 4, 32}) {  // rows of S per thread: the default, and both alternatives
-      SCOPED_TRACE("rows per thread " + std::to_string(rows));
-      cuda::set_gdn_chain_rows(rows);
-      Tensor sg1 = dev(s0), og1 = poisoned(DType::F32, {R, d.Hv, d.dv});
-      gpu->gated_delta_chain(dev(q), dev(k), dev(v), dev(g), dev(beta), true, sg1, og1, lg);
-      EXPECT_LE(err(og1, oc), 2e-4) << "outputs dk=" << d.dk;
-      EXPECT_LE(err(sg1, sc), 2e-4) << "state dk=" << d.dk;
-    }
+    Tensor whole_t_state;  // rows 8 with T staged whole, against T a panel at a time
+    for (bool full_t : {true, false})
+      for (int rows : {8, 4, 32}) {  // rows of S per thread: the default, and both alternatives
+        SCOPED_TRACE("rows per thread " + std::to_string(rows) + (full_t ? ", whole T" : ", T panels"));
+        cuda::set_gdn_chain_rows(rows);
+        cuda::set_gdn_chain_full_t(full_t);
+        Tensor sg1 = dev(s0), og1 = poisoned(DType::F32, {R, d.Hv, d.dv});
+        gpu->gated_delta_chain(dev(q), dev(k), dev(v), dev(g), dev(beta), true, sg1, og1, lg);
+        EXPECT_LE(err(og1, oc), 2e-4) << "outputs dk=" << d.dk;
+        EXPECT_LE(err(sg1, sc), 2e-4) << "state dk=" << d.dk;
+        if (rows == 8 && full_t) whole_t_state = gpu->to_host(sg1);
+        if (rows == 8 && !full_t) {
+          EXPECT_LE(err(sg1, whole_t_state), 1e-6) << "the two forms of T S";
+        }
+      }
     cuda::set_gdn_chain_rows(0);
+    cuda::set_gdn_chain_full_t(true);
 #endif
     // Links that do not cover the rows, or a body of the wrong shape, are refused by name.
     auto bad = lg;

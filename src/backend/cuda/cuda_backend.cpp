@@ -1021,6 +1021,7 @@ void CudaBackend::gated_delta_chain(const Tensor& q, const Tensor& k, const Tens
   std::vector<cuda::GdnChainLink> tab;
   tab.reserve(links.size());
   int64_t rows = 0;
+  bool aligned_t = true;  // every T 16-byte aligned: the kernel may stage T whole with cp.async
   for (const auto& L : links) {
     if (L.rows < 0) fail("gated_delta_chain", "a link of " + std::to_string(L.rows) + " rows");
     cuda::GdnChainLink c;
@@ -1037,7 +1038,10 @@ void CudaBackend::gated_delta_chain(const Tensor& q, const Tensor& k, const Tens
       c.rk = L.rk->data<float>(), c.rv = L.rv->data<float>(), c.rg = L.rg->data<float>();
       c.rbeta = L.rbeta->data<float>();
     }
-    if (L.T) shape_is(L.T, "T", {Hv, dk, dk}), c.T = L.T->data<float>();
+    if (L.T) {
+      shape_is(L.T, "T", {Hv, dk, dk}), c.T = L.T->data<float>();
+      aligned_t = aligned_t && (reinterpret_cast<uintptr_t>(c.T) & 15) == 0;
+    }
     if (L.B) shape_is(L.B, "B", {Hv, dk, dv}), c.B = L.B->data<float>();
     tab.push_back(c);
   }
@@ -1048,7 +1052,8 @@ void CudaBackend::gated_delta_chain(const Tensor& q, const Tensor& k, const Tens
   Tensor dtab = upload(tab.data(), DType::U8, static_cast<int64_t>(tab.size() * sizeof(cuda::GdnChainLink)));
   cuda::launch_gated_delta_chain(impl_->stream, q.data<float>(), k.data<float>(), v.data<float>(), g.data<float>(),
                                  beta.data<float>(), l2norm_qk, Hk, Hv, dk, dv, state.data<float>(), out.data<float>(),
-                                 reinterpret_cast<const cuda::GdnChainLink*>(dtab.raw()), static_cast<int>(tab.size()));
+                                 reinterpret_cast<const cuda::GdnChainLink*>(dtab.raw()), static_cast<int>(tab.size()),
+                                 aligned_t);
 }
 
 // ---- decode steps ----------------------------------------------------------------------------

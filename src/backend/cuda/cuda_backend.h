@@ -24,6 +24,8 @@ void set_gemv_split(int split);
 // Rows of S per thread in the PIC chain kernel (gated_delta_chain.cu): 8 (the default), 4 (key
 // heads up to 128) or 32; 0 restores HYPIC_GDN_CHAIN_ROWS, else 8.
 void set_gdn_chain_rows(int rows);
+// Dense bodies' T staged whole in shared memory (default) or a panel at a time (false).
+void set_gdn_chain_full_t(bool on);
 
 class CudaBackend : public Backend {
  public:

@@ -56,11 +56,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t& r0, uint32_t& r1, ui
                : "r"(addr));
 }
 
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 16 : 0));
-}
-
 // PIPE: k and v are bf16 copies (head dims multiples of 8) that stream into two shared-memory
 // stages with cp.async, so the next key tile loads while this one computes; otherwise k and v are
 // f32, converted tile by tile on the way into shared memory.

@@ -30,9 +30,14 @@ template <int P, int R>
 __global__ void __launch_bounds__(kGdnCols* P, 1)
     k_gdn_chain(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                 const float* __restrict__ g, const float* __restrict__ beta, bool l2norm, int64_t Hk, int64_t Hv,
-                int dk, int dv, float* state, float* out, const GdnChainLink* __restrict__ links, int n_links) {
+                int dk, int dv, float* state, float* out, const GdnChainLink* __restrict__ links, int n_links,
+                bool full_t) {
   pdl_entry();
   extern __shared__ float smem[];
+  // full_t: each dense body's T (this head's dk x dk) comes whole into shared memory with cp.async,
+  // issued when its link starts, so the copy runs under the link's seam recurrence.
+  const int ldt = dk + 4;  // rows stay 16-byte aligned
+  float* tT = full_t ? smem + chain_smem_floats(dk) : nullptr;
   const int h = blockIdx.y;
   const int64_t hk = h / (Hv / Hk);
   const int p = threadIdx.x % P, cl = threadIdx.x / P;
@@ -48,6 +53,15 @@ __global__ void __launch_bounds__(kGdnCols* P, 1)
   int64_t row = 0;
   for (int li = 0; li < n_links; ++li) {
     const GdnChainLink L = links[li];
+    if (tT && L.T && L.B) {
+      // The previous link's last reads of tT came before a barrier every thread has passed.
+      const float* Th = L.T + static_cast<int64_t>(h) * dk * dk;
+      for (int e = threadIdx.x; e < dk * dk / 4; e += kGdnCols * P) {
+        const int r = 4 * e / dk, j = 4 * e % dk;
+        cp_async16(tT + r * ldt + j, Th + static_cast<int64_t>(r) * dk + j);
+      }
+      cp_async_commit();
+    }
     if (L.rows > 0) {
       const int64_t o = row;
       gdn_tokens<P, R>(q + o * Hk * dk, k + o * Hk * dk, v + o * Hv * dv, g + o * Hv, beta + o * Hv, l2norm, L.rows, Hk,
@@ -60,7 +74,60 @@ __global__ void __launch_bounds__(kGdnCols* P, 1)
                        blockIdx.x * kGdnCols, valid, false, c, s, nullptr, smem);
     if (!L.B) continue;
     const float* Bh = L.B + static_cast<int64_t>(h) * dk * dv;
-    if (L.T) {
+    if (L.T && tT) {
+      // S <- T S + B with T in shared memory. For the product a warp owns R rows and a lane one
+      // column (the block's columns of S go through shared memory, [column][row]): each T value
+      // read is a broadcast to the warp, 16 bytes at a time, and each column value a
+      // conflict-free load (odd stride), against one shared load per multiply-add in the panel
+      // form below. The sums run over j in the same order, so both forms give the same numbers.
+      const int ldc = dk + 1;
+      float* sc = smem;  // [kGdnCols][dk + 1]
+      float b[R];
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        const int r = i * P + p;
+        b[i] = valid && r < dk ? Bh[static_cast<int64_t>(r) * dv + c] : 0.f;
+      }
+      __syncthreads();  // the token loop may still read shared memory
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        const int r = i * P + p;
+        if (r < dk) sc[cl * ldc + r] = s[i];
+      }
+      cp_async_wait_all();
+      __syncthreads();
+      const int w = threadIdx.x / 32, lane = threadIdx.x % 32;
+      float acc[R];
+#pragma unroll
+      for (int i = 0; i < R; ++i) acc[i] = 0.f;
+      const float* scol = sc + lane * ldc;
+      for (int j = 0; j < dk; j += 4) {
+        const float c0 = scol[j], c1 = scol[j + 1], c2 = scol[j + 2], c3 = scol[j + 3];
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+          const int r = w * R + i;
+          if (r < dk) {
+            const float4 t = *reinterpret_cast<const float4*>(tT + r * ldt + j);
+            acc[i] += t.x * c0;
+            acc[i] += t.y * c1;
+            acc[i] += t.z * c2;
+            acc[i] += t.w * c3;
+          }
+        }
+      }
+      __syncthreads();  // every column read (and tT free for the next link's copy)
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        const int r = w * R + i;
+        if (r < dk) sc[lane * ldc + r] = acc[i];
+      }
+      __syncthreads();
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        const int r = i * P + p;
+        s[i] = r < dk ? sc[cl * ldc + r] + b[i] : 0.f;
+      }
+    } else if (L.T) {
       // S <- T S + B. The block's columns of S go to shared memory (sc, [column][row], padded),
       // then T comes through shared memory a panel of kPanel columns at a time, transposed
       // (tp[j][row], padded); each thread accumulates its rows of its column in place, every row
@@ -116,43 +183,55 @@ __global__ void __launch_bounds__(kGdnCols* P, 1)
   }
 }
 
+// Whole-T staging needs dk % 4 == 0 (16-byte rows), 16-byte aligned T, and shared memory for it.
+bool full_t_fits(int dk, size_t smem_floats) {
+  int dev = 0, optin = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
+    return false;
+  return dk % 4 == 0 && smem_floats * sizeof(float) <= static_cast<size_t>(optin);
+}
+
 template <int P, int R>
 void run(cudaStream_t st, const float* q, const float* k, const float* v, const float* g, const float* beta,
          bool l2norm, int64_t Hk, int64_t Hv, int dk, int dv, float* state, float* out, const GdnChainLink* links,
-         int n_links) {
-  const size_t smem = static_cast<size_t>(chain_smem_floats(dk)) * sizeof(float);
+         int n_links, bool aligned_t) {
+  const size_t full = static_cast<size_t>(chain_smem_floats(dk)) + static_cast<size_t>(dk) * (dk + 4);
+  const bool full_t = aligned_t && full_t_fits(dk, full);
+  const size_t smem = (full_t ? full : static_cast<size_t>(chain_smem_floats(dk))) * sizeof(float);
   if (smem > 48 * 1024)
     CUDA_CHECK(
         cudaFuncSetAttribute(k_gdn_chain<P, R>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   dim3 grid(static_cast<unsigned>((dv + kGdnCols - 1) / kGdnCols), static_cast<unsigned>(Hv));
   launch(st, grid, kGdnCols * P, smem, k_gdn_chain<P, R>, q, k, v, g, beta, l2norm, Hk, Hv, dk, dv, state, out, links,
-         n_links);
+         n_links, full_t);
   CUDA_LAUNCH_CHECK("k_gdn_chain");
 }
 
 }  // namespace
 
 namespace {
-int chain_rows = 0;  // set_gdn_chain_rows(); 0: HYPIC_GDN_CHAIN_ROWS or 8
+int chain_rows = 0;         // set_gdn_chain_rows(); 0: HYPIC_GDN_CHAIN_ROWS or 8
+bool chain_full_t = true;   // set_gdn_chain_full_t(); HYPIC_GDN_CHAIN_FULL_T=0 turns it off
 
 // P threads per column of S with R rows each (P * R >= dk).
 template <int R>
 void run_rows(cudaStream_t s, const float* q, const float* k, const float* v, const float* g, const float* beta,
               bool l2norm_qk, int64_t Hk, int64_t Hv, int dk, int dv, float* state, float* out,
-              const GdnChainLink* links, int n_links) {
+              const GdnChainLink* links, int n_links, bool aligned_t) {
   if (dk <= R)
-    run<1, R>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, dk, dv, state, out, links, n_links);
+    run<1, R>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, dk, dv, state, out, links, n_links, aligned_t);
   else if (dk <= 2 * R)
-    run<2, R>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, dk, dv, state, out, links, n_links);
+    run<2, R>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, dk, dv, state, out, links, n_links, aligned_t);
   else if (dk <= 4 * R)
-    run<4, R>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, dk, dv, state, out, links, n_links);
+    run<4, R>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, dk, dv, state, out, links, n_links, aligned_t);
   else if (dk <= 8 * R || 8 * R >= 256)  // dk <= 256 (checked by the caller)
-    run<8, R>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, dk, dv, state, out, links, n_links);
+    run<8, R>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, dk, dv, state, out, links, n_links, aligned_t);
   else if constexpr (8 * R < 256) {  // not instantiated where 8 threads per column hold every dk
     if (dk <= 16 * R)
-      run<16, R>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, dk, dv, state, out, links, n_links);
+      run<16, R>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, dk, dv, state, out, links, n_links, aligned_t);
     else
-      run<32, R>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, dk, dv, state, out, links, n_links);
+      run<32, R>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, dk, dv, state, out, links, n_links, aligned_t);
   }
 }
 }  // namespace
@@ -160,11 +239,19 @@ void run_rows(cudaStream_t s, const float* q, const float* k, const float* v, co
 void set_gdn_chain_rows(int rows) {
   chain_rows = rows;
 }
+void set_gdn_chain_full_t(bool on) {
+  chain_full_t = on;
+}
 
 void launch_gated_delta_chain(cudaStream_t s, const float* q, const float* k, const float* v, const float* g,
                               const float* beta, bool l2norm_qk, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv,
-                              float* state, float* out, const GdnChainLink* links, int n_links) {
+                              float* state, float* out, const GdnChainLink* links, int n_links, bool aligned_t) {
   if (Hv == 0 || dk == 0 || dv == 0 || n_links == 0) return;
+  static const bool env_full_t = [] {
+    const char* e = std::getenv("HYPIC_GDN_CHAIN_FULL_T");
+    return !(e && std::string(e) == "0");
+  }();
+  aligned_t = aligned_t && env_full_t && chain_full_t;
   if (dk > 256)
     throw std::invalid_argument("gated_delta_chain: key head dim " + std::to_string(dk) +
                                 " above 256 is not supported on cuda");
@@ -179,11 +266,11 @@ void launch_gated_delta_chain(cudaStream_t s, const float* q, const float* k, co
   // dk 128) 8 rows took 16 x 2k documents from 104.6 to 68.6 ms against 32 rows (docs/perf-notes.md,
   // PIC on the GPU v3). 4 rows only where a column's 32 threads hold all of dk (<= 128).
   if (want == 32)
-    run_rows<kGdnRows>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, idk, idv, state, out, links, n_links);
+    run_rows<kGdnRows>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, idk, idv, state, out, links, n_links, aligned_t);
   else if (want == 4 && dk <= 128)
-    run_rows<4>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, idk, idv, state, out, links, n_links);
+    run_rows<4>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, idk, idv, state, out, links, n_links, aligned_t);
   else
-    run_rows<8>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, idk, idv, state, out, links, n_links);
+    run_rows<8>(s, q, k, v, g, beta, l2norm_qk, Hk, Hv, idk, idv, state, out, links, n_links, aligned_t);
 }
 
 }  // namespace hypic::cuda

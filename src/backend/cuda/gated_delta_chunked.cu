@@ -181,19 +181,6 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
 }
 
-// 16-byte asynchronous copies global -> shared (zero-filled when `ok` is false), so the next
-// chunk's operands load while this chunk computes.
-__device__ inline void cp_async16(void* dst, const void* src, bool ok = true) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 16 : 0));
-}
-__device__ inline void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::);
-}
-__device__ inline void cp_async_wait_all() {
-  asm volatile("cp.async.wait_group 0;\n" ::);
-}
-
 // (2) Per head h and block of kCols state columns (value columns, then the dk columns of T_C).
 // A warp owns DK/8 state rows, a lane one column; the state stays in registers across chunks.
 // With STAGES = 2 the operands of chunk c+1 (W, Kd, the block's Ut columns) are in flight while

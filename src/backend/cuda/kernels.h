@@ -170,10 +170,13 @@ struct GdnChainLink {
 };
 void launch_gated_delta_chain(cudaStream_t s, const float* q, const float* k, const float* v, const float* g,
                               const float* beta, bool l2norm_qk, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv,
-                              float* state, float* out, const GdnChainLink* links, int n_links);
+                              float* state, float* out, const GdnChainLink* links, int n_links, bool aligned_t);
 // Rows of S per thread in the chain kernel: 8 (the default), 4 or 32; 0: HYPIC_GDN_CHAIN_ROWS or 8.
 // For tests and A/B measurements.
 void set_gdn_chain_rows(int rows);
+// Dense bodies' T staged whole in shared memory (on by default where it fits and every T is 16-byte
+// aligned: aligned_t above) or a panel at a time; for tests and A/B measurements.
+void set_gdn_chain_full_t(bool on);
 
 // ---- decode steps: one token per sequence, per-sequence state addresses in device tables ------
 // (I64 arrays of B addresses; the key and value caches' tables are [2B]: keys, then values)

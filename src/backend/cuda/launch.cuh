@@ -41,6 +41,19 @@ __device__ __forceinline__ void pdl_entry() {
   pdl_trigger();
 }
 
+// 16-byte asynchronous copies global -> shared (zero-filled when `ok` is false): operands load
+// while the block computes on others (cp.async, sm_80+).
+__device__ inline void cp_async16(void* dst, const void* src, bool ok = true) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 16 : 0));
+}
+__device__ inline void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+__device__ inline void cp_async_wait_all() {
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+
 // True on a thread while CudaBackend::capture records (set_graph_recording, kernels.h).
 bool graph_recording();
 
