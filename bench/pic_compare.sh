@@ -43,11 +43,11 @@ for w in "${what[@]}"; do
       fi
       ;;
     sweep)
-      for n in ${SWEEP:-1 2 4 8 16 32 64}; do
-        hypic bench ttft --backend "$be" --config "$cfg" --random-weights --segments "$n" \
-          --segment-tokens "${SWEEP_TOKENS:-1024}" --query-tokens 64 --prefix-tokens 32 --requests 3 \
-          --modes prefix,pic --cache-budget-mib "${CACHE_MIB:-32768}" --json | tag sweep >> "$j"
-      done
+      # One process for every count: the model loads once.
+      counts="$(echo ${SWEEP:-1 2 4 8 16 32 64} | tr ' ' ',')"
+      hypic bench ttft --backend "$be" --config "$cfg" --random-weights --sweep-segments "$counts" \
+        --segment-tokens "${SWEEP_TOKENS:-1024}" --query-tokens 64 --prefix-tokens 32 --requests 3 \
+        --modes "${SWEEP_MODES:-prefix,pic}" --cache-budget-mib "${CACHE_MIB:-32768}" --json | tag sweep >> "$j"
       ;;
     serve)
       # The real Qwen3 tokenizer (its 151k ids; the model's padded rest is masked, so every token

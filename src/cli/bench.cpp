@@ -387,11 +387,16 @@ void register_bench(CLI::App& app) {
                 "host tier / on disk at each request)")
       ->capture_default_str();
   t->add_option("--seam", tr->seam, "Seam width for pic")->capture_default_str();
-  t->callback([to, tr] {
+  auto sweep = std::make_shared<std::string>();
+  t->add_option("--sweep-segments", *sweep,
+                "Comma-separated document counts run one after another on the one loaded model (one result per "
+                "count; overrides --segments)");
+  t->callback([to, tr, sweep] {
     guarded([&] {
       const auto& o = *to;
-      const auto& ro = *tr;
-      check_rag(ro);
+      check_rag(*tr);
+      std::vector<int> counts =
+          sweep->empty() ? std::vector<int>{tr->segments} : parse_int_list(*sweep, "--sweep-segments", 1);
       // pic-host / pic-disk: pic with every entry moved to the host tier / dropped to the disk tier
       // before each timed request (not timed), so that the request copies them back.
       struct Mode {
@@ -399,95 +404,100 @@ void register_bench(CLI::App& app) {
         PicMode mode;
       };
       std::vector<Mode> modes;
-      for (auto& m : split_csv(ro.modes)) {
+      for (auto& m : split_csv(tr->modes)) {
         const bool tiered = m == "pic-host" || m == "pic-disk";
         modes.push_back({m, tiered ? m.substr(4) : "", parse_pic_mode(tiered ? "pic" : m)});
       }
       LoadedModel lm = open(o);
       auto& m = *lm.model;
-      nlohmann::json res = nlohmann::json::array();
-      std::map<std::string, double> med;
-      const bool multi_turn = ro.workload == "multi-turn";
-      for (const Mode& md : modes) {
-        // Same documents, orders and turns for every mode.
-        RagWorkload w(ro, m.config().vocab_size, o.seed);
-        MultiTurnWorkload conv(ro, m.config().vocab_size, o.seed);
-        const size_t budget = static_cast<size_t>(ro.cache_mib * 1048576.0);
-        PicEngine eng(m, budget);
-        std::string disk_dir;
-        if (md.tier == "host") eng.attach_host_tier(budget);
-        if (md.tier == "disk") {
-          std::string tmpl = (std::filesystem::temp_directory_path() / "hypic_bench_XXXXXX").string();
-          if (!mkdtemp(tmpl.data())) throw std::runtime_error("pic-disk: cannot make a folder for the segment files");
-          disk_dir = tmpl;
-          eng.attach_cache_dir(disk_dir);
-        }
-        struct RemoveDir {
-          std::string d;
-          ~RemoveDir() {
-            std::error_code ec;
-            if (!d.empty()) std::filesystem::remove_all(d, ec);
+      for (int count : counts) {
+        RagOpts ro = *tr;
+        ro.segments = count;
+        nlohmann::json res = nlohmann::json::array();
+        std::map<std::string, double> med;
+        const bool multi_turn = ro.workload == "multi-turn";
+        for (const Mode& md : modes) {
+          // Same documents, orders and turns for every mode.
+          RagWorkload w(ro, m.config().vocab_size, o.seed);
+          MultiTurnWorkload conv(ro, m.config().vocab_size, o.seed);
+          const size_t budget = static_cast<size_t>(ro.cache_mib * 1048576.0);
+          PicEngine eng(m, budget);
+          std::string disk_dir;
+          if (md.tier == "host") eng.attach_host_tier(budget);
+          if (md.tier == "disk") {
+            std::string tmpl = (std::filesystem::temp_directory_path() / "hypic_bench_XXXXXX").string();
+            if (!mkdtemp(tmpl.data())) throw std::runtime_error("pic-disk: cannot make a folder for the segment files");
+            disk_dir = tmpl;
+            eng.attach_cache_dir(disk_dir);
           }
-        } remove_dir{disk_dir};
-        PicOptions po{md.mode, ro.seam};
-        // Warm-up: every document seen once (multi-turn: the conversation's first turn).
-        eng.prefill(multi_turn ? conv.next_turn() : w.request(false), po);
-        std::vector<double> ttft;
-        std::vector<double> computed, cached;
-        m.backend().profile_reset();  // a profile (HYPIC_CUDA_PROFILE) of the timed requests only
-        for (int r = 0; r < ro.requests; ++r) {
-          auto segs = multi_turn ? conv.next_turn() : w.request();
-          if (md.tier == "host") eng.cache().demote_all();
-          if (md.tier == "disk") eng.cache().clear();  // the files stay (in the OS page cache, too)
-          m.backend().synchronize();
-          auto t0 = Clock::now();
-          PrefillResult pr = eng.prefill(segs, po);
-          Tensor h = m.backend().to_host(pr.logits);
-          Sampler({}).sample(std::span<const float>(h.data<float>(), static_cast<size_t>(h.numel())));
-          ttft.push_back(secs(t0, Clock::now()) * 1000);
-          computed.push_back(static_cast<double>(pr.report.computed_tokens));
-          cached.push_back(static_cast<double>(pr.report.reused_tokens));
+          struct RemoveDir {
+            std::string d;
+            ~RemoveDir() {
+              std::error_code ec;
+              if (!d.empty()) std::filesystem::remove_all(d, ec);
+            }
+          } remove_dir{disk_dir};
+          PicOptions po{md.mode, ro.seam};
+          // Warm-up: every document seen once (multi-turn: the conversation's first turn).
+          eng.prefill(multi_turn ? conv.next_turn() : w.request(false), po);
+          std::vector<double> ttft;
+          std::vector<double> computed, cached;
+          m.backend().profile_reset();  // a profile (HYPIC_CUDA_PROFILE) of the timed requests only
+          for (int r = 0; r < ro.requests; ++r) {
+            auto segs = multi_turn ? conv.next_turn() : w.request();
+            if (md.tier == "host") eng.cache().demote_all();
+            if (md.tier == "disk") eng.cache().clear();  // the files stay (in the OS page cache, too)
+            m.backend().synchronize();
+            auto t0 = Clock::now();
+            PrefillResult pr = eng.prefill(segs, po);
+            Tensor h = m.backend().to_host(pr.logits);
+            Sampler({}).sample(std::span<const float>(h.data<float>(), static_cast<size_t>(h.numel())));
+            ttft.push_back(secs(t0, Clock::now()) * 1000);
+            computed.push_back(static_cast<double>(pr.report.computed_tokens));
+            cached.push_back(static_cast<double>(pr.report.reused_tokens));
+          }
+          const double mt = median(ttft);
+          med[md.name] = mt;
+          const SegmentCacheStats cs = eng.cache().stats();
+          res.push_back({{"mode", md.name},
+                         {"host_hits", cs.host_hits},
+                         {"disk_hits", cs.disk_hits},
+                         {"ttft_ms_median", mt},
+                         {"ttft_ms", ttft},
+                         {"computed_tokens_median", median(computed)},
+                         {"cached_tokens_median", median(cached)},
+                         {"cache_bytes", cs.bytes}});
         }
-        const double mt = median(ttft);
-        med[md.name] = mt;
-        const SegmentCacheStats cs = eng.cache().stats();
-        res.push_back({{"mode", md.name},
-                       {"host_hits", cs.host_hits},
-                       {"disk_hits", cs.disk_hits},
-                       {"ttft_ms_median", mt},
-                       {"ttft_ms", ttft},
-                       {"computed_tokens_median", median(computed)},
-                       {"cached_tokens_median", median(cached)},
-                       {"cache_bytes", cs.bytes}});
-      }
-      // Multi-turn: the last timed turn's prompt (it carries one earlier turn per timed request).
-      const int64_t prompt = ro.prefix_tokens + int64_t(ro.segments) * ro.segment_tokens + ro.query_tokens +
-                             (multi_turn ? int64_t(ro.requests) * (ro.query_tokens + ro.answer_tokens) : 0);
-      nlohmann::json j{{"bench", "ttft"},
-                       {"workload", ro.workload},
-                       {"model", lm.description},
-                       {"threads", m.backend().num_threads()},
-                       {"segments", ro.segments},
-                       {"segment_tokens", ro.segment_tokens},
-                       {"query_tokens", ro.query_tokens},
-                       {"prefix_tokens", ro.prefix_tokens},
-                       {"prompt_tokens", prompt},
-                       {"seam", ro.seam},
-                       {"requests", ro.requests},
-                       {"answer_tokens", multi_turn ? nlohmann::json(ro.answer_tokens) : nlohmann::json()},
-                       {"modes", res}};
-      if (med.count("prefix") && med.count("pic")) j["prefix_over_pic"] = med["prefix"] / med["pic"];
-      if (med.count("full") && med.count("pic")) j["full_over_pic"] = med["full"] / med["pic"];
-      std::cout << j.dump(o.json ? -1 : 2) << "\n";
-      if (!o.json) {
-        std::printf("workload %s\n%-8s %14s %16s %14s\n", ro.workload.c_str(), "mode", "TTFT p50 (ms)",
-                    "computed tokens", "cached tokens");
-        for (auto& e : res)
-          std::printf("%-8s %14.1f %16.0f %14.0f\n", e["mode"].get<std::string>().c_str(),
-                      e["ttft_ms_median"].get<double>(), e["computed_tokens_median"].get<double>(),
-                      e["cached_tokens_median"].get<double>());
-        if (j.contains("prefix_over_pic"))
-          std::printf("prefix / pic TTFT: %.2fx\n", j["prefix_over_pic"].get<double>());
+        // Multi-turn: the last timed turn's prompt (it carries one earlier turn per timed request).
+        const int64_t prompt = ro.prefix_tokens + int64_t(ro.segments) * ro.segment_tokens + ro.query_tokens +
+                               (multi_turn ? int64_t(ro.requests) * (ro.query_tokens + ro.answer_tokens) : 0);
+        nlohmann::json j{{"bench", "ttft"},
+                         {"workload", ro.workload},
+                         {"model", lm.description},
+                         {"threads", m.backend().num_threads()},
+                         {"segments", ro.segments},
+                         {"segment_tokens", ro.segment_tokens},
+                         {"query_tokens", ro.query_tokens},
+                         {"prefix_tokens", ro.prefix_tokens},
+                         {"prompt_tokens", prompt},
+                         {"seam", ro.seam},
+                         {"requests", ro.requests},
+                         {"answer_tokens", multi_turn ? nlohmann::json(ro.answer_tokens) : nlohmann::json()},
+                         {"modes", res}};
+        if (med.count("prefix") && med.count("pic")) j["prefix_over_pic"] = med["prefix"] / med["pic"];
+        if (med.count("full") && med.count("pic")) j["full_over_pic"] = med["full"] / med["pic"];
+        std::cout << j.dump(o.json ? -1 : 2) << "\n";
+        if (!o.json) {
+          std::printf("workload %s\n%-8s %14s %16s %14s\n", ro.workload.c_str(), "mode", "TTFT p50 (ms)",
+                      "computed tokens", "cached tokens");
+          for (auto& e : res)
+            std::printf("%-8s %14.1f %16.0f %14.0f\n", e["mode"].get<std::string>().c_str(),
+                        e["ttft_ms_median"].get<double>(), e["computed_tokens_median"].get<double>(),
+                        e["cached_tokens_median"].get<double>());
+          if (j.contains("prefix_over_pic"))
+            std::printf("prefix / pic TTFT: %.2fx\n", j["prefix_over_pic"].get<double>());
+        }
+        std::cout.flush();
       }
     });
   });

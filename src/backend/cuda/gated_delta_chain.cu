@@ -75,13 +75,16 @@ __global__ void __launch_bounds__(kGdnCols* P, 1)
     if (!L.B) continue;
     const float* Bh = L.B + static_cast<int64_t>(h) * dk * dv;
     if (L.T && tT) {
-      // S <- T S + B with T in shared memory. For the product a warp owns R rows and a lane one
-      // column (the block's columns of S go through shared memory, [column][row]): each T value
-      // read is a broadcast to the warp, 16 bytes at a time, and each column value a
-      // conflict-free load (odd stride), against one shared load per multiply-add in the panel
-      // form below. The sums run over j in the same order, so both forms give the same numbers.
-      const int ldc = dk + 1;
-      float* sc = smem;  // [kGdnCols][dk + 1]
+      // S <- T S + B with T in shared memory. The product is bound by shared-memory loads, so it
+      // takes a layout of its own: a thread computes rows rg + RG i (i < R / 4) of 4 adjacent
+      // columns, reading per 4 steps of j one 16-byte T row piece per row and one 16-byte S row
+      // piece per j (conflict-free: a warp's 4 row groups hit distinct banks, its 8 column groups
+      // too), i.e. 4 multiply-adds per 4 bytes loaded instead of one. S goes through shared memory
+      // ([j][column], row-major) on the way in and out. Sums run over j in the same order as the
+      // panel form below, so both give the same numbers.
+      constexpr int ldss = kGdnCols + 4;
+      constexpr int TR = R / 4 > 0 ? R / 4 : 1;  // rows per thread: 8 column groups x RG >= dk / TR
+      float* ss = smem;                          // [dk][ldss]
       float b[R];
 #pragma unroll
       for (int i = 0; i < R; ++i) {
@@ -92,40 +95,47 @@ __global__ void __launch_bounds__(kGdnCols* P, 1)
 #pragma unroll
       for (int i = 0; i < R; ++i) {
         const int r = i * P + p;
-        if (r < dk) sc[cl * ldc + r] = s[i];
+        if (r < dk) ss[r * ldss + cl] = s[i];
       }
       cp_async_wait_all();
       __syncthreads();
-      const int w = threadIdx.x / 32, lane = threadIdx.x % 32;
-      float acc[R];
+      const int RG = kGdnCols * P / 8, lane = threadIdx.x % 32;
+      const int rg = threadIdx.x / 32 * 4 + lane / 8, c0 = 4 * (lane % 8);
+      float acc[TR][4];
 #pragma unroll
-      for (int i = 0; i < R; ++i) acc[i] = 0.f;
-      const float* scol = sc + lane * ldc;
+      for (int i = 0; i < TR; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
       for (int j = 0; j < dk; j += 4) {
-        const float c0 = scol[j], c1 = scol[j + 1], c2 = scol[j + 2], c3 = scol[j + 3];
+        float4 sj[4];
 #pragma unroll
-        for (int i = 0; i < R; ++i) {
-          const int r = w * R + i;
+        for (int u = 0; u < 4; ++u) sj[u] = *reinterpret_cast<const float4*>(ss + (j + u) * ldss + c0);
+#pragma unroll
+        for (int i = 0; i < TR; ++i) {
+          const int r = rg + RG * i;
           if (r < dk) {
             const float4 t = *reinterpret_cast<const float4*>(tT + r * ldt + j);
-            acc[i] += t.x * c0;
-            acc[i] += t.y * c1;
-            acc[i] += t.z * c2;
-            acc[i] += t.w * c3;
+            const float tv[4] = {t.x, t.y, t.z, t.w};
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+              acc[i][0] += tv[u] * sj[u].x;
+              acc[i][1] += tv[u] * sj[u].y;
+              acc[i][2] += tv[u] * sj[u].z;
+              acc[i][3] += tv[u] * sj[u].w;
+            }
           }
         }
       }
-      __syncthreads();  // every column read (and tT free for the next link's copy)
+      __syncthreads();  // every row of S read (and tT free for the next link's copy)
 #pragma unroll
-      for (int i = 0; i < R; ++i) {
-        const int r = w * R + i;
-        if (r < dk) sc[lane * ldc + r] = acc[i];
+      for (int i = 0; i < TR; ++i) {
+        const int r = rg + RG * i;
+        if (r < dk)
+          *reinterpret_cast<float4*>(ss + r * ldss + c0) = make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
       }
       __syncthreads();
 #pragma unroll
       for (int i = 0; i < R; ++i) {
         const int r = i * P + p;
-        s[i] = r < dk ? sc[cl * ldc + r] + b[i] : 0.f;
+        s[i] = r < dk ? ss[r * ldss + cl] + b[i] : 0.f;
       }
     } else if (L.T) {
       // S <- T S + B. The block's columns of S go to shared memory (sc, [column][row], padded),
@@ -211,8 +221,8 @@ void run(cudaStream_t st, const float* q, const float* k, const float* v, const 
 }  // namespace
 
 namespace {
-int chain_rows = 0;         // set_gdn_chain_rows(); 0: HYPIC_GDN_CHAIN_ROWS or 8
-bool chain_full_t = true;   // set_gdn_chain_full_t(); HYPIC_GDN_CHAIN_FULL_T=0 turns it off
+int chain_rows = 0;        // set_gdn_chain_rows(); 0: HYPIC_GDN_CHAIN_ROWS or 8
+bool chain_full_t = true;  // set_gdn_chain_full_t(); HYPIC_GDN_CHAIN_FULL_T=0 turns it off
 
 // P threads per column of S with R rows each (P * R >= dk).
 template <int R>
