@@ -40,7 +40,7 @@ for b in "${bins[@]}"; do
 done
 # The binaries name this checkout's folder (test data, the default model) by absolute path.
 pwd > "$stage/srcdir"
-# xz halves gzip's size: the carried tree has a 64 MiB limit, and the llama.cpp peer (.peer) rides too.
+# xz -9e: the carried tree has a 64 MiB limit (the llama.cpp peer in .peer rides too).
 rm -f "$out/hypic-device.tar.gz"
-tar -C "$stage" -cf - bin lib srcdir | xz -6 -T0 > "$out/hypic-device.tar.xz"
+tar -C "$stage" -cf - bin lib srcdir | xz -9e -T0 > "$out/hypic-device.tar.xz"
 du -h "$out/hypic-device.tar.xz"

@@ -21,7 +21,7 @@ namespace {
 
 constexpr int kCols = kGdnCols, kRows = kGdnRows, kTile = kGdnTile;
 
-template <int P>
+template <int P, int R>
 __global__ void __launch_bounds__(kCols* P)
     k_gdn(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
           const float* __restrict__ g, const float* __restrict__ beta, bool l2norm, int64_t T, int64_t Hk, int64_t Hv,
@@ -49,32 +49,33 @@ __global__ void __launch_bounds__(kCols* P)
   float* sbase = is_T ? transition + static_cast<int64_t>(h) * dk * dk : state + static_cast<int64_t>(h) * dk * dv;
   const int ld = is_T ? dk : dv;
 
-  float s[kRows];
+  float s[R];
 #pragma unroll
-  for (int i = 0; i < kRows; ++i) {
+  for (int i = 0; i < R; ++i) {
     const int r = i * P + p;
     s[i] = (valid && r < dk) ? (is_T ? (r == c ? 1.f : 0.f) : sbase[static_cast<int64_t>(r) * ld + c]) : 0.f;
   }
-  gdn_tokens<P>(q, k, v, g, beta, l2norm, T, Hk, Hv, dk, dv, h, hk, blockIdx.x * kCols, valid, is_T, c, s, out, smem);
+  gdn_tokens<P, R>(q, k, v, g, beta, l2norm, T, Hk, Hv, dk, dv, h, hk, blockIdx.x * kCols, valid, is_T, c, s, out,
+                   smem);
   if (valid) {
 #pragma unroll
-    for (int i = 0; i < kRows; ++i) {
+    for (int i = 0; i < R; ++i) {
       const int r = i * P + p;
       if (r < dk) sbase[static_cast<int64_t>(r) * ld + c] = s[i];
     }
   }
 }
 
-template <int P>
+template <int P, int R = kRows>
 void run(cudaStream_t st, const float* q, const float* k, const float* v, const float* g, const float* beta,
          bool l2norm, int64_t T, int64_t Hk, int64_t Hv, int dk, int dv, float* state, float* out, float* tr,
          const int64_t* states = nullptr, int64_t B = 1) {
   const int ncols = dv + (tr ? dk : 0);
   const size_t smem = static_cast<size_t>(kTile * (2 * dk + 2 + kCols)) * sizeof(float);
   if (smem > 48 * 1024)
-    CUDA_CHECK(cudaFuncSetAttribute(k_gdn<P>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    CUDA_CHECK(cudaFuncSetAttribute(k_gdn<P, R>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   dim3 grid(static_cast<unsigned>((ncols + kCols - 1) / kCols), static_cast<unsigned>(Hv), static_cast<unsigned>(B));
-  launch(st, grid, kCols * P, smem, k_gdn<P>, q, k, v, g, beta, l2norm, T, Hk, Hv, dk, dv, state, out, tr, states);
+  launch(st, grid, kCols * P, smem, k_gdn<P, R>, q, k, v, g, beta, l2norm, T, Hk, Hv, dk, dv, state, out, tr, states);
   CUDA_LAUNCH_CHECK("k_gdn");
 }
 
@@ -87,14 +88,16 @@ void launch_gated_delta_rule(cudaStream_t s, const float* q, const float* k, con
   if (transition) launch_set_identity(s, transition, Hv, dk);  // T of an empty span is I
   if (T == 0) return;
   const int idk = static_cast<int>(dk), idv = static_cast<int>(dv);
+  // 8 rows of S per thread (P = dk / 8 threads per column): the token loop is latency-bound, and
+  // the chain kernel measured 1.5x faster this way than with 32 rows (gated_delta_chain.cu).
   if (dk <= 32)
-    run<1>(s, q, k, v, g, beta, l2norm_qk, T, Hk, Hv, idk, idv, state, out, transition);
+    run<4, 8>(s, q, k, v, g, beta, l2norm_qk, T, Hk, Hv, idk, idv, state, out, transition);
   else if (dk <= 64)
-    run<2>(s, q, k, v, g, beta, l2norm_qk, T, Hk, Hv, idk, idv, state, out, transition);
+    run<8, 8>(s, q, k, v, g, beta, l2norm_qk, T, Hk, Hv, idk, idv, state, out, transition);
   else if (dk <= 128)
-    run<4>(s, q, k, v, g, beta, l2norm_qk, T, Hk, Hv, idk, idv, state, out, transition);
+    run<16, 8>(s, q, k, v, g, beta, l2norm_qk, T, Hk, Hv, idk, idv, state, out, transition);
   else if (dk <= 256)
-    run<8>(s, q, k, v, g, beta, l2norm_qk, T, Hk, Hv, idk, idv, state, out, transition);
+    run<32, 8>(s, q, k, v, g, beta, l2norm_qk, T, Hk, Hv, idk, idv, state, out, transition);
   else
     throw std::invalid_argument("gated_delta_rule: key head dim " + std::to_string(dk) +
                                 " above 256 is not supported on cuda");
