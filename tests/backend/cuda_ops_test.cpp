@@ -515,30 +515,40 @@ TEST_F(CudaOps, ComposeStateAndIdentity) {
 }
 
 TEST_F(CudaOps, MoeExperts) {
-  for (DType wd : {DType::F32, DType::BF16})
-    for (int64_t T : {1, 9, 40, 100}) {  // up to 256 slots: the few-slot kernels; 300: grouped products
-      const int64_t E = 8, H = 48, I = 32;
-      const int top_k = 3;
-      Tensor x = randn({T, H}, rng), logits = randn({T, E}, rng, 2.f);
-      Tensor gu = as(randn({E * 2 * I, H}, rng, 0.2f), wd), dn = as(randn({E * H, I}, rng, 0.2f), wd);
-      ExpertWeights ec, eg;
-      Tensor gug = dev(gu), dng = dev(dn);
-      for (int64_t e = 0; e < E; ++e) {
-        ec.gate.push_back(gu.slice_rows(2 * e * I, 2 * e * I + I));
-        ec.up.push_back(gu.slice_rows(2 * e * I + I, 2 * (e + 1) * I));
-        ec.down.push_back(dn.slice_rows(e * H, (e + 1) * H));
-        eg.gate.push_back(gug.slice_rows(2 * e * I, 2 * e * I + I));
-        eg.up.push_back(gug.slice_rows(2 * e * I + I, 2 * (e + 1) * I));
-        eg.down.push_back(dng.slice_rows(e * H, (e + 1) * H));
+  // Up to 256 slots: the few-slot kernels; 300 and 2100 (16-bit weights): the grouped tensor-core
+  // kernels (several M tiles per expert, K not a multiple of their 64-column stages, fewer output
+  // columns than a block's) and cuBLAS's batched products; f32 weights: cuBLAS.
+  for (DType wd : {DType::F32, DType::BF16, DType::F16})
+    for (int64_t T : {1, 9, 40, 100, 700})
+      for (bool grouped : {true, false}) {
+#if HYPIC_HAVE_CUDA
+        cuda::set_moe_grouped(grouped);
+#endif
+        const int64_t E = 8, H = 48, I = 32;
+        const int top_k = 3;
+        Tensor x = randn({T, H}, rng), logits = randn({T, E}, rng, 2.f);
+        Tensor gu = as(randn({E * 2 * I, H}, rng, 0.2f), wd), dn = as(randn({E * H, I}, rng, 0.2f), wd);
+        ExpertWeights ec, eg;
+        Tensor gug = dev(gu), dng = dev(dn);
+        for (int64_t e = 0; e < E; ++e) {
+          ec.gate.push_back(gu.slice_rows(2 * e * I, 2 * e * I + I));
+          ec.up.push_back(gu.slice_rows(2 * e * I + I, 2 * (e + 1) * I));
+          ec.down.push_back(dn.slice_rows(e * H, (e + 1) * H));
+          eg.gate.push_back(gug.slice_rows(2 * e * I, 2 * e * I + I));
+          eg.up.push_back(gug.slice_rows(2 * e * I + I, 2 * (e + 1) * I));
+          eg.down.push_back(dng.slice_rows(e * H, (e + 1) * H));
+        }
+        for (bool norm : {false, true}) {
+          Tensor oc = cpu->alloc(DType::F32, {T, H}), og = poisoned(DType::F32, {T, H});
+          cpu->moe_experts(x, logits, top_k, norm, ec, oc);
+          gpu->moe_experts(dev(x), dev(logits), top_k, norm, eg, og);
+          const double tol = wd == DType::F32 || T * top_k <= 256 ? 1e-5 : 1e-2;  // few slots: f32 activations
+          EXPECT_LE(err(og, oc), tol) << "T=" << T << " " << dtype_name(wd) << (grouped ? " grouped" : " cublas");
+        }
       }
-      for (bool norm : {false, true}) {
-        Tensor oc = cpu->alloc(DType::F32, {T, H}), og = poisoned(DType::F32, {T, H});
-        cpu->moe_experts(x, logits, top_k, norm, ec, oc);
-        gpu->moe_experts(dev(x), dev(logits), top_k, norm, eg, og);
-        const double tol = wd == DType::F32 || T * top_k <= 256 ? 1e-5 : 1e-2;  // few slots: f32 activations
-        EXPECT_LE(err(og, oc), tol) << "T=" << T << " " << dtype_name(wd);
-      }
-    }
+#if HYPIC_HAVE_CUDA
+  cuda::set_moe_grouped(true);
+#endif
 }
 
 // The device draw: greedy rows equal the reference; sampled rows pick an id whose running mass

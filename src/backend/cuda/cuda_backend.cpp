@@ -1159,6 +1159,30 @@ void CudaBackend::moe_experts(const Tensor& x, const Tensor& router_logits, int 
       return;
     }
   }
+  // Up to a few thousand slots (a PIC composition's rows, larger decode batches): the grouped
+  // tensor-core kernels, sized on the device, so nothing comes back to the host.
+  if (T * top_k <= kMoeGroupedMaxSlots && moe_grouped_enabled() && !m.exact_half &&
+      (experts.gate[0].dtype() == DType::BF16 || experts.gate[0].dtype() == DType::F16)) {
+    if (const void* const* tab = expert_table(experts, H, I)) {
+      const int64_t n = T * top_k;
+      Tensor order = alloc_uninit(DType::I32, {n}), offs = alloc_uninit(DType::I32, {E}),
+             pos = alloc_uninit(DType::I32, {n}), hs = alloc_uninit(DType::F32, {n, I}),
+             ys = alloc_uninit(DType::F32, {n, H});
+      launch_moe_order(m.stream, sel.data<int32_t>(), rank.data<int32_t>(), counts.data<int32_t>(), E, n,
+                       order.data<int32_t>(), offs.data<int32_t>(), pos.data<int32_t>());
+      const DType wd = experts.gate[0].dtype();
+      std::optional<PhaseScope> ph(std::in_place, m, "moe_experts/grouped gate+up");
+      launch_moe_grouped(m.stream, wd, true, x.data<float>(), order.data<int32_t>(), offs.data<int32_t>(),
+                         counts.data<int32_t>(), tab, tab + E, E, top_k, H, I, hs.data<float>());
+      ph.emplace(m, "moe_experts/grouped down");
+      launch_moe_grouped(m.stream, wd, false, hs.data<float>(), order.data<int32_t>(), offs.data<int32_t>(),
+                         counts.data<int32_t>(), tab + 2 * E, nullptr, E, top_k, I, H, ys.data<float>());
+      ph.emplace(m, "moe_experts/combine");
+      launch_moe_combine(m.stream, ys.data<float>(), pos.data<int32_t>(), dw.data<float>(), T, top_k, H,
+                         out.data<float>());
+      return;
+    }
+  }
   std::optional<PhaseScope> ph(std::in_place, m, "moe_experts/counts+index");
   Tensor hc = to_host(counts);
   std::vector<int64_t> used;

@@ -26,6 +26,9 @@ void set_gemv_split(int split);
 void set_gdn_chain_rows(int rows);
 // Dense bodies' T staged whole in shared memory (default) or a panel at a time (false).
 void set_gdn_chain_full_t(bool on);
+// MoE layers of up to 2048 slots on the grouped tensor-core kernels (default) or on cuBLAS's
+// batched products sized from the expert counts on the host (false); for tests and A/B runs.
+void set_moe_grouped(bool on);
 
 class CudaBackend : public Backend {
  public:

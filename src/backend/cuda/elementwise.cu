@@ -32,9 +32,6 @@ __device__ __forceinline__ float ldw(const void* p, DType dt, int64_t i) {
   }
 }
 
-__device__ __forceinline__ float silu(float x) {
-  return x / (1.0f + expf(-x));
-}
 __device__ __forceinline__ float sigmoid(float x) {
   return 1.0f / (1.0f + expf(-x));
 }

@@ -19,42 +19,13 @@
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/kernels.h"
 #include "backend/cuda/launch.cuh"
+#include "backend/cuda/mma.cuh"
 
 namespace hypic::cuda {
 
 namespace {
 
 constexpr int kBQ = 128, kBK = 64, kWarps = 8;
-
-__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
-                                         uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
-// Four 8x8 b16 matrices; lane l gives the address of row l % 8 of matrix l / 8.
-__device__ __forceinline__ void ldmatrix_x4(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3,
-                                            const __nv_bfloat16* row) {
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(row));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-               : "r"(addr));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3,
-                                                  const __nv_bfloat16* row) {
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(row));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-               : "r"(addr));
-}
 
 // PIPE: k and v are bf16 copies (head dims multiples of 8) that stream into two shared-memory
 // stages with cp.async, so the next key tile loads while this one computes; otherwise k and v are
@@ -180,8 +151,8 @@ __global__ void __launch_bounds__(kWarps * 32)
       for (int j = 0; j < kBK / 8; j += 2) {
         uint32_t b0, b1, c0, c1;
         ldmatrix_x4(b0, b1, c0, c1, Ks + ((j + (mi >> 1)) * 8 + mr) * QS + kk * 16 + (mi & 1) * 8);
-        mma_bf16(s[j], a0, a1, a2, a3, b0, b1);
-        mma_bf16(s[j + 1], a0, a1, a2, a3, c0, c1);
+        mma16816(s[j], a0, a1, a2, a3, b0, b1);
+        mma16816(s[j + 1], a0, a1, a2, a3, c0, c1);
       }
     }
     // Mask, scale (log2 domain) and the running max of rows A (g) and B (g + 8).
@@ -230,16 +201,15 @@ __global__ void __launch_bounds__(kWarps * 32)
     // O += P V: P's accumulator layout is the A-operand layout of the next product.
 #pragma unroll
     for (int ks = 0; ks < kBK / 16; ++ks) {
-      const uint32_t a0 = pack_bf16(s[2 * ks][0], s[2 * ks][1]), a1 = pack_bf16(s[2 * ks][2], s[2 * ks][3]);
-      const uint32_t a2 = pack_bf16(s[2 * ks + 1][0], s[2 * ks + 1][1]),
-                     a3 = pack_bf16(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+      const uint32_t a0 = pack2(s[2 * ks][0], s[2 * ks][1]), a1 = pack2(s[2 * ks][2], s[2 * ks][3]);
+      const uint32_t a2 = pack2(s[2 * ks + 1][0], s[2 * ks + 1][1]), a3 = pack2(s[2 * ks + 1][2], s[2 * ks + 1][3]);
 #pragma unroll
       for (int n = 0; n < NO; n += 2) {  // two dim tiles per x4 (past Dv: zero columns, unused)
         if (n >= ntiles) break;
         uint32_t b0, b1, c0, c1;
         ldmatrix_x4_trans(b0, b1, c0, c1, Vs + (ks * 16 + (mi & 1) * 8 + mr) * QS + (n + (mi >> 1)) * 8);
-        mma_bf16(o[n], a0, a1, a2, a3, b0, b1);
-        mma_bf16(o[n + 1], a0, a1, a2, a3, c0, c1);
+        mma16816(o[n], a0, a1, a2, a3, b0, b1);
+        mma16816(o[n + 1], a0, a1, a2, a3, c0, c1);
       }
     }
   }

@@ -56,9 +56,6 @@ __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
-__device__ __forceinline__ float silu(float x) {
-  return x / (1.0f + expf(-x));
-}
 
 // The kSplit warps of a row add their partial sums through shared memory; lane m of the row's first
 // warp gets row m's total (all lanes of the block reach the barrier, live rows or not).
@@ -235,7 +232,7 @@ __global__ void __launch_bounds__(kThreads)
 
 // order[offset of expert e + rank] = slot: one block, an exclusive scan of the counts (E <= 1024).
 __global__ void k_moe_order(const int32_t* sel, const int32_t* rank, const int32_t* counts, int E, int64_t n,
-                            int32_t* order) {
+                            int32_t* order, int32_t* offsets, int32_t* pos) {
   pdl_entry();
   __shared__ int32_t off[1024];
   if (threadIdx.x == 0) {
@@ -246,7 +243,13 @@ __global__ void k_moe_order(const int32_t* sel, const int32_t* rank, const int32
     }
   }
   __syncthreads();
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) order[off[sel[i]] + rank[i]] = static_cast<int32_t>(i);
+  if (offsets)
+    for (int e = threadIdx.x; e < E; e += blockDim.x) offsets[e] = off[e];
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const int32_t p = off[sel[i]] + rank[i];
+    order[p] = static_cast<int32_t>(i);
+    if (pos) pos[i] = p;
+  }
 }
 
 // Lines of 128 bytes per weight row sent to L2 before a GEMV waits for its input (launch.cuh):
@@ -419,9 +422,9 @@ void launch_gemv_swiglu(cudaStream_t s, const void* gate, const void* up, DType 
 }
 
 void launch_moe_order(cudaStream_t s, const int32_t* sel, const int32_t* rank, const int32_t* counts, int64_t E,
-                      int64_t n, int32_t* order) {
+                      int64_t n, int32_t* order, int32_t* offsets, int32_t* pos) {
   if (n == 0) return;
-  launch(s, 1, 1024, 0, k_moe_order, sel, rank, counts, static_cast<int>(E), n, order);
+  launch(s, 1, 1024, 0, k_moe_order, sel, rank, counts, static_cast<int>(E), n, order, offsets, pos);
   CUDA_LAUNCH_CHECK("k_moe_order");
 }
 

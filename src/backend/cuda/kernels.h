@@ -106,8 +106,20 @@ void launch_gemv_swiglu(cudaStream_t s, const void* gate, const void* up, DType 
 // the routing's ranks and counts); then h[slot] = silu(gate_e x_t) * (up_e x_t) and
 // ys[slot] = down_e h[slot] for every slot, reading the expert's weights through pointer tables
 // (device arrays of E pointers each; H % 8 == 0, I % 8 == 0, rows 16-byte aligned).
+// Also, where not null, offsets [E] (each expert's first place in order) and pos [n] (each slot's).
 void launch_moe_order(cudaStream_t s, const int32_t* sel, const int32_t* rank, const int32_t* counts, int64_t E,
-                      int64_t n, int32_t* order);
+                      int64_t n, int32_t* order, int32_t* offsets = nullptr, int32_t* pos = nullptr);
+// MoE for up to kMoeGroupedMaxSlots slots on the tensor cores, no host round trip either (moe.cu):
+// gate_up: y[p, :N] = silu(a_t gate_e^T) * (a_t up_e^T) for the slot at place p of order (token
+// t = slot / top_k of a [T, K]); else y[p, :N] = a[p] down_e^T. w0 (and w1: up) are device tables
+// of E weight pointers, [N, K] bf16 or f16 each, K % 8 == 0, rows 16-byte aligned.
+constexpr int64_t kMoeGroupedMaxSlots = 2048;
+void launch_moe_grouped(cudaStream_t s, DType wdt, bool gate_up, const float* a, const int32_t* order,
+                        const int32_t* offsets, const int32_t* counts, const void* const* w0, const void* const* w1,
+                        int64_t E, int top_k, int64_t K, int64_t N, float* y);
+// Grouped products on (default; HYPIC_MOE_GROUPED=0 turns them off) or off; for tests and A/B runs.
+void set_moe_grouped(bool on);
+bool moe_grouped_enabled();
 void launch_moe_gemv(cudaStream_t s, DType wdt, const void* const* gate, const void* const* up, const void* const* down,
                      const float* x, const int32_t* sel, const int32_t* order, int64_t slots, int top_k, int64_t H,
                      int64_t I, float* h, float* ys);

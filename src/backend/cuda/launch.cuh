@@ -41,6 +41,10 @@ __device__ __forceinline__ void pdl_entry() {
   pdl_trigger();
 }
 
+__device__ __forceinline__ float silu(float x) {
+  return x / (1.0f + expf(-x));
+}
+
 // 16-byte asynchronous copies global -> shared (zero-filled when `ok` is false): operands load
 // while the block computes on others (cp.async, sm_80+).
 __device__ inline void cp_async16(void* dst, const void* src, bool ok = true) {

@@ -1,11 +1,17 @@
 // MoE routing on the GPU: softmax over the router logits, top-k (ties: lower expert index first,
 // as the CPU backend), optional renormalisation, then each slot's rank within its expert in token
 // order (a deterministic counting sort) and the padded row table of the batched expert products.
+// And the grouped expert products for up to a few thousand slots (k_moe_grouped): no expert
+// counts go back to the host, so a PIC composition's 200-row forward has no sync per layer.
 #include <cfloat>
+#include <cstdlib>
+#include <string>
+#include <type_traits>
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/kernels.h"
 #include "backend/cuda/launch.cuh"
+#include "backend/cuda/mma.cuh"
 
 namespace hypic::cuda {
 
@@ -103,7 +109,135 @@ __global__ void k_moe_index(const int32_t* sel, const int32_t* rank, const int32
   }
 }
 
+// Grouped expert products (hand-written: cuBLAS's grouped GEMMs take their sizes from the host,
+// which would cost a sync per layer). Block (e, n-tile): expert e's slots (sorted by expert:
+// order / offsets), kGN output columns, 16 slots per tensor-core M tile; the weights stream
+// through shared memory with cp.async, two stages of kGK columns of K, each weight byte read once
+// per M tile (once for the few slots per expert of a short forward). GATE_UP: the block's rows are
+// 64 of gate then the same 64 of up, and it writes silu(gate) * up; else kGN rows of down.
+constexpr int kGM = 16, kGN = 128, kGK = 64, kGS = kGK + 8;  // kGS: padded b16 row stride
+
+template <typename Wt, bool GATE_UP>
+__global__ void __launch_bounds__(256)
+    k_moe_grouped(const float* __restrict__ a, const int32_t* __restrict__ order, const int32_t* __restrict__ offsets,
+                  const int32_t* __restrict__ counts, const void* const* __restrict__ w0,
+                  const void* const* __restrict__ w1, int top_k, int64_t K, int64_t N, float* __restrict__ y) {
+  pdl_entry();
+  constexpr bool F16 = std::is_same_v<Wt, __half>;
+  __shared__ __align__(16) Wt Ws[2][kGN * kGS];
+  __shared__ __align__(16) Wt As[2][kGM * kGS];
+  const int e = blockIdx.x;
+  const int cnt = counts[e];
+  if (cnt == 0) return;
+  const int off = offsets[e];
+  const int64_t n0 = static_cast<int64_t>(blockIdx.y) * (GATE_UP ? kGN / 2 : kGN);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
+  const int mi = lane / 8, mr = lane % 8;
+  const Wt* W0 = static_cast<const Wt*>(w0[e]);
+  const Wt* W1 = GATE_UP ? static_cast<const Wt*>(w1[e]) : W0;
+  const int nk = static_cast<int>((K + kGK - 1) / kGK);
+  for (int m0 = 0; m0 < cnt; m0 += kGM) {
+    const int mrows = min(kGM, cnt - m0);
+    auto load = [&](int it, int st) {
+      const int64_t kc = static_cast<int64_t>(it) * kGK;
+      for (int c = tid; c < kGN * (kGK / 8); c += 256) {
+        const int r = c / (kGK / 8), kk = 8 * (c % (kGK / 8));
+        const int64_t n = n0 + (GATE_UP ? r % (kGN / 2) : r);
+        const Wt* src = GATE_UP && r >= kGN / 2 ? W1 : W0;
+        const bool ok = n < N && kc + kk < K;
+        cp_async16(&Ws[st][r * kGS + kk], ok ? src + n * K + kc + kk : src, ok);
+      }
+      cp_async_commit();
+      // The slots' rows, f32 rounded to the weights' dtype (K % 8 == 0: 16-byte loads).
+      for (int c = tid; c < kGM * (kGK / 4); c += 256) {
+        const int m = c / (kGK / 4), kk = 4 * (c % (kGK / 4));
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (m < mrows && kc + kk < K) {
+          const int64_t row = GATE_UP ? order[off + m0 + m] / top_k : off + m0 + m;
+          v = *reinterpret_cast<const float4*>(a + row * K + kc + kk);
+        }
+        uint32_t* d = reinterpret_cast<uint32_t*>(&As[st][m * kGS + kk]);
+        d[0] = pack2<F16>(v.x, v.y);
+        d[1] = pack2<F16>(v.z, v.w);
+      }
+    };
+    float acc[2][4] = {};
+    load(0, 0);
+    for (int it = 0; it < nk; ++it) {
+      cp_async_wait_all();
+      __syncthreads();  // stage it landed; every warp is done with the other stage
+      if (it + 1 < nk) load(it + 1, (it + 1) & 1);
+      const Wt* Wb = Ws[it & 1];
+      const Wt* Ab = As[it & 1];
+#pragma unroll
+      for (int kk = 0; kk < kGK; kk += 16) {
+        uint32_t a0, a1, a2, a3, b0, b1, c0, c1;
+        ldmatrix_x4(a0, a1, a2, a3, Ab + ((mi & 1) * 8 + mr) * kGS + kk + (mi >> 1) * 8);
+        ldmatrix_x4(b0, b1, c0, c1, Wb + (warp * 16 + (mi >> 1) * 8 + mr) * kGS + kk + (mi & 1) * 8);
+        mma16816<F16>(acc[0], a0, a1, a2, a3, b0, b1);
+        mma16816<F16>(acc[1], a0, a1, a2, a3, c0, c1);
+      }
+    }
+    __syncthreads();                                  // every warp done with Ws: it holds the tile's outputs now
+    float* Ys = reinterpret_cast<float*>(&Ws[0][0]);  // [kGM][kGN + 4]
+    constexpr int ldy = kGN + 4;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int col = warp * 16 + j * 8 + 2 * t4;
+      Ys[g * ldy + col] = acc[j][0];
+      Ys[g * ldy + col + 1] = acc[j][1];
+      Ys[(g + 8) * ldy + col] = acc[j][2];
+      Ys[(g + 8) * ldy + col + 1] = acc[j][3];
+    }
+    __syncthreads();
+    constexpr int ncol = GATE_UP ? kGN / 2 : kGN;
+    for (int c = tid; c < mrows * ncol; c += 256) {
+      const int m = c / ncol, j = c % ncol;
+      if (n0 + j >= N) continue;
+      const float v = GATE_UP ? silu(Ys[m * ldy + j]) * Ys[m * ldy + kGN / 2 + j] : Ys[m * ldy + j];
+      y[(off + m0 + m) * N + n0 + j] = v;
+    }
+    __syncthreads();  // before the next M tile's weights overwrite Ys
+  }
+}
+
 }  // namespace
+
+void launch_moe_grouped(cudaStream_t s, DType wdt, bool gate_up, const float* a, const int32_t* order,
+                        const int32_t* offsets, const int32_t* counts, const void* const* w0, const void* const* w1,
+                        int64_t E, int top_k, int64_t K, int64_t N, float* y) {
+  if (E == 0 || N == 0) return;
+  const dim3 grid(static_cast<unsigned>(E),
+                  static_cast<unsigned>((N + (gate_up ? kGN / 2 : kGN) - 1) / (gate_up ? kGN / 2 : kGN)));
+  if (wdt == DType::BF16) {
+    if (gate_up)
+      launch(s, grid, 256, 0, k_moe_grouped<__nv_bfloat16, true>, a, order, offsets, counts, w0, w1, top_k, K, N, y);
+    else
+      launch(s, grid, 256, 0, k_moe_grouped<__nv_bfloat16, false>, a, order, offsets, counts, w0, w1, top_k, K, N, y);
+  } else if (wdt == DType::F16) {
+    if (gate_up)
+      launch(s, grid, 256, 0, k_moe_grouped<__half, true>, a, order, offsets, counts, w0, w1, top_k, K, N, y);
+    else
+      launch(s, grid, 256, 0, k_moe_grouped<__half, false>, a, order, offsets, counts, w0, w1, top_k, K, N, y);
+  } else {
+    throw std::logic_error("moe_grouped: bf16 or f16 weights only");
+  }
+  CUDA_LAUNCH_CHECK("k_moe_grouped");
+}
+
+namespace {
+bool grouped_on = true;
+}
+void set_moe_grouped(bool on) {
+  grouped_on = on;
+}
+bool moe_grouped_enabled() {
+  static const bool env = [] {
+    const char* e = std::getenv("HYPIC_MOE_GROUPED");
+    return !(e && std::string(e) == "0");
+  }();
+  return grouped_on && env;
+}
 
 void launch_moe_route(cudaStream_t s, const float* logits, int64_t T, int64_t E, int top_k, bool norm, int32_t* sel,
                       float* wsel, int32_t* rank, int32_t* counts) {
