@@ -57,6 +57,11 @@ __device__ inline void cp_async_commit() {
 __device__ inline void cp_async_wait_all() {
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 }
+// Waits until at most N of this thread's commit groups are still in flight.
+template <int N>
+__device__ inline void cp_async_wait_group() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 
 // True on a thread while CudaBackend::capture records (set_graph_recording, kernels.h).
 bool graph_recording();

@@ -112,10 +112,18 @@ __global__ void k_moe_index(const int32_t* sel, const int32_t* rank, const int32
 // Grouped expert products (hand-written: cuBLAS's grouped GEMMs take their sizes from the host,
 // which would cost a sync per layer). Block (e, n-tile): expert e's slots (sorted by expert:
 // order / offsets), kGN output columns, 16 slots per tensor-core M tile; the weights stream
-// through shared memory with cp.async, two stages of kGK columns of K, each weight byte read once
-// per M tile (once for the few slots per expert of a short forward). GATE_UP: the block's rows are
-// 64 of gate then the same 64 of up, and it writes silu(gate) * up; else kGN rows of down.
-constexpr int kGM = 16, kGN = 128, kGK = 64, kGS = kGK + 8;  // kGS: padded b16 row stride
+// through shared memory with cp.async, kStages stages of kGK columns of K in flight (HBM's latency
+// needs tens of KB in flight per SM), each weight byte read once per M tile (once for the few
+// slots per expert of a short forward). The slots' rows come the same way, f32, and are rounded to
+// the weights' dtype as the A fragments are built. GATE_UP: the block's rows are 64 of gate then
+// the same 64 of up, and it writes silu(gate) * up; else kGN rows of down.
+constexpr int kGM = 16, kGN = 128, kGK = 64, kStages = 4;
+constexpr int kGS = kGK + 8;  // padded b16 row stride of a weight tile (ldmatrix: conflict-free)
+constexpr int kAS = kGK + 8;  // padded f32 row stride of a slot tile (8-byte loads: conflict-free)
+template <typename Wt>
+constexpr size_t grouped_smem() {
+  return kStages * (kGN * kGS * sizeof(Wt) + kGM * kAS * sizeof(float));
+}
 
 template <typename Wt, bool GATE_UP>
 __global__ void __launch_bounds__(256)
@@ -124,8 +132,9 @@ __global__ void __launch_bounds__(256)
                   const void* const* __restrict__ w1, int top_k, int64_t K, int64_t N, float* __restrict__ y) {
   pdl_entry();
   constexpr bool F16 = std::is_same_v<Wt, __half>;
-  __shared__ __align__(16) Wt Ws[2][kGN * kGS];
-  __shared__ __align__(16) Wt As[2][kGM * kGS];
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Wt* Ws = reinterpret_cast<Wt*>(smem_raw);                        // [kStages][kGN * kGS]
+  float* As = reinterpret_cast<float*>(Ws + kStages * kGN * kGS);  // [kStages][kGM * kAS]
   const int e = blockIdx.x;
   const int cnt = counts[e];
   if (cnt == 0) return;
@@ -138,48 +147,56 @@ __global__ void __launch_bounds__(256)
   const int nk = static_cast<int>((K + kGK - 1) / kGK);
   for (int m0 = 0; m0 < cnt; m0 += kGM) {
     const int mrows = min(kGM, cnt - m0);
+    // Stage st <- columns [it * kGK, +kGK) of the weight rows and of the slots' rows (zeros past
+    // N, K and the slots); a commit group either way, so the group count stays in step.
     auto load = [&](int it, int st) {
-      const int64_t kc = static_cast<int64_t>(it) * kGK;
-      for (int c = tid; c < kGN * (kGK / 8); c += 256) {
-        const int r = c / (kGK / 8), kk = 8 * (c % (kGK / 8));
-        const int64_t n = n0 + (GATE_UP ? r % (kGN / 2) : r);
-        const Wt* src = GATE_UP && r >= kGN / 2 ? W1 : W0;
-        const bool ok = n < N && kc + kk < K;
-        cp_async16(&Ws[st][r * kGS + kk], ok ? src + n * K + kc + kk : src, ok);
+      if (it < nk) {
+        const int64_t kc = static_cast<int64_t>(it) * kGK;
+        Wt* wd = Ws + st * kGN * kGS;
+        for (int c = tid; c < kGN * (kGK / 8); c += 256) {
+          const int r = c / (kGK / 8), kk = 8 * (c % (kGK / 8));
+          const int64_t n = n0 + (GATE_UP ? r % (kGN / 2) : r);
+          const Wt* src = GATE_UP && r >= kGN / 2 ? W1 : W0;
+          const bool ok = n < N && kc + kk < K;
+          cp_async16(wd + r * kGS + kk, ok ? src + n * K + kc + kk : src, ok);
+        }
+        float* ad = As + st * kGM * kAS;
+        for (int c = tid; c < kGM * (kGK / 4); c += 256) {
+          const int m = c / (kGK / 4), kk = 4 * (c % (kGK / 4));
+          const bool ok = m < mrows && kc + kk < K;
+          const int64_t row = !ok ? 0 : GATE_UP ? order[off + m0 + m] / top_k : off + m0 + m;
+          cp_async16(ad + m * kAS + kk, ok ? a + row * K + kc + kk : a, ok);
+        }
       }
       cp_async_commit();
-      // The slots' rows, f32 rounded to the weights' dtype (K % 8 == 0: 16-byte loads).
-      for (int c = tid; c < kGM * (kGK / 4); c += 256) {
-        const int m = c / (kGK / 4), kk = 4 * (c % (kGK / 4));
-        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (m < mrows && kc + kk < K) {
-          const int64_t row = GATE_UP ? order[off + m0 + m] / top_k : off + m0 + m;
-          v = *reinterpret_cast<const float4*>(a + row * K + kc + kk);
-        }
-        uint32_t* d = reinterpret_cast<uint32_t*>(&As[st][m * kGS + kk]);
-        d[0] = pack2<F16>(v.x, v.y);
-        d[1] = pack2<F16>(v.z, v.w);
-      }
     };
     float acc[2][4] = {};
-    load(0, 0);
+#pragma unroll
+    for (int st = 0; st < kStages - 1; ++st) load(st, st);
     for (int it = 0; it < nk; ++it) {
-      cp_async_wait_all();
-      __syncthreads();  // stage it landed; every warp is done with the other stage
-      if (it + 1 < nk) load(it + 1, (it + 1) & 1);
-      const Wt* Wb = Ws[it & 1];
-      const Wt* Ab = As[it & 1];
+      cp_async_wait_group<kStages - 2>();
+      __syncthreads();  // stage it landed; every warp is done with the stage the next load refills
+      load(it + kStages - 1, (it + kStages - 1) % kStages);
+      const Wt* Wb = Ws + (it % kStages) * kGN * kGS;
+      const float* Ab = As + (it % kStages) * kGM * kAS;
 #pragma unroll
       for (int kk = 0; kk < kGK; kk += 16) {
-        uint32_t a0, a1, a2, a3, b0, b1, c0, c1;
-        ldmatrix_x4(a0, a1, a2, a3, Ab + ((mi & 1) * 8 + mr) * kGS + kk + (mi >> 1) * 8);
+        // A fragment (rows g, g + 8; columns 2 t4 + {0, 1} and + 8) from the f32 tile.
+        const float2 x0 = *reinterpret_cast<const float2*>(Ab + g * kAS + kk + 2 * t4);
+        const float2 x1 = *reinterpret_cast<const float2*>(Ab + (g + 8) * kAS + kk + 2 * t4);
+        const float2 x2 = *reinterpret_cast<const float2*>(Ab + g * kAS + kk + 8 + 2 * t4);
+        const float2 x3 = *reinterpret_cast<const float2*>(Ab + (g + 8) * kAS + kk + 8 + 2 * t4);
+        const uint32_t a0 = pack2<F16>(x0.x, x0.y), a1 = pack2<F16>(x1.x, x1.y), a2 = pack2<F16>(x2.x, x2.y),
+                       a3 = pack2<F16>(x3.x, x3.y);
+        uint32_t b0, b1, c0, c1;
         ldmatrix_x4(b0, b1, c0, c1, Wb + (warp * 16 + (mi >> 1) * 8 + mr) * kGS + kk + (mi & 1) * 8);
         mma16816<F16>(acc[0], a0, a1, a2, a3, b0, b1);
         mma16816<F16>(acc[1], a0, a1, a2, a3, c0, c1);
       }
     }
-    __syncthreads();                                  // every warp done with Ws: it holds the tile's outputs now
-    float* Ys = reinterpret_cast<float*>(&Ws[0][0]);  // [kGM][kGN + 4]
+    cp_async_wait_group<0>();
+    __syncthreads();  // every warp done with the stages: they hold the tile's outputs now
+    float* Ys = reinterpret_cast<float*>(smem_raw);  // [kGM][kGN + 4]
     constexpr int ldy = kGN + 4;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
@@ -197,8 +214,22 @@ __global__ void __launch_bounds__(256)
       const float v = GATE_UP ? silu(Ys[m * ldy + j]) * Ys[m * ldy + kGN / 2 + j] : Ys[m * ldy + j];
       y[(off + m0 + m) * N + n0 + j] = v;
     }
-    __syncthreads();  // before the next M tile's weights overwrite Ys
+    __syncthreads();  // before the next M tile's loads overwrite Ys
   }
+}
+
+template <typename Wt, bool GATE_UP>
+void run_grouped(cudaStream_t s, dim3 grid, const float* a, const int32_t* order, const int32_t* offsets,
+                 const int32_t* counts, const void* const* w0, const void* const* w1, int top_k, int64_t K, int64_t N,
+                 float* y) {
+  constexpr size_t smem = grouped_smem<Wt>();
+  static const bool sized = [] {
+    CUDA_CHECK(cudaFuncSetAttribute(k_moe_grouped<Wt, GATE_UP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    static_cast<int>(smem)));
+    return true;
+  }();
+  (void)sized;
+  launch(s, grid, 256, smem, k_moe_grouped<Wt, GATE_UP>, a, order, offsets, counts, w0, w1, top_k, K, N, y);
 }
 
 }  // namespace
@@ -207,18 +238,18 @@ void launch_moe_grouped(cudaStream_t s, DType wdt, bool gate_up, const float* a,
                         const int32_t* offsets, const int32_t* counts, const void* const* w0, const void* const* w1,
                         int64_t E, int top_k, int64_t K, int64_t N, float* y) {
   if (E == 0 || N == 0) return;
-  const dim3 grid(static_cast<unsigned>(E),
-                  static_cast<unsigned>((N + (gate_up ? kGN / 2 : kGN) - 1) / (gate_up ? kGN / 2 : kGN)));
+  const int64_t cols = gate_up ? kGN / 2 : kGN;
+  const dim3 grid(static_cast<unsigned>(E), static_cast<unsigned>((N + cols - 1) / cols));
   if (wdt == DType::BF16) {
     if (gate_up)
-      launch(s, grid, 256, 0, k_moe_grouped<__nv_bfloat16, true>, a, order, offsets, counts, w0, w1, top_k, K, N, y);
+      run_grouped<__nv_bfloat16, true>(s, grid, a, order, offsets, counts, w0, w1, top_k, K, N, y);
     else
-      launch(s, grid, 256, 0, k_moe_grouped<__nv_bfloat16, false>, a, order, offsets, counts, w0, w1, top_k, K, N, y);
+      run_grouped<__nv_bfloat16, false>(s, grid, a, order, offsets, counts, w0, w1, top_k, K, N, y);
   } else if (wdt == DType::F16) {
     if (gate_up)
-      launch(s, grid, 256, 0, k_moe_grouped<__half, true>, a, order, offsets, counts, w0, w1, top_k, K, N, y);
+      run_grouped<__half, true>(s, grid, a, order, offsets, counts, w0, w1, top_k, K, N, y);
     else
-      launch(s, grid, 256, 0, k_moe_grouped<__half, false>, a, order, offsets, counts, w0, w1, top_k, K, N, y);
+      run_grouped<__half, false>(s, grid, a, order, offsets, counts, w0, w1, top_k, K, N, y);
   } else {
     throw std::logic_error("moe_grouped: bf16 or f16 weights only");
   }
