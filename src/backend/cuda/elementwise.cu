@@ -232,6 +232,21 @@ __global__ void k_conv1d(const float* x, const void* w, DType wdt, const float* 
   }
 }
 
+// Of n ranges sorted by their first row (start(k), start(0) <= t), the last one starting at or
+// before row t: a binary search (the ranges of a call are few, their rows many).
+template <typename F>
+__device__ __forceinline__ int last_starting_by(int n, int64_t t, F start) {
+  int lo = 0, hi = n - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (start(mid) <= t)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
 // The same over groups of rows, each from its own K-1 earlier inputs (a PIC composition's seams).
 __global__ void k_conv1d_spans(const float* x, const void* w, DType wdt, const ConvGroup* G, int ng, float* out,
                                int64_t T, int64_t C, int64_t K) {
@@ -239,15 +254,7 @@ __global__ void k_conv1d_spans(const float* x, const void* w, DType wdt, const C
   const int64_t n = T * C, P = K - 1;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = i / C, c = i % C;
-    int lo = 0, hi = ng - 1;  // the last group starting at or before t
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (G[mid].row0 <= t)
-        lo = mid;
-      else
-        hi = mid - 1;
-    }
-    const ConvGroup g = G[lo];
+    const ConvGroup g = G[last_starting_by(ng, t, [&](int k) { return G[k].row0; })];
     float acc = 0.f;
     for (int64_t j = 0; j < K; ++j) {
       const int64_t r = t - g.row0 + j;
@@ -275,15 +282,7 @@ __global__ void k_conv1d_state(const float* x, const float* start, float* state,
 __global__ void k_copy_rows(const RowPiece* P, int n, int64_t total, const float* inv_freq, int half) {
   pdl_entry();
   for (int64_t r = blockIdx.x; r < total; r += gridDim.x) {
-    int lo = 0, hi = n - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (P[mid].first <= r)
-        lo = mid;
-      else
-        hi = mid - 1;
-    }
-    const RowPiece p = P[lo];
+    const RowPiece p = P[last_starting_by(n, r, [&](int k) { return P[k].first; })];
     const int64_t i = r - p.first;
     const float* src = reinterpret_cast<const float*>(p.src) + i * p.words;
     float* dst = reinterpret_cast<float*>(p.dst) + i * p.words;
