@@ -34,6 +34,7 @@ bool Job::wait(std::vector<TokenOut>& got, std::chrono::milliseconds timeout) {
 struct Scheduler::Seq {
   std::shared_ptr<Job> job;
   enum class Stage { Start, Prefix, Warm, Compose, Chunked, Decode } stage = Stage::Start;
+  const char* unit_did = nullptr;  // the phase label of the work the last prefill unit did
   // prefill progress
   size_t warm_next = 0;                   // segment posts: the next segment to look up or build
   std::shared_ptr<EntryBuild> seg_build;  // segment posts: that segment's build under way
@@ -252,9 +253,12 @@ void Scheduler::step() {
     const char* kind = unit_kind(*s);
     const auto t0 = Clock::now();
     try {
+      s->unit_did = nullptr;
       if (prefill_unit(*s) && s->job->kind == Job::Kind::Generate) start_decode(*s);
       model_.backend().synchronize();  // the unit's device work counts in its phase
-      metrics_.observe_phase(kind, ms_since(t0) / 1000.0);
+      // A unit may start in one stage and work in the next (a request whose entries are all
+      // cached composes in the unit that found them): the label is what it did last.
+      metrics_.observe_phase(s->unit_did ? s->unit_did : kind, ms_since(t0) / 1000.0);
     } catch (const std::length_error& e) {
       fail(*s->job, 503, e.what());
       s->finished = true;
@@ -475,6 +479,7 @@ bool Scheduler::prefill_unit(Seq& s) {
       }
       if (const size_t i = s.plan->next_missing(); i < s.plan->parts.size()) {
         // One bounded step of the build per iteration: a long segment does not hold the engine either.
+        s.unit_did = "build";
         if (engine_.build_step(*s.plan, i, build_budget())) remember(s.plan->parts[i].entry);
         return false;
       }
@@ -502,6 +507,7 @@ bool Scheduler::prefill_unit(Seq& s) {
       s.compose = engine_.start_compose(segs, *s.plan);
       s.plan.reset();  // the composition pins the entries now
     }
+    s.unit_did = "compose";
     std::optional<PrefillResult> done = engine_.step_compose(*s.compose, opt_.compose_chunk);
     if (!done) return false;
     s.compose.reset();

@@ -317,8 +317,18 @@ TEST(Server, RagRequestReusesShuffledDocuments) {
   ASSERT_EQ(r1.first, 200) << r1.second.dump();
   EXPECT_EQ(r1.second["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
   EXPECT_EQ(r1.second["pic"]["miss_segments"], 5);
+  // Engine phase counts: a request whose entries are all cached composes and builds nothing.
+  auto phase_count = [&](const std::string& phase) {
+    const std::string m = s.get_text("/metrics"), key = "hypic_engine_phase_seconds_count{phase=\"" + phase + "\"} ";
+    const size_t at = m.find(key);
+    return at == std::string::npos ? 0L : std::stol(m.substr(at + key.size()));
+  };
+  const long builds = phase_count("build"), composes = phase_count("compose");
+  EXPECT_GE(builds, 5);  // r1 built its five entries
   auto r2 = s.post("/v1/completions", greedy({{"prompt", prompt({2, 0, 3, 1})}, {"max_tokens", 4}}));
   ASSERT_EQ(r2.first, 200) << r2.second.dump();
+  EXPECT_EQ(phase_count("build"), builds);
+  EXPECT_GT(phase_count("compose"), composes);
   const int cached = r2.second["usage"]["prompt_tokens_details"]["cached_tokens"];
   EXPECT_GT(cached, 0);
   EXPECT_LT(cached, r2.second["usage"]["prompt_tokens"].get<int>());
