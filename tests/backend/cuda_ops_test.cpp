@@ -222,8 +222,13 @@ TEST_F(CudaOps, AttentionPrefillDecodeAndOffsets) {
         Case{33, 100, 90, 57, 2, 2, 128, 128}, Case{300, 500, 470, 170, 16, 2, 256, 256},
         Case{129, 129, 129, 0, 4, 2, 32, 32}, Case{200, 1000, 1000, 800, 4, 1, 128, 64},
         Case{50, 60, 55, 5, 4, 2, 36, 20},  // head dims not multiples of 8: the f32-tile kernel
-        Case{40, 5000, 5000, 4960, 4, 2, 128, 128}, Case{20, 3000, 2900, 2880, 2, 1, 64, 64}})  // keys split
+        Case{40, 5000, 5000, 4960, 4, 2, 128, 128}, Case{20, 3000, 2900, 2880, 2, 1, 64, 64},  // keys split
+        Case{45, 900, 900, 855, 12, 4, 64, 64}})  // a query group of 3 does not divide a block: not packed
+    for (int pack : {-1, 1})
     for (bool precise : {false, true}) {
+#if HYPIC_HAVE_CUDA
+      cuda::set_flash_pack(pack);
+#endif
       gpu->set_precise(precise);
       Tensor q = randn({c.T, c.Hq, c.D}, rng), k = randn({c.S, c.Hkv, c.D}, rng), v = randn({c.S, c.Hkv, c.Dv}, rng);
       const float scale = 1.0f / std::sqrt(static_cast<float>(c.D));
@@ -231,18 +236,27 @@ TEST_F(CudaOps, AttentionPrefillDecodeAndOffsets) {
       cpu->attention(q, k, v, c.kv_len, c.q_offset, scale, oc);
       gpu->attention(dev(q), dev(k), dev(v), c.kv_len, c.q_offset, scale, og);
       const double tol = precise || c.T < 16 ? 1e-5 : 2e-2;
-      EXPECT_LE(err(og, oc), tol) << "T=" << c.T << " D=" << c.D << " precise=" << precise;
+      EXPECT_LE(err(og, oc), tol) << "T=" << c.T << " D=" << c.D << " precise=" << precise << " pack=" << pack;
     }
+#if HYPIC_HAVE_CUDA
+  cuda::set_flash_pack(-1);
+#endif
 }
 
 // Several spans of one sequence in one call (a composition's seams and its question): one launch
-// with per-row positions and split keys on the GPU, one attention() per span on the CPU.
+// with per-row positions and split keys on the GPU (blocks packed by query group, and not), one
+// attention() per span on the CPU.
 TEST_F(CudaOps, AttentionSpansMatchOneCallPerSpan) {
   struct Case {
     std::vector<Backend::RowSpan> spans;
     int64_t Hq, Hkv, D;
   };
-  const std::vector<Case> cases = {{{{0, 8}, {1000, 8}, {2100, 8}, {4000, 64}}, 16, 2, 256},
+  std::vector<Backend::RowSpan> seams;  // a composition: 8-row seams every 700 keys, then a question
+  for (int64_t i = 0; i < 14; ++i) seams.push_back({700 * i, i ? 8 : 30});
+  seams.push_back({700 * 14, 50});
+  const std::vector<Case> cases = {{seams, 16, 2, 256},
+                                   {seams, 8, 2, 128},
+                                   {{{0, 8}, {1000, 8}, {2100, 8}, {4000, 64}}, 16, 2, 256},
                                    {{{5, 3}, {50, 1}, {51, 20}, {3000, 2}}, 4, 2, 128},  // adjacent spans, single rows
                                    {{{0, 40}}, 8, 2, 64},                                // one span: attention() itself
                                    {{{100, 4}, {90, 4}, {300, 12}}, 4, 1, 64},           // backwards: one call per span
@@ -254,9 +268,18 @@ TEST_F(CudaOps, AttentionSpansMatchOneCallPerSpan) {
     const float scale = 1.0f / std::sqrt(static_cast<float>(c.D));
     Tensor oc = cpu->alloc(DType::F32, {T, c.Hq, c.D}), og = poisoned(DType::F32, {T, c.Hq, c.D});
     cpu->attention_spans(q, k, v, c.spans, scale, oc);
-    gpu->attention_spans(dev(q), dev(k), dev(v), c.spans, scale, og);
-    EXPECT_LE(err(og, oc), T >= 16 ? 2e-2 : 1e-5) << "T=" << T << " D=" << c.D;
+    for (int pack : {-1, 0}) {
+#if HYPIC_HAVE_CUDA
+      cuda::set_flash_pack(pack);
+#endif
+      gpu->fill(og, std::numeric_limits<float>::quiet_NaN());
+      gpu->attention_spans(dev(q), dev(k), dev(v), c.spans, scale, og);
+      EXPECT_LE(err(og, oc), T >= 16 ? 2e-2 : 1e-5) << "T=" << T << " D=" << c.D << " pack=" << pack;
+    }
   }
+#if HYPIC_HAVE_CUDA
+  cuda::set_flash_pack(-1);
+#endif
   // Spans that do not cover q are refused by name.
   Tensor q = dev(randn({10, 2, 64}, rng)), k = dev(randn({40, 1, 64}, rng)), o = gpu->alloc(DType::F32, {10, 2, 64});
   const std::vector<Backend::RowSpan> short_spans = {{0, 4}, {20, 4}};

@@ -890,9 +890,11 @@ void CudaBackend::flash(const Tensor& q, const Tensor& k, const Tensor& v, int64
   const int64_t T = q.dim(0), Hq = q.dim(1), D = q.dim(2), Hkv = k.dim(1), Dv = v.dim(2);
   // Few rows over many keys (a composition's seams, a question) would leave most of the GPU idle:
   // the keys are then split across blocks and the partial sums merged.
-  const int splits = cuda::flash_attention_splits(T, Hq, kv_len, impl_->prop.multiProcessorCount);
-  Tensor part = splits > 1 ? alloc_uninit(DType::F32, {cuda::split_part_floats(T, Hq, Dv, splits)}) : Tensor();
-  float* pp = splits > 1 ? part.data<float>() : nullptr;
+  const cuda::FlashPlan plan =
+      cuda::flash_attention_plan(T, Hq, Hkv, kv_len, qpos != nullptr, impl_->prop.multiProcessorCount);
+  Tensor part =
+      plan.splits > 1 ? alloc_uninit(DType::F32, {cuda::split_part_floats(T, Hq, Dv, plan.splits)}) : Tensor();
+  float* pp = plan.splits > 1 ? part.data<float>() : nullptr;
   // The cache is f32 (the CPU's convention): the keys and values this span sees are rounded to
   // bf16 once per call (kv_len rows, cheap next to the T x kv_len products) so that the kernel
   // can stream them with cp.async instead of converting every tile in every block.
@@ -902,12 +904,12 @@ void CudaBackend::flash(const Tensor& q, const Tensor& k, const Tensor& v, int64
     launch_convert_f32(impl_->stream, k.data<float>(), DType::BF16, kh.raw(), kv_len * Hkv * D);
     launch_convert_f32(impl_->stream, v.data<float>(), DType::BF16, vh.raw(), kv_len * Hkv * Dv);
     ph.emplace(*impl_, "attention/flash");
-    launch_flash_attention(impl_->stream, q.data<float>(), kh.raw(), vh.raw(), true, T, Hq, Hkv, D, Dv, kv_len,
-                           q_offset, qpos, splits, scale, out.data<float>(), pp);
+    launch_flash_attention(impl_->stream, plan, q.data<float>(), kh.raw(), vh.raw(), true, T, Hq, Hkv, D, Dv, kv_len,
+                           q_offset, qpos, scale, out.data<float>(), pp);
     return;
   }
-  launch_flash_attention(impl_->stream, q.data<float>(), k.data<float>(), v.data<float>(), false, T, Hq, Hkv, D, Dv,
-                         kv_len, q_offset, qpos, splits, scale, out.data<float>(), pp);
+  launch_flash_attention(impl_->stream, plan, q.data<float>(), k.data<float>(), v.data<float>(), false, T, Hq, Hkv, D,
+                         Dv, kv_len, q_offset, qpos, scale, out.data<float>(), pp);
 }
 
 void CudaBackend::attention_spans(const Tensor& q, const Tensor& k, const Tensor& v, std::span<const RowSpan> spans,

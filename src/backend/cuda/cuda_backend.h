@@ -29,6 +29,10 @@ void set_gdn_chain_full_t(bool on);
 // MoE layers of up to 2048 slots on the grouped tensor-core kernels (default) or on cuBLAS's
 // batched products sized from the expert counts on the host (false); for tests and A/B runs.
 void set_moe_grouped(bool on);
+// Flash attention blocks packed by query group (a kv head's query heads for 128 / group rows):
+// -1 the rule (rows with positions of their own: a composition), 0 never, 1 whenever the group
+// divides 128; for tests and A/B runs (HYPIC_FLASH_PACK sets it for a process).
+void set_flash_pack(int mode);
 
 class CudaBackend : public Backend {
  public:

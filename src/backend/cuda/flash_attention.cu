@@ -10,11 +10,18 @@
 // in one call). When the rows are too few to fill the GPU, the keys are split across blocks
 // (blockIdx.z, `chunk` keys each) that write partial (max, sum, accumulator) triples for
 // attention.cu's merge kernel (flash-decoding).
+// PACK (GQA packing): a block's 128 tensor-core rows are 128 / G query rows times the G query
+// heads of one kv head, instead of 128 query rows of one head. A composition's rows sit far apart
+// (8 seam rows per 2k-token segment): 128 of them span most of the context, and the block walked
+// to its last row's keys with most warps idle; 16 rows times 8 heads span two seams, so every warp
+// of a block needs about the same keys, and the key split then balances the blocks.
 #include <cuda_bf16.h>
 
 #include <algorithm>
 #include <cfloat>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/kernels.h"
@@ -30,7 +37,7 @@ constexpr int kBQ = 128, kBK = 64, kWarps = 8;
 // PIPE: k and v are bf16 copies (head dims multiples of 8) that stream into two shared-memory
 // stages with cp.async, so the next key tile loads while this one computes; otherwise k and v are
 // f32, converted tile by tile on the way into shared memory.
-template <int DP, bool PIPE>
+template <int DP, bool PIPE, bool PACK>
 __global__ void __launch_bounds__(kWarps * 32)
     k_flash(const float* __restrict__ q, const void* __restrict__ kp, const void* __restrict__ vp, int64_t T,
             int64_t Hq, int64_t Hkv, int D, int Dv, int64_t kv_len, int64_t q_offset, const int64_t* __restrict__ qpos,
@@ -46,19 +53,25 @@ __global__ void __launch_bounds__(kWarps * 32)
   const float* v = static_cast<const float*>(vp);
   const __nv_bfloat16* kh = static_cast<const __nv_bfloat16*>(kp);
   const __nv_bfloat16* vh = static_cast<const __nv_bfloat16*>(vp);
-  const int64_t q0 = static_cast<int64_t>(blockIdx.x) * kBQ;
-  const int64_t h = blockIdx.y, hk = h / (Hq / Hkv);
+  const int G = static_cast<int>(Hq / Hkv);
+  const int64_t rows = PACK ? kBQ / G : kBQ;  // query rows of this block
+  const int64_t q0 = static_cast<int64_t>(blockIdx.x) * rows;
+  const int64_t hk = PACK ? blockIdx.y : blockIdx.y / G;
+  // Tensor-core row p of the block: its query row and head.
+  auto row_of = [&](int p) -> int64_t { return PACK ? q0 + p / G : q0 + p; };
+  auto head_of = [&](int p) -> int64_t { return PACK ? hk * G + p % G : blockIdx.y; };
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const int nthreads = kWarps * 32;
 
   for (int e = tid; e < kBQ * DP; e += nthreads) {
     const int r = e / DP, d = e % DP;
-    const int64_t row = q0 + r;
-    Qs[r * QS + d] = __float2bfloat16_rn(row < T && d < D ? q[(row * Hq + h) * D + d] : 0.f);
+    const int64_t row = row_of(r);
+    Qs[r * QS + d] = __float2bfloat16_rn(row < T && d < D ? q[(row * Hq + head_of(r)) * D + d] : 0.f);
   }
   // Rows of this warp: r0 + g and r0 + g + 8; their positions bound the keys they may see.
   const int r0 = warp * 16;
-  const int64_t rowA = q0 + r0 + g, rowB = rowA + 8;
+  const int64_t rowA = row_of(r0 + g), rowB = row_of(r0 + g + 8);
+  const int64_t hA = head_of(r0 + g), hB = head_of(r0 + g + 8);
   // One past the last key row `row` sees (0 for rows past T); positions are nondecreasing, so a
   // group's last row bounds the keys of the whole group.
   auto lim = [&](int64_t row) -> int64_t {
@@ -66,8 +79,8 @@ __global__ void __launch_bounds__(kWarps * 32)
     return min(kv_len, (qpos ? qpos[row] : q_offset + row) + 1);
   };
   const int64_t limA = lim(rowA), limB = lim(rowB);
-  const int64_t warp_hi = q0 + r0 < T ? lim(min(T, q0 + r0 + 16) - 1) : 0;  // keys any row of the warp sees
-  const int64_t blk_hi0 = lim(min(T, q0 + kBQ) - 1);
+  const int64_t warp_hi = row_of(r0) < T ? lim(min(T - 1, row_of(r0 + 15))) : 0;  // keys any row of the warp sees
+  const int64_t blk_hi0 = lim(min(T, q0 + rows) - 1);
   // This block's split of the keys: [k_lo, blk_hi).
   const int64_t k_lo = static_cast<int64_t>(blockIdx.z) * chunk, blk_hi = min(blk_hi0, k_lo + chunk);
 
@@ -230,11 +243,13 @@ __global__ void __launch_bounds__(kWarps * 32)
       for (int half = 0; half < 2; ++half) {
         const int64_t row = half ? rowB : rowA;
         if (row >= T) continue;
-        const int64_t slot = (row * Hq + h) * S + blockIdx.z;
+        const int64_t slot = (row * Hq + (half ? hB : hA)) * S + blockIdx.z;
+        const float l = half ? lB : lA;
         if (n == 0 && t4 == 0) {
-          part_ml[2 * slot] = (half ? lB : lA) > 0.f ? (half ? mB : mA) * ln2 : -FLT_MAX;
-          part_ml[2 * slot + 1] = half ? lB : lA;
+          part_ml[2 * slot] = l > 0.f ? (half ? mB : mA) * ln2 : -FLT_MAX;
+          part_ml[2 * slot + 1] = l;
         }
+        if (l == 0.f) continue;  // no key of this split: the merge reads no accumulator
         float* pa = part_acc + slot * Dv;
         if (c < Dv) pa[c] = o[n][2 * half];
         if (c + 1 < Dv) pa[c + 1] = o[n][2 * half + 1];
@@ -248,46 +263,67 @@ __global__ void __launch_bounds__(kWarps * 32)
     if (n >= ntiles) break;
     const int c = n * 8 + 2 * t4;
     if (rowA < T) {
-      float* pa = out + (rowA * Hq + h) * Dv;
+      float* pa = out + (rowA * Hq + hA) * Dv;
       if (c < Dv) pa[c] = o[n][0] * iA;
       if (c + 1 < Dv) pa[c + 1] = o[n][1] * iA;
     }
     if (rowB < T) {
-      float* pb = out + (rowB * Hq + h) * Dv;
+      float* pb = out + (rowB * Hq + hB) * Dv;
       if (c < Dv) pb[c] = o[n][2] * iB;
       if (c + 1 < Dv) pb[c + 1] = o[n][3] * iB;
     }
   }
 }
 
-template <int DP>
-void run(cudaStream_t s, const float* q, const void* k, const void* v, bool kv16, int64_t T, int64_t Hq, int64_t Hkv,
-         int D, int Dv, int64_t kv_len, int64_t q_offset, const int64_t* qpos, int splits, float scale, float* out,
+template <int DP, bool PIPE, bool PACK>
+void run(cudaStream_t s, const float* q, const void* k, const void* v, int64_t T, int64_t Hq, int64_t Hkv, int D,
+         int Dv, int64_t kv_len, int64_t q_offset, const int64_t* qpos, int splits, float scale, float* out,
          float* part) {
-  const size_t smem = static_cast<size_t>(kBQ + (kv16 ? 4 : 2) * kBK) * (DP + 8) * 2;
-  static bool configured[2] = {false, false};  // per device would be exact; one GPU per process is the norm
-  const void* fn =
-      kv16 ? reinterpret_cast<const void*>(k_flash<DP, true>) : reinterpret_cast<const void*>(k_flash<DP, false>);
-  if (!configured[kv16]) {
-    CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    configured[kv16] = true;
-  }
-  dim3 grid(static_cast<unsigned>((T + kBQ - 1) / kBQ), static_cast<unsigned>(Hq), static_cast<unsigned>(splits));
+  const size_t smem = static_cast<size_t>(kBQ + (PIPE ? 4 : 2) * kBK) * (DP + 8) * 2;
+  static const bool sized = [&] {  // per device would be exact; one GPU per process is the norm
+    CUDA_CHECK(cudaFuncSetAttribute(k_flash<DP, PIPE, PACK>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    static_cast<int>(smem)));
+    return true;
+  }();
+  (void)sized;
+  const int64_t rows = PACK ? kBQ / (Hq / Hkv) : kBQ;
+  dim3 grid(static_cast<unsigned>((T + rows - 1) / rows), static_cast<unsigned>(PACK ? Hkv : Hq),
+            static_cast<unsigned>(splits));
   // Whole tiles per split, so that no tile is seen by two splits.
   const int64_t chunk = splits > 1 ? ((kv_len + splits - 1) / splits + kBK - 1) / kBK * kBK : kv_len + kBK;
   float* part_ml = splits > 1 ? part : nullptr;
   float* part_acc = splits > 1 ? part + 2 * T * Hq * splits : nullptr;
   const bool vec4 =
       D % 4 == 0 && Dv % 4 == 0 && reinterpret_cast<uintptr_t>(k) % 16 == 0 && reinterpret_cast<uintptr_t>(v) % 16 == 0;
-  const float sl2 = scale * 1.4426950408889634f;
-  if (kv16)
-    launch(s, grid, kWarps * 32, smem, k_flash<DP, true>, q, k, v, T, Hq, Hkv, D, Dv, kv_len, q_offset, qpos, chunk,
-           sl2, vec4, out, part_ml, part_acc);
-  else
-    launch(s, grid, kWarps * 32, smem, k_flash<DP, false>, q, k, v, T, Hq, Hkv, D, Dv, kv_len, q_offset, qpos, chunk,
-           sl2, vec4, out, part_ml, part_acc);
+  launch(s, grid, kWarps * 32, smem, k_flash<DP, PIPE, PACK>, q, k, v, T, Hq, Hkv, D, Dv, kv_len, q_offset, qpos,
+         chunk, scale * 1.4426950408889634f, vec4, out, part_ml, part_acc);
   CUDA_LAUNCH_CHECK("k_flash");
   if (splits > 1) launch_attention_merge(s, part, T, Hq, Dv, splits, out);
+}
+
+template <int DP>
+void run(const FlashPlan& plan, cudaStream_t s, const float* q, const void* k, const void* v, bool kv16, int64_t T,
+         int64_t Hq, int64_t Hkv, int D, int Dv, int64_t kv_len, int64_t q_offset, const int64_t* qpos, float scale,
+         float* out, float* part) {
+  const int sp = plan.splits;
+  if (kv16 && plan.pack)
+    run<DP, true, true>(s, q, k, v, T, Hq, Hkv, D, Dv, kv_len, q_offset, qpos, sp, scale, out, part);
+  else if (kv16)
+    run<DP, true, false>(s, q, k, v, T, Hq, Hkv, D, Dv, kv_len, q_offset, qpos, sp, scale, out, part);
+  else if (plan.pack)
+    run<DP, false, true>(s, q, k, v, T, Hq, Hkv, D, Dv, kv_len, q_offset, qpos, sp, scale, out, part);
+  else
+    run<DP, false, false>(s, q, k, v, T, Hq, Hkv, D, Dv, kv_len, q_offset, qpos, sp, scale, out, part);
+}
+
+// -1: the rule in flash_attention_plan; 0 never pack; 1 whenever the group divides a block.
+int pack_set = -2;  // -2: not set by set_flash_pack, HYPIC_FLASH_PACK decides
+int pack_mode() {
+  static const int env = [] {
+    const char* e = std::getenv("HYPIC_FLASH_PACK");
+    return e ? std::atoi(e) : -1;
+  }();
+  return pack_set != -2 ? pack_set : env;
 }
 
 }  // namespace
@@ -296,28 +332,53 @@ bool flash_attention_kv16(int64_t D, int64_t Dv) {
   return D % 8 == 0 && Dv % 8 == 0;
 }
 
-int flash_attention_splits(int64_t T, int64_t Hq, int64_t kv_len, int sms) {
-  // Split only when the (row tile, head) blocks leave most of the GPU idle; each split at least
-  // 8 key tiles, so that the partial sums and the merge stay small next to the work.
-  const int64_t blocks = (T + kBQ - 1) / kBQ * Hq;
-  if (blocks * 2 > sms) return 1;
-  const int64_t want = (2 * sms + blocks - 1) / blocks, by_keys = kv_len / (8 * kBK);
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({want, by_keys, 64})));
+void set_flash_pack(int mode) {
+  pack_set = mode;
 }
 
-void launch_flash_attention(cudaStream_t s, const float* q, const void* k, const void* v, bool kv16, int64_t T,
-                            int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv, int64_t kv_len, int64_t q_offset,
-                            const int64_t* qpos, int splits, float scale, float* out, float* part) {
+FlashPlan flash_attention_plan(int64_t T, int64_t Hq, int64_t Hkv, int64_t kv_len, bool scattered, int sms) {
+  FlashPlan p;
+  const int64_t G = Hkv > 0 ? Hq / Hkv : 0;
+  const bool can_pack = G > 0 && G <= kBQ && kBQ % G == 0;
+  const int mode = pack_mode();
+  // Packed blocks for rows with positions of their own (scattered: a composition's seams and
+  // question), where 128 rows of one head would span most of the keys; prefill spans keep the
+  // one-head blocks (the same key tiles per row either way).
+  p.pack = can_pack && (mode == 1 || (mode < 0 && scattered));
+  const int64_t rows = p.pack ? kBQ / G : kBQ;
+  const int64_t blocks = (T + rows - 1) / rows * (p.pack ? Hkv : Hq);
+  if (p.pack) {
+    // Packed blocks of scattered rows vary in length (a block sees the keys up to its rows'
+    // positions, half of them on average): split the keys so that about three chunks per
+    // multiprocessor have work and the long blocks spread out; at least 8 key tiles a chunk.
+    const int64_t want = (3 * sms * 2 + blocks - 1) / blocks, by_keys = kv_len / (8 * kBK);
+    p.splits = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({want, by_keys, 64})));
+    return p;
+  }
+  // Split only when the (row tile, head) blocks leave most of the GPU idle; each split at least
+  // 8 key tiles, so that the partial sums and the merge stay small next to the work.
+  if (blocks * 2 > sms) return p;
+  const int64_t want = (2 * sms + blocks - 1) / blocks, by_keys = kv_len / (8 * kBK);
+  p.splits = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({want, by_keys, 64})));
+  return p;
+}
+
+void launch_flash_attention(cudaStream_t s, const FlashPlan& plan, const float* q, const void* k, const void* v,
+                            bool kv16, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv, int64_t kv_len,
+                            int64_t q_offset, const int64_t* qpos, float scale, float* out, float* part) {
   if (T == 0) return;
-  if (splits > 1 && !part) throw std::invalid_argument("flash attention: a key split needs its partial-sum buffer");
+  if (plan.splits > 1 && !part) throw std::invalid_argument("flash attention: a key split needs its partial-sum buffer");
+  if (plan.pack && (Hkv <= 0 || Hq % Hkv != 0 || kBQ % (Hq / Hkv) != 0))
+    throw std::invalid_argument("flash attention: packed blocks need the query group to divide " +
+                                std::to_string(kBQ) + " rows");
   const int64_t m = D > Dv ? D : Dv;
   const int d = static_cast<int>(D), dv = static_cast<int>(Dv);
   if (m <= 64)
-    run<64>(s, q, k, v, kv16, T, Hq, Hkv, d, dv, kv_len, q_offset, qpos, splits, scale, out, part);
+    run<64>(plan, s, q, k, v, kv16, T, Hq, Hkv, d, dv, kv_len, q_offset, qpos, scale, out, part);
   else if (m <= 128)
-    run<128>(s, q, k, v, kv16, T, Hq, Hkv, d, dv, kv_len, q_offset, qpos, splits, scale, out, part);
+    run<128>(plan, s, q, k, v, kv16, T, Hq, Hkv, d, dv, kv_len, q_offset, qpos, scale, out, part);
   else if (m <= 256)
-    run<256>(s, q, k, v, kv16, T, Hq, Hkv, d, dv, kv_len, q_offset, qpos, splits, scale, out, part);
+    run<256>(plan, s, q, k, v, kv16, T, Hq, Hkv, d, dv, kv_len, q_offset, qpos, scale, out, part);
   else
     throw std::invalid_argument("attention: head dims up to 256 on cuda, got " + std::to_string(D) + "/" +
                                 std::to_string(Dv));

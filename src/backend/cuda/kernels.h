@@ -139,14 +139,23 @@ void launch_attention(cudaStream_t s, const float* q, const float* k, const floa
 // With kv16, k and v are bf16 copies ([kv_len, Hkv, D] and [kv_len, Hkv, Dv], head dims multiples
 // of 8: flash_attention_kv16) and stream through a two-stage cp.async pipeline; else f32.
 // qpos (I64 [T] on the device, nondecreasing, or null): row t's own position instead of
-// q_offset + t. splits > 1 cuts the keys across blocks (flash_attention_splits picks it for the
+// q_offset + t. splits > 1 cuts the keys across blocks (flash_attention_plan picks it for the
 // GPU's `sms` multiprocessors); `part` then holds attention_part_floats(T, Hq, Dv, splits) floats
 // of partial sums, merged into out by the same call.
+// The launch's shape: pack (a block holds the query heads of one kv head for 128 / group query
+// rows, rather than 128 rows of one head) and the key splits. scattered: the rows carry positions
+// of their own (qpos). HYPIC_FLASH_PACK=0|1 forces packing off or on (measurements).
+struct FlashPlan {
+  bool pack = false;
+  int splits = 1;
+};
 bool flash_attention_kv16(int64_t D, int64_t Dv);
-int flash_attention_splits(int64_t T, int64_t Hq, int64_t kv_len, int sms);
-void launch_flash_attention(cudaStream_t s, const float* q, const void* k, const void* v, bool kv16, int64_t T,
-                            int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv, int64_t kv_len, int64_t q_offset,
-                            const int64_t* qpos, int splits, float scale, float* out, float* part);
+FlashPlan flash_attention_plan(int64_t T, int64_t Hq, int64_t Hkv, int64_t kv_len, bool scattered, int sms);
+// Tests: -1 the rule (the default), 0 never pack, 1 pack whenever the query group divides a block.
+void set_flash_pack(int mode);
+void launch_flash_attention(cudaStream_t s, const FlashPlan& plan, const float* q, const void* k, const void* v,
+                            bool kv16, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv, int64_t kv_len,
+                            int64_t q_offset, const int64_t* qpos, float scale, float* out, float* part);
 // Merges `splits` partial (max, sum, accumulator) triples per (row, head) into out [T, Hq, Dv]
 // (part as launch_attention and launch_flash_attention write it).
 void launch_attention_merge(cudaStream_t s, const float* part, int64_t T, int64_t Hq, int64_t Dv, int splits,
