@@ -643,6 +643,7 @@ void CudaBackend::matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accum
                              static_cast<int>(K), &beta, y.data<float>(), static_cast<int>(N)));
     return;
   }
+  GemvPhase ph(m, "gemm", M, K, N);
   const int64_t need = M * K * (m.exact_half ? 3 : 1);
   if (!m.half_x.defined() || m.half_x.numel() < need || m.half_x.dtype() != w.dtype()) {
     if (m.capturing() && m.half_x.defined()) m.capture_keep->push_back(m.half_x);  // recorded work uses it

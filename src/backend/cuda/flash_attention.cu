@@ -63,10 +63,25 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const int nthreads = kWarps * 32;
 
-  for (int e = tid; e < kBQ * DP; e += nthreads) {
-    const int r = e / DP, d = e % DP;
-    const int64_t row = row_of(r);
-    Qs[r * QS + d] = __float2bfloat16_rn(row < T && d < D ? q[(row * Hq + head_of(r)) * D + d] : 0.f);
+  // Q's tile (16-byte loads where head dims allow: a key split's block walks only ~16 key tiles,
+  // and one-element loads of the 128 rows took as long as a few of them).
+  if (vec4) {
+#pragma unroll 4
+    for (int e = tid; e < kBQ * DP / 4; e += nthreads) {
+      const int r = e / (DP / 4), d = 4 * (e % (DP / 4));
+      const int64_t row = row_of(r);
+      float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (row < T && d < D) x = *reinterpret_cast<const float4*>(q + (row * Hq + head_of(r)) * D + d);
+      __nv_bfloat162* qd = reinterpret_cast<__nv_bfloat162*>(Qs + r * QS + d);
+      qd[0] = __floats2bfloat162_rn(x.x, x.y);
+      qd[1] = __floats2bfloat162_rn(x.z, x.w);
+    }
+  } else {
+    for (int e = tid; e < kBQ * DP; e += nthreads) {
+      const int r = e / DP, d = e % DP;
+      const int64_t row = row_of(r);
+      Qs[r * QS + d] = __float2bfloat16_rn(row < T && d < D ? q[(row * Hq + head_of(r)) * D + d] : 0.f);
+    }
   }
   // Rows of this warp: r0 + g and r0 + g + 8; their positions bound the keys they may see.
   const int r0 = warp * 16;
@@ -293,8 +308,9 @@ void run(cudaStream_t s, const float* q, const void* k, const void* v, int64_t T
   const int64_t chunk = splits > 1 ? ((kv_len + splits - 1) / splits + kBK - 1) / kBK * kBK : kv_len + kBK;
   float* part_ml = splits > 1 ? part : nullptr;
   float* part_acc = splits > 1 ? part + 2 * T * Hq * splits : nullptr;
-  const bool vec4 =
-      D % 4 == 0 && Dv % 4 == 0 && reinterpret_cast<uintptr_t>(k) % 16 == 0 && reinterpret_cast<uintptr_t>(v) % 16 == 0;
+  // 16-byte loads of q (and of f32 k, v): head dims multiples of 4 and aligned bases.
+  const bool vec4 = D % 4 == 0 && Dv % 4 == 0 && reinterpret_cast<uintptr_t>(q) % 16 == 0 &&
+                    reinterpret_cast<uintptr_t>(k) % 16 == 0 && reinterpret_cast<uintptr_t>(v) % 16 == 0;
   launch(s, grid, kWarps * 32, smem, k_flash<DP, PIPE, PACK>, q, k, v, T, Hq, Hkv, D, Dv, kv_len, q_offset, qpos,
          chunk, scale * 1.4426950408889634f, vec4, out, part_ml, part_acc);
   CUDA_LAUNCH_CHECK("k_flash");

@@ -6,6 +6,7 @@
 // keeps them in registers: no launch, allocation or round trip per segment. The plain reference
 // is the same sequence of span ops (Backend::gated_delta_chain).
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 
@@ -20,6 +21,11 @@ namespace {
 
 constexpr int kPanel = 16;  // columns of T per shared-memory panel
 
+// HYPIC_GDN_CHAIN_PROF=1: block 0's thread 0 adds the SM clocks of each part of every link here
+// (a measurement aid for docs/perf-notes.md; off, the kernel only tests a flag per part).
+enum ChainPart { kSeam, kReplay, kStage, kWaitT, kProduct, kDone, kLinks, kParts };
+__device__ unsigned long long g_chain_clocks[kParts];
+
 // Shared memory of the chain (floats): the token loop's, or the composition's column and panel.
 constexpr int chain_smem_floats(int dk) {
   return gdn_tokens_smem_floats(dk) > (kGdnCols + kPanel) * (dk + 1) ? gdn_tokens_smem_floats(dk)
@@ -31,8 +37,17 @@ __global__ void __launch_bounds__(kGdnCols* P, 1)
     k_gdn_chain(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                 const float* __restrict__ g, const float* __restrict__ beta, bool l2norm, int64_t Hk, int64_t Hv,
                 int dk, int dv, float* state, float* out, const GdnChainLink* __restrict__ links, int n_links,
-                bool full_t) {
+                bool full_t, bool prof) {
   pdl_entry();
+  prof = prof && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0;
+  long long t_mark = prof ? clock64() : 0;
+  auto mark = [&](int part) {
+    if (prof) {
+      const long long now = clock64();
+      g_chain_clocks[part] += static_cast<unsigned long long>(now - t_mark);
+      t_mark = now;
+    }
+  };
   extern __shared__ float smem[];
   // full_t: each dense body's T (this head's dk x dk) comes whole into shared memory with cp.async,
   // issued when its link starts, so the copy runs under the link's seam recurrence.
@@ -62,16 +77,19 @@ __global__ void __launch_bounds__(kGdnCols* P, 1)
       }
       cp_async_commit();
     }
+    if (prof) ++g_chain_clocks[kLinks];
     if (L.rows > 0) {
       const int64_t o = row;
       gdn_tokens<P, R>(q + o * Hk * dk, k + o * Hk * dk, v + o * Hv * dv, g + o * Hv, beta + o * Hv, l2norm, L.rows, Hk,
                        Hv, dk, dv, h, hk, blockIdx.x * kGdnCols, valid, false, c, s, out + o * Hv * dv, smem);
       row += L.rows;
     }
+    mark(kSeam);
     // A compact body: its own recurrence inputs (keys stand in for the queries; no outputs).
     if (L.replay_rows > 0)
       gdn_tokens<P, R>(L.rk, L.rk, L.rv, L.rg, L.rbeta, l2norm, L.replay_rows, Hk, Hv, dk, dv, h, hk,
                        blockIdx.x * kGdnCols, valid, false, c, s, nullptr, smem);
+    mark(kReplay);
     if (!L.B) continue;
     const float* Bh = L.B + static_cast<int64_t>(h) * dk * dv;
     if (L.T && tT) {
@@ -97,8 +115,10 @@ __global__ void __launch_bounds__(kGdnCols* P, 1)
         const int r = i * P + p;
         if (r < dk) ss[r * ldss + cl] = s[i];
       }
+      mark(kStage);
       cp_async_wait_all();
       __syncthreads();
+      mark(kWaitT);
       const int RG = kGdnCols * P / 8, lane = threadIdx.x % 32;
       const int rg = threadIdx.x / 32 * 4 + lane / 8, c0 = 4 * (lane % 8);
       float acc[TR][4];
@@ -125,6 +145,7 @@ __global__ void __launch_bounds__(kGdnCols* P, 1)
         }
       }
       __syncthreads();  // every row of S read (and tT free for the next link's copy)
+      mark(kProduct);
 #pragma unroll
       for (int i = 0; i < TR; ++i) {
         const int r = rg + RG * i;
@@ -183,6 +204,7 @@ __global__ void __launch_bounds__(kGdnCols* P, 1)
         if (valid && r < dk) s[i] += Bh[static_cast<int64_t>(r) * dv + c];
       }
     }
+    mark(kDone);
   }
   if (valid) {
 #pragma unroll
@@ -213,9 +235,31 @@ void run(cudaStream_t st, const float* q, const float* k, const float* v, const 
     CUDA_CHECK(
         cudaFuncSetAttribute(k_gdn_chain<P, R>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   dim3 grid(static_cast<unsigned>((dv + kGdnCols - 1) / kGdnCols), static_cast<unsigned>(Hv));
+  static const bool prof = [] {
+    const char* e = std::getenv("HYPIC_GDN_CHAIN_PROF");
+    return e && std::string(e) == "1";
+  }();
   launch(st, grid, kGdnCols * P, smem, k_gdn_chain<P, R>, q, k, v, g, beta, l2norm, Hk, Hv, dk, dv, state, out, links,
-         n_links, full_t);
+         n_links, full_t, prof);
   CUDA_LAUNCH_CHECK("k_gdn_chain");
+  if (prof) {
+    // Every 30 calls (a 35B-A3B composition's linear layers), the running totals per link.
+    static int calls = 0;
+    if (++calls % 30 == 0) {
+      unsigned long long c[kParts];
+      CUDA_CHECK(cudaMemcpyFromSymbolAsync(c, g_chain_clocks, sizeof(c), 0, cudaMemcpyDeviceToHost, st));
+      CUDA_CHECK(cudaStreamSynchronize(st));
+      int dev = 0, khz = 1;
+      CUDA_CHECK(cudaGetDevice(&dev));
+      CUDA_CHECK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, dev));
+      const double links_n = c[kLinks] ? static_cast<double>(c[kLinks]) : 1.0, us = 1e3 / khz;
+      std::fprintf(stderr,
+                   "gdn chain (block 0, %llu links, us per link): seam %.2f replay %.2f stage %.2f wait_T %.2f "
+                   "product %.2f done %.2f\n",
+                   c[kLinks], c[kSeam] * us / links_n, c[kReplay] * us / links_n, c[kStage] * us / links_n,
+                   c[kWaitT] * us / links_n, c[kProduct] * us / links_n, c[kDone] * us / links_n);
+    }
+  }
 }
 
 }  // namespace
