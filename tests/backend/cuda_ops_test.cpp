@@ -474,7 +474,8 @@ TEST_F(CudaOps, GatedDeltaChainMatchesSpanOps) {
         EXPECT_LE(err(sg1, sc), 2e-4) << "state dk=" << d.dk;
         if (rows == 8 && full_t) whole_t_state = gpu->to_host(sg1);
         if (rows == 8 && !full_t) {
-          EXPECT_LE(err(sg1, whole_t_state), 1e-6) << "the two forms of T S";
+          // Whole T: 3xTF32 on the tensor cores (about f32); panels: f32 on the CUDA cores.
+          EXPECT_LE(err(sg1, whole_t_state), 1e-5) << "the two forms of T S";
         }
       }
     cuda::set_gdn_chain_rows(0);

@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "backend/cuda/launch.cuh"
+
 namespace hypic::cuda {
 
 constexpr int kGdnCols = 32;  // columns of S per block
@@ -16,16 +18,26 @@ constexpr int gdn_tokens_smem_floats(int dk) {
   return kGdnTile * (2 * dk + 2 + kGdnCols);
 }
 
+// No copy of the caller's to issue (gdn_tokens' `issue`).
+struct NoIssue {
+  __device__ bool operator()() const { return false; }
+};
+
 // T tokens of the recurrence for this thread's share of a column of S (s: rows i * P + p, i < R), through
 // shared memory a tile of tokens at a time. Column `c` of the block's columns [col0, col0 + kCols):
 // value columns (c < dv) take v and write out (when out is set); transition columns (is_T) take
 // v = 0. Starts each tile with a barrier, so the caller may have used `smem` before.
-template <int P, int R = kGdnRows>
+// Tiles come with cp.async where rows are 16-byte aligned (one memory latency for q, k and v
+// instead of one per loop). `issue` runs once, after the first tile's copies are issued: a copy of
+// the caller's that should run under the recurrence (the chain's next T) and returns whether it
+// committed a cp.async group, which the tile's wait then leaves in flight.
+template <int P, int R = kGdnRows, typename Issue = NoIssue>
 __device__ __forceinline__ void gdn_tokens(const float* __restrict__ q, const float* __restrict__ k,
                                            const float* __restrict__ v, const float* __restrict__ g,
                                            const float* __restrict__ beta, bool l2norm, int64_t T, int64_t Hk,
                                            int64_t Hv, int dk, int dv, int h, int64_t hk, int col0, bool valid,
-                                           bool is_T, int c, float (&s)[R], float* out, float* smem) {
+                                           bool is_T, int c, float (&s)[R], float* out, float* smem,
+                                           Issue issue = {}) {
   float* qs = smem;                // [kGdnTile][dk]
   float* ks = qs + kGdnTile * dk;  // [kGdnTile][dk]
   float* gs = ks + kGdnTile * dk;  // [kGdnTile]
@@ -35,24 +47,46 @@ __device__ __forceinline__ void gdn_tokens(const float* __restrict__ q, const fl
   const float qscale = rsqrtf(static_cast<float>(dk));
   const int nthreads = kGdnCols * P, lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = nthreads / 32;
   constexpr int kTile = kGdnTile, kCols = kGdnCols, kRows = R;
+  const bool vec = dk % 4 == 0 && dv % 4 == 0 &&
+                   ((reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(k) | reinterpret_cast<uintptr_t>(v)) &
+                    15) == 0;
   for (int64_t t0 = 0; t0 < T; t0 += kTile) {
     const int nt = static_cast<int>(T - t0 < kTile ? T - t0 : kTile);
     __syncthreads();
-    for (int e = threadIdx.x; e < nt * dk; e += nthreads) {
-      const int tt = e / dk, d = e % dk;
-      const int64_t src = ((t0 + tt) * Hk + hk) * dk + d;
-      qs[tt * dk + d] = q[src];
-      ks[tt * dk + d] = k[src];
+    if (vec) {
+      for (int e = threadIdx.x; e < nt * dk / 4; e += nthreads) {
+        const int tt = e / (dk / 4), d = 4 * (e % (dk / 4));
+        const int64_t src = ((t0 + tt) * Hk + hk) * dk + d;
+        cp_async16(qs + tt * dk + d, q + src);
+        cp_async16(ks + tt * dk + d, k + src);
+      }
+      // v staged too: a global load per token would sit on the recurrence's critical path.
+      for (int e = threadIdx.x; e < nt * kCols / 4; e += nthreads) {
+        const int tt = e / (kCols / 4), cc = col0 + 4 * (e % (kCols / 4));
+        const bool ok = cc < dv;  // dv % 4 == 0: the 4 columns are all in or all out
+        cp_async16(vs + tt * kCols + cc - col0, ok ? v + ((t0 + tt) * Hv + h) * dv + cc : v, ok);
+      }
+    } else {
+      for (int e = threadIdx.x; e < nt * dk; e += nthreads) {
+        const int tt = e / dk, d = e % dk;
+        const int64_t src = ((t0 + tt) * Hk + hk) * dk + d;
+        qs[tt * dk + d] = q[src];
+        ks[tt * dk + d] = k[src];
+      }
+      for (int e = threadIdx.x; e < nt * kCols; e += nthreads) {
+        const int tt = e / kCols, cc = col0 + e % kCols;
+        vs[e] = cc < dv ? v[((t0 + tt) * Hv + h) * dv + cc] : 0.f;
+      }
     }
+    cp_async_commit();
     for (int tt = threadIdx.x; tt < nt; tt += nthreads) {
       gs[tt] = g[(t0 + tt) * Hv + h];
       bs[tt] = beta[(t0 + tt) * Hv + h];
     }
-    // v staged too: a global load per token would sit on the recurrence's critical path.
-    for (int e = threadIdx.x; e < nt * kCols; e += nthreads) {
-      const int tt = e / kCols, cc = col0 + e % kCols;
-      vs[e] = cc < dv ? v[((t0 + tt) * Hv + h) * dv + cc] : 0.f;
-    }
+    if (t0 == 0 && issue())
+      cp_async_wait_group<1>();
+    else
+      cp_async_wait_all();
     __syncthreads();
     // q and k scales (L2 norms as the CPU backend: x / sqrt(sum x^2 + 1e-6)), one warp per token.
     for (int tt = warp; tt < nt; tt += nwarps) {
