@@ -636,37 +636,53 @@ void CudaBackend::matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accum
     return;
   }
   // Row-major y[M,N] = x[M,K] W[N,K]^T is column-major y^T[N,M] = W^T(N x K) x^T(K x M).
-  const float alpha = 1.f, beta = accumulate ? 1.f : 0.f;
   if (w.dtype() == DType::F32) {
+    const float alpha = 1.f, beta = accumulate ? 1.f : 0.f;
     CUBLAS_CHECK(cublasSgemm(m.blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(M),
                              static_cast<int>(K), &alpha, w.data<float>(), static_cast<int>(K), x.data<float>(),
                              static_cast<int>(K), &beta, y.data<float>(), static_cast<int>(N)));
     return;
   }
   GemvPhase ph(m, "gemm", M, K, N);
-  const int64_t need = M * K * (m.exact_half ? 3 : 1);
-  if (!m.half_x.defined() || m.half_x.numel() < need || m.half_x.dtype() != w.dtype()) {
+  gemm_half(m, stage_half(m, x, w.dtype()), w, y, accumulate);
+}
+
+// x [M, K] rounded to a 16-bit dtype in the shared staging buffer, for cuBLAS: one part, or three
+// (hi + mid + lo = x) in precise mode.
+CudaBackend::HalfX CudaBackend::stage_half(Impl& m, const Tensor& x, DType dt) {
+  const int64_t M = x.dim(0), K = x.dim(1), need = M * K * (m.exact_half ? 3 : 1);
+  if (!m.half_x.defined() || m.half_x.numel() < need || m.half_x.dtype() != dt) {
     if (m.capturing() && m.half_x.defined()) m.capture_keep->push_back(m.half_x);  // recorded work uses it
-    m.half_x = alloc_uninit(w.dtype(), {std::max<int64_t>(need, m.half_x.defined() ? m.half_x.numel() : 0)});
+    m.half_x = alloc_uninit(dt, {std::max<int64_t>(need, m.half_x.defined() ? m.half_x.numel() : 0)});
   }
-  char* hi = static_cast<char*>(m.half_x.raw());
-  char* mid = hi + static_cast<size_t>(M * K) * dtype_size(w.dtype());
-  char* lo = mid + static_cast<size_t>(M * K) * dtype_size(w.dtype());
+  HalfX h;
+  h.dt = dt;
+  h.M = M;
+  h.K = K;
+  h.hi = static_cast<char*>(m.half_x.raw());
+  h.mid = h.hi + static_cast<size_t>(M * K) * dtype_size(dt);
+  h.lo = h.mid + static_cast<size_t>(M * K) * dtype_size(dt);
   if (m.exact_half)
-    launch_split_f32(m.stream, x.data<float>(), w.dtype(), hi, mid, lo, M * K);
+    launch_split_f32(m.stream, x.data<float>(), dt, h.hi, h.mid, h.lo, M * K);
   else
-    launch_convert_f32(m.stream, x.data<float>(), w.dtype(), hi, M * K);
+    launch_convert_f32(m.stream, x.data<float>(), dt, h.hi, M * K);
+  return h;
+}
+
+void CudaBackend::gemm_half(Impl& m, const HalfX& h, const Tensor& w, Tensor& y, bool accumulate) {
+  const int64_t M = h.M, K = h.K, N = w.dim(0);
+  const float alpha = 1.f, beta = accumulate ? 1.f : 0.f;
   auto gemm = [&](const void* xh, const float* b) {
     CUBLAS_CHECK(cublasGemmEx(m.blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(M),
                               static_cast<int>(K), &alpha, w.raw(), cuda_type(w.dtype()), static_cast<int>(K), xh,
                               cuda_type(w.dtype()), static_cast<int>(K), b, y.raw(), CUDA_R_32F, static_cast<int>(N),
                               CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   };
-  gemm(hi, &beta);
+  gemm(h.hi, &beta);
   if (m.exact_half) {
     const float one = 1.f;
-    gemm(mid, &one);
-    gemm(lo, &one);
+    gemm(h.mid, &one);
+    gemm(h.lo, &one);
   }
 }
 
@@ -693,8 +709,28 @@ void CudaBackend::matmul_many(const Tensor& x, std::initializer_list<Tensor> w, 
     }
   }
   if (!one) {
+    // Prefill-sized x with 16-bit weights of one dtype: x rounded for cuBLAS once for all products
+    // (a composition's 200-row forward converted it once per weight).
+    bool shared = w.size() > 1 && x.defined() && x.ndim() == 2 && x.dtype() == DType::F32 &&
+                  x.device().kind == kDev && x.dim(0) > kGemvMaxRows && x.dim(1) > 0;
+    for (const Tensor& wt : w)
+      shared = shared && wt.defined() && wt.dtype() == w.begin()->dtype() &&
+               (wt.dtype() == DType::BF16 || wt.dtype() == DType::F16);
+    if (!shared) {
+      auto wi = w.begin();
+      for (Tensor out : y) matmul(x, *wi++, out);
+      return;
+    }
     auto wi = w.begin();
-    for (Tensor out : y) matmul(x, *wi++, out);
+    for (const Tensor& out : y) check_matmul(x, *wi++, out, kDev);
+    const HalfX h = stage_half(*impl_, x, w.begin()->dtype());
+    wi = w.begin();
+    for (Tensor out : y) {
+      const Tensor& wt = *wi++;
+      if (wt.dim(0) == 0) continue;
+      GemvPhase ph(*impl_, "gemm", x.dim(0), x.dim(1), wt.dim(0));
+      gemm_half(*impl_, h, wt, out, false);
+    }
     return;
   }
   if (x.dim(1) == 0) {

@@ -132,6 +132,14 @@ class CudaBackend : public Backend {
   const float* inv_freq(int rot_dim, double theta);
   const void* const* expert_table(const ExpertWeights& experts, int64_t H, int64_t I);
   void batched_matmul(const Tensor& x, const std::vector<const Tensor*>& w, int64_t M, Tensor& y);
+  // cuBLAS products over x rounded to 16 bits once (matmul, matmul_many).
+  struct HalfX {
+    DType dt = DType::BF16;
+    int64_t M = 0, K = 0;
+    char *hi = nullptr, *mid = nullptr, *lo = nullptr;
+  };
+  HalfX stage_half(Impl& m, const Tensor& x, DType dt);
+  void gemm_half(Impl& m, const HalfX& h, const Tensor& w, Tensor& y, bool accumulate);
 };
 
 // True when this process can see at least one CUDA device (false on machines without a GPU or

@@ -14,7 +14,6 @@
 #include "backend/cuda/gated_delta_token.cuh"
 #include "backend/cuda/kernels.h"
 #include "backend/cuda/launch.cuh"
-#include "backend/cuda/mma.cuh"
 
 namespace hypic::cuda {
 
@@ -111,7 +110,7 @@ __global__ void __launch_bounds__(kGdnCols* P, 1)
       // too), i.e. 4 multiply-adds per 4 bytes loaded instead of one. S goes through shared memory
       // ([j][column], row-major) on the way in and out. Sums run over j in the same order as the
       // panel form below, so both give the same numbers.
-      constexpr int ldss = kGdnCols + 8;  // 8 mod 32: the tensor-core B fragments are conflict-free
+      constexpr int ldss = kGdnCols + 4;
       constexpr int TR = R / 4 > 0 ? R / 4 : 1;  // rows per thread: 8 column groups x RG >= dk / TR
       float* ss = smem;                          // [dk][ldss]
       float b[R];
@@ -132,55 +131,6 @@ __global__ void __launch_bounds__(kGdnCols* P, 1)
       mark(kWaitT);
       const int RG = kGdnCols * P / 8, lane = threadIdx.x % 32;
       const int rg = threadIdx.x / 32 * 4 + lane / 8, c0 = 4 * (lane % 8);
-      if (dk % 16 == 0) {
-        // On the tensor cores, 3xTF32 (T and S each split into a TF32 part and the TF32 of the
-        // rest; the lo x lo product dropped): on CUDA cores the product took ~7 us of a ~18 us link
-        // (dk 128: 0.5M multiply-adds a block at 128 per clock, with the loads). Warp tiles of 16
-        // rows x 8 columns: tile warp + nwarps u (u < TR covers all dk / 4 of them) is rows
-        // 16 (tile % strips) and columns 8 (tile / strips).
-        const int g = lane / 4, t4 = lane % 4, warp = threadIdx.x / 32, nwarps = kGdnCols * P / 32;
-        const int strips = dk / 16, ntiles = strips * (kGdnCols / 8);
-        float acc[TR][4];
-#pragma unroll
-        for (int u = 0; u < TR; ++u) acc[u][0] = acc[u][1] = acc[u][2] = acc[u][3] = 0.f;
-        for (int k0 = 0; k0 < dk; k0 += 8) {
-#pragma unroll
-          for (int u = 0; u < TR; ++u) {
-            const int tile = warp + nwarps * u;
-            if (tile >= ntiles) break;
-            const float* ta = tT + ((tile % strips) * 16 + g) * ldt + k0 + t4;
-            const float* sb = ss + (k0 + t4) * ldss + (tile / strips) * 8 + g;
-            uint32_t ah[4], al[4], bh[2], bl[2];
-            split_tf32(ta[0], ah[0], al[0]);
-            split_tf32(ta[8 * ldt], ah[1], al[1]);
-            split_tf32(ta[4], ah[2], al[2]);
-            split_tf32(ta[8 * ldt + 4], ah[3], al[3]);
-            split_tf32(sb[0], bh[0], bl[0]);
-            split_tf32(sb[4 * ldss], bh[1], bl[1]);
-            mma1688_tf32(acc[u], al[0], al[1], al[2], al[3], bh[0], bh[1]);
-            mma1688_tf32(acc[u], ah[0], ah[1], ah[2], ah[3], bl[0], bl[1]);
-            mma1688_tf32(acc[u], ah[0], ah[1], ah[2], ah[3], bh[0], bh[1]);
-          }
-        }
-        __syncthreads();  // every row of S read (and tT free for the next link's copy)
-        mark(kProduct);
-#pragma unroll
-        for (int u = 0; u < TR; ++u) {
-          const int tile = warp + nwarps * u;
-          if (tile >= ntiles) break;
-          float* o = ss + ((tile % strips) * 16 + g) * ldss + (tile / strips) * 8 + 2 * t4;
-          o[0] = acc[u][0];
-          o[1] = acc[u][1];
-          o[8 * ldss] = acc[u][2];
-          o[8 * ldss + 1] = acc[u][3];
-        }
-        __syncthreads();
-#pragma unroll
-        for (int i = 0; i < R; ++i) {
-          const int r = i * P + p;
-          s[i] = r < dk ? ss[r * ldss + cl] + b[i] : 0.f;
-        }
-      } else {
       float acc[TR][4];
 #pragma unroll
       for (int i = 0; i < TR; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
@@ -217,7 +167,6 @@ __global__ void __launch_bounds__(kGdnCols* P, 1)
       for (int i = 0; i < R; ++i) {
         const int r = i * P + p;
         s[i] = r < dk ? ss[r * ldss + cl] + b[i] : 0.f;
-      }
       }
     } else if (L.T) {
       // S <- T S + B. The block's columns of S go to shared memory (sc, [column][row], padded),

@@ -1,8 +1,6 @@
-// Tensor-core building blocks shared by the kernels that use them (flash_attention.cu, moe.cu,
-// gated_delta_chain.cu): the m16n8k16 mma.sync with f32 accumulation for bf16 and f16 operands,
-// packing two floats into one 16-bit pair register, ldmatrix loads of 8x8 b16 matrices from
-// shared memory, and f32 products on the TF32 tensor cores split three ways (3xTF32: about f32's
-// accuracy).
+// Tensor-core building blocks shared by the kernels that use them (flash_attention.cu, moe.cu):
+// the m16n8k16 mma.sync with f32 accumulation for bf16 and f16 operands, packing two floats into
+// one 16-bit pair register, and ldmatrix loads of 8x8 b16 matrices from shared memory.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -53,22 +51,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t& r0, uint32_t& r1, ui
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                : "r"(addr));
-}
-
-// x as TF32 (round to nearest, ties away: cvt.rna) and what that rounding left, as TF32 too.
-__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(hi) : "f"(x));
-  const float rest = x - __uint_as_float(hi);
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(lo) : "f"(rest));
-}
-
-// c += A B for a 16x8 TF32 A fragment (a0..a3) and an 8x8 B fragment (b0, b1).
-__device__ __forceinline__ void mma1688_tf32(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                             uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 }  // namespace hypic::cuda
