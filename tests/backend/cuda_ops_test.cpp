@@ -225,19 +225,19 @@ TEST_F(CudaOps, AttentionPrefillDecodeAndOffsets) {
         Case{40, 5000, 5000, 4960, 4, 2, 128, 128}, Case{20, 3000, 2900, 2880, 2, 1, 64, 64},  // keys split
         Case{45, 900, 900, 855, 12, 4, 64, 64}})  // a query group of 3 does not divide a block: not packed
     for (int pack : {-1, 1})
-    for (bool precise : {false, true}) {
+      for (bool precise : {false, true}) {
 #if HYPIC_HAVE_CUDA
-      cuda::set_flash_pack(pack);
+        cuda::set_flash_pack(pack);
 #endif
-      gpu->set_precise(precise);
-      Tensor q = randn({c.T, c.Hq, c.D}, rng), k = randn({c.S, c.Hkv, c.D}, rng), v = randn({c.S, c.Hkv, c.Dv}, rng);
-      const float scale = 1.0f / std::sqrt(static_cast<float>(c.D));
-      Tensor oc = cpu->alloc(DType::F32, {c.T, c.Hq, c.Dv}), og = poisoned(DType::F32, {c.T, c.Hq, c.Dv});
-      cpu->attention(q, k, v, c.kv_len, c.q_offset, scale, oc);
-      gpu->attention(dev(q), dev(k), dev(v), c.kv_len, c.q_offset, scale, og);
-      const double tol = precise || c.T < 16 ? 1e-5 : 2e-2;
-      EXPECT_LE(err(og, oc), tol) << "T=" << c.T << " D=" << c.D << " precise=" << precise << " pack=" << pack;
-    }
+        gpu->set_precise(precise);
+        Tensor q = randn({c.T, c.Hq, c.D}, rng), k = randn({c.S, c.Hkv, c.D}, rng), v = randn({c.S, c.Hkv, c.Dv}, rng);
+        const float scale = 1.0f / std::sqrt(static_cast<float>(c.D));
+        Tensor oc = cpu->alloc(DType::F32, {c.T, c.Hq, c.Dv}), og = poisoned(DType::F32, {c.T, c.Hq, c.Dv});
+        cpu->attention(q, k, v, c.kv_len, c.q_offset, scale, oc);
+        gpu->attention(dev(q), dev(k), dev(v), c.kv_len, c.q_offset, scale, og);
+        const double tol = precise || c.T < 16 ? 1e-5 : 2e-2;
+        EXPECT_LE(err(og, oc), tol) << "T=" << c.T << " D=" << c.D << " precise=" << precise << " pack=" << pack;
+      }
 #if HYPIC_HAVE_CUDA
   cuda::set_flash_pack(-1);
 #endif

@@ -711,8 +711,8 @@ void CudaBackend::matmul_many(const Tensor& x, std::initializer_list<Tensor> w, 
   if (!one) {
     // Prefill-sized x with 16-bit weights of one dtype: x rounded for cuBLAS once for all products
     // (a composition's 200-row forward converted it once per weight).
-    bool shared = w.size() > 1 && x.defined() && x.ndim() == 2 && x.dtype() == DType::F32 &&
-                  x.device().kind == kDev && x.dim(0) > kGemvMaxRows && x.dim(1) > 0;
+    bool shared = w.size() > 1 && x.defined() && x.ndim() == 2 && x.dtype() == DType::F32 && x.device().kind == kDev &&
+                  x.dim(0) > kGemvMaxRows && x.dim(1) > 0;
     for (const Tensor& wt : w)
       shared = shared && wt.defined() && wt.dtype() == w.begin()->dtype() &&
                (wt.dtype() == DType::BF16 || wt.dtype() == DType::F16);

@@ -311,8 +311,8 @@ void run(cudaStream_t s, const float* q, const void* k, const void* v, int64_t T
   // 16-byte loads of q (and of f32 k, v): head dims multiples of 4 and aligned bases.
   const bool vec4 = D % 4 == 0 && Dv % 4 == 0 && reinterpret_cast<uintptr_t>(q) % 16 == 0 &&
                     reinterpret_cast<uintptr_t>(k) % 16 == 0 && reinterpret_cast<uintptr_t>(v) % 16 == 0;
-  launch(s, grid, kWarps * 32, smem, k_flash<DP, PIPE, PACK>, q, k, v, T, Hq, Hkv, D, Dv, kv_len, q_offset, qpos,
-         chunk, scale * 1.4426950408889634f, vec4, out, part_ml, part_acc);
+  launch(s, grid, kWarps * 32, smem, k_flash<DP, PIPE, PACK>, q, k, v, T, Hq, Hkv, D, Dv, kv_len, q_offset, qpos, chunk,
+         scale * 1.4426950408889634f, vec4, out, part_ml, part_acc);
   CUDA_LAUNCH_CHECK("k_flash");
   if (splits > 1) launch_attention_merge(s, part, T, Hq, Dv, splits, out);
 }
@@ -383,10 +383,11 @@ void launch_flash_attention(cudaStream_t s, const FlashPlan& plan, const float* 
                             bool kv16, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv, int64_t kv_len,
                             int64_t q_offset, const int64_t* qpos, float scale, float* out, float* part) {
   if (T == 0) return;
-  if (plan.splits > 1 && !part) throw std::invalid_argument("flash attention: a key split needs its partial-sum buffer");
+  if (plan.splits > 1 && !part)
+    throw std::invalid_argument("flash attention: a key split needs its partial-sum buffer");
   if (plan.pack && (Hkv <= 0 || Hq % Hkv != 0 || kBQ % (Hq / Hkv) != 0))
-    throw std::invalid_argument("flash attention: packed blocks need the query group to divide " +
-                                std::to_string(kBQ) + " rows");
+    throw std::invalid_argument("flash attention: packed blocks need the query group to divide " + std::to_string(kBQ) +
+                                " rows");
   const int64_t m = D > Dv ? D : Dv;
   const int d = static_cast<int>(D), dv = static_cast<int>(Dv);
   if (m <= 64)

@@ -36,8 +36,7 @@ __device__ __forceinline__ void gdn_tokens(const float* __restrict__ q, const fl
                                            const float* __restrict__ v, const float* __restrict__ g,
                                            const float* __restrict__ beta, bool l2norm, int64_t T, int64_t Hk,
                                            int64_t Hv, int dk, int dv, int h, int64_t hk, int col0, bool valid,
-                                           bool is_T, int c, float (&s)[R], float* out, float* smem,
-                                           Issue issue = {}) {
+                                           bool is_T, int c, float (&s)[R], float* out, float* smem, Issue issue = {}) {
   float* qs = smem;                // [kGdnTile][dk]
   float* ks = qs + kGdnTile * dk;  // [kGdnTile][dk]
   float* gs = ks + kGdnTile * dk;  // [kGdnTile]
@@ -47,9 +46,9 @@ __device__ __forceinline__ void gdn_tokens(const float* __restrict__ q, const fl
   const float qscale = rsqrtf(static_cast<float>(dk));
   const int nthreads = kGdnCols * P, lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = nthreads / 32;
   constexpr int kTile = kGdnTile, kCols = kGdnCols, kRows = R;
-  const bool vec = dk % 4 == 0 && dv % 4 == 0 &&
-                   ((reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(k) | reinterpret_cast<uintptr_t>(v)) &
-                    15) == 0;
+  const bool vec =
+      dk % 4 == 0 && dv % 4 == 0 &&
+      ((reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(k) | reinterpret_cast<uintptr_t>(v)) & 15) == 0;
   for (int64_t t0 = 0; t0 < T; t0 += kTile) {
     const int nt = static_cast<int>(T - t0 < kTile ? T - t0 : kTile);
     __syncthreads();
