@@ -19,6 +19,36 @@ constexpr int kWarps = 4;
 constexpr int kMaxD = 256;
 constexpr int kPer = kMaxD / 32;  // elements of a head vector per lane
 
+// The warps' (max, sum, accumulator) triples of one (row t, head h), warp i's at sm[i * ml_stride]
+// and sacc[i * acc_stride], merged: written normalised (one split) or left as this split's triple
+// (max, sum, unnormalised accumulator relative to that max) for k_attention_merge. Every thread of
+// the block calls it after the barrier that published the triples.
+__device__ __forceinline__ void merge_warps(const float* sm, const float* sl, int ml_stride, const float* sacc,
+                                            int acc_stride, int64_t t, int64_t h, int64_t Hq, int64_t Dv, int sp,
+                                            float* out, float* part_ml, float* part_acc) {
+  float M = -FLT_MAX;
+  for (int i = 0; i < kWarps; ++i) M = fmaxf(M, sm[i * ml_stride]);
+  float L = 0.f, f[kWarps];
+  for (int i = 0; i < kWarps; ++i) {
+    f[i] = sl[i * ml_stride] > 0.f ? expf(sm[i * ml_stride] - M) : 0.f;
+    L += sl[i * ml_stride] * f[i];
+  }
+  float* dst = out + (t * Hq + h) * Dv;
+  if (gridDim.z > 1) {
+    const int64_t slot = (t * Hq + h) * gridDim.z + sp;
+    if (threadIdx.x == 0) {
+      part_ml[2 * slot] = M;
+      part_ml[2 * slot + 1] = L;
+    }
+    dst = part_acc + slot * Dv;
+  }
+  for (int64_t d = threadIdx.x; d < Dv; d += blockDim.x) {
+    float o = 0.f;
+    for (int i = 0; i < kWarps; ++i) o += sacc[i * acc_stride + d] * f[i];
+    dst[d] = gridDim.z > 1 ? o : o / L;
+  }
+}
+
 __global__ void __launch_bounds__(kWarps * 32)
     k_attention(const float* q, const float* k, const float* v, int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv,
                 int64_t kv_len, int64_t q_offset, float scale, int64_t chunk, float* out, float* part_ml,
@@ -96,33 +126,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     if (d < Dv) sacc[w][d] = acc[i];
   }
   __syncthreads();
-  float M = -FLT_MAX;
-  for (int i = 0; i < kWarps; ++i) M = fmaxf(M, sm[i]);
-  float L = 0.f, f[kWarps];
-  for (int i = 0; i < kWarps; ++i) {
-    f[i] = sl[i] > 0.f ? expf(sm[i] - M) : 0.f;
-    L += sl[i] * f[i];
-  }
-  if (gridDim.z == 1) {
-    float* op = out + (t * Hq + h) * Dv;
-    for (int64_t d = threadIdx.x; d < Dv; d += blockDim.x) {
-      float o = 0.f;
-      for (int i = 0; i < kWarps; ++i) o += sacc[i][d] * f[i];
-      op[d] = o / L;
-    }
-    return;
-  }
-  // One split's share: its max, its sum and its unnormalised accumulator (relative to that max).
-  const int64_t slot = (t * Hq + h) * gridDim.z + sp;
-  if (threadIdx.x == 0) {
-    part_ml[2 * slot] = M;
-    part_ml[2 * slot + 1] = L;
-  }
-  for (int64_t d = threadIdx.x; d < Dv; d += blockDim.x) {
-    float o = 0.f;
-    for (int i = 0; i < kWarps; ++i) o += sacc[i][d] * f[i];
-    part_acc[slot * Dv + d] = o;
-  }
+  merge_warps(&sm[0], &sl[0], 1, &sacc[0][0], kMaxD, t, h, Hq, Dv, sp, out, part_ml, part_acc);
 }
 
 __global__ void k_attention_merge(const float* part_ml, const float* part_acc, int64_t Hq, int64_t Dv, int splits,
@@ -247,34 +251,9 @@ __global__ void __launch_bounds__(kWarps * 32)
     }
   }
   __syncthreads();
-  for (int hh = 0; hh < HG; ++hh) {
-    float M = -FLT_MAX;
-    for (int i = 0; i < kWarps; ++i) M = fmaxf(M, sm[i][hh]);
-    float L = 0.f, f[kWarps];
-    for (int i = 0; i < kWarps; ++i) {
-      f[i] = sl[i][hh] > 0.f ? expf(sm[i][hh] - M) : 0.f;
-      L += sl[i][hh] * f[i];
-    }
-    const int64_t h = h0 + hh;
-    if (gridDim.z == 1) {
-      for (int64_t d = threadIdx.x; d < Dv; d += blockDim.x) {
-        float o = 0.f;
-        for (int i = 0; i < kWarps; ++i) o += sacc[i][hh][d] * f[i];
-        out[(t * Hq + h) * Dv + d] = o / L;
-      }
-      continue;
-    }
-    const int64_t slot = (t * Hq + h) * gridDim.z + sp;
-    if (threadIdx.x == 0) {
-      part_ml[2 * slot] = M;
-      part_ml[2 * slot + 1] = L;
-    }
-    for (int64_t d = threadIdx.x; d < Dv; d += blockDim.x) {
-      float o = 0.f;
-      for (int i = 0; i < kWarps; ++i) o += sacc[i][hh][d] * f[i];
-      part_acc[slot * Dv + d] = o;
-    }
-  }
+  for (int hh = 0; hh < HG; ++hh)
+    merge_warps(&sm[0][hh], &sl[0][hh], HG, &sacc[0][hh][0], HG * kMaxD, t, h0 + hh, Hq, Dv, sp, out, part_ml,
+                part_acc);
 }
 
 // Query heads one decode block serves: the largest of 8, 4, 2, 1 dividing the GQA group.

@@ -205,6 +205,16 @@ __global__ void k_copy_cols(const E* src, int64_t sc, int64_t scol, E* dst, int6
 }
 
 // One block per row t; angles as the CPU backend: f32(pos) * inv_freq in f32, cos/sin in f64.
+// The NeoX rotation of the pair (x1, x2) = (r[i], r[i + half]) by position p: its first or second
+// element (k_rope_neox and k_copy_rows share it, so a spliced key equals copy + rope_neox). The
+// angle's cosine and sine in double, as the CPU backend.
+__device__ __forceinline__ float rope_rotated(float x1, float x2, float p, float inv_freq, bool second) {
+  const float ang = p * inv_freq;
+  const float c = static_cast<float>(cos(static_cast<double>(ang)));
+  const float s = static_cast<float>(sin(static_cast<double>(ang)));
+  return second ? x2 * c + x1 * s : x1 * c - x2 * s;
+}
+
 __global__ void k_rope_neox(float* x, int64_t H, int64_t D, const int64_t* pos, const float* inv_freq, int half) {
   pdl_entry();
   const int64_t t = blockIdx.x;
@@ -212,13 +222,10 @@ __global__ void k_rope_neox(float* x, int64_t H, int64_t D, const int64_t* pos, 
   for (int64_t e = threadIdx.x; e < H * half; e += blockDim.x) {
     const int64_t h = e / half;
     const int i = static_cast<int>(e % half);
-    const float ang = p * inv_freq[i];
-    const float c = static_cast<float>(cos(static_cast<double>(ang)));
-    const float s = static_cast<float>(sin(static_cast<double>(ang)));
     float* r = x + (t * H + h) * D;
     const float x1 = r[i], x2 = r[i + half];
-    r[i] = x1 * c - x2 * s;
-    r[i + half] = x2 * c + x1 * s;
+    r[i] = rope_rotated(x1, x2, p, inv_freq[i], false);
+    r[i + half] = rope_rotated(x1, x2, p, inv_freq[i], true);
   }
 }
 
@@ -298,7 +305,7 @@ __global__ void k_conv1d_state(const float* x, const float* start, float* state,
 }
 
 // One block per row of the launch; the piece found by binary search over the pieces' first rows.
-// Rotation as k_rope_neox (same angles, same products), so a spliced key equals copy + rope_neox.
+// Rotation by rope_rotated, as k_rope_neox: a spliced key equals copy + rope_neox.
 __global__ void k_copy_rows(const RowPiece* P, int n, int64_t total, const float* inv_freq, int half) {
   pdl_entry();
   for (int64_t r = blockIdx.x; r < total; r += gridDim.x) {
@@ -323,17 +330,9 @@ __global__ void k_copy_rows(const RowPiece* P, int n, int64_t total, const float
         dst[e] = src[e];
         continue;
       }
-      const int ii = static_cast<int>(j < half ? j : j - half);
-      const float ang = pos * inv_freq[ii];
-      const float c = static_cast<float>(cos(static_cast<double>(ang)));
-      const float s = static_cast<float>(sin(static_cast<double>(ang)));
-      if (j < half) {
-        const float x1 = src[e], x2 = src[e + half];
-        dst[e] = x1 * c - x2 * s;
-      } else {
-        const float x1 = src[e - half], x2 = src[e];
-        dst[e] = x2 * c + x1 * s;
-      }
+      const bool second = j >= half;
+      const int64_t e1 = second ? e - half : e;  // the pair's first element
+      dst[e] = rope_rotated(src[e1], src[e1 + half], pos, inv_freq[second ? j - half : j], second);
     }
   }
 }

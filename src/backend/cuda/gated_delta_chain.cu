@@ -225,12 +225,16 @@ __global__ void __launch_bounds__(kGdnCols* P, 1)
   }
 }
 
-// Whole-T staging needs dk % 4 == 0 (16-byte rows), 16-byte aligned T, and shared memory for it.
+// Whole-T staging needs dk % 4 == 0 (16-byte rows), 16-byte aligned T, and shared memory for it
+// (the device's opt-in limit, asked once: one GPU per process is the norm).
 bool full_t_fits(int dk, size_t smem_floats) {
-  int dev = 0, optin = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
-    return false;
+  static const int optin = [] {
+    int dev = 0, v = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
+      return 0;
+    return v;
+  }();
   return dk % 4 == 0 && smem_floats * sizeof(float) <= static_cast<size_t>(optin);
 }
 
@@ -241,9 +245,12 @@ void run(cudaStream_t st, const float* q, const float* k, const float* v, const 
   const size_t full = static_cast<size_t>(chain_smem_floats(dk)) + static_cast<size_t>(dk) * (dk + 4);
   const bool full_t = aligned_t && full_t_fits(dk, full);
   const size_t smem = (full_t ? full : static_cast<size_t>(chain_smem_floats(dk))) * sizeof(float);
-  if (smem > 48 * 1024)
+  static size_t allowed = 48 * 1024;  // this instantiation's shared-memory limit as set so far
+  if (smem > allowed) {
     CUDA_CHECK(
         cudaFuncSetAttribute(k_gdn_chain<P, R>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    allowed = smem;
+  }
   dim3 grid(static_cast<unsigned>((dv + kGdnCols - 1) / kGdnCols), static_cast<unsigned>(Hv));
   static const bool prof = [] {
     const char* e = std::getenv("HYPIC_GDN_CHAIN_PROF");
