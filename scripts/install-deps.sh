@@ -14,6 +14,7 @@ pkgs=(
   libcli11-dev libspdlog-dev libfmt-dev
   libcpp-httplib-dev libxxhash-dev libzstd-dev
   libboost-dev             # Beast and Asio (header-only): the server's HTTP layer
+  libucx-dev               # UCX: entries moved between segment workers (src/cluster/)
   python3                  # task generator and scorer references in tests (standard library only)
   clang libclang-rt-14-dev # libFuzzer targets (fuzz/, scripts/fuzz.sh)
 )

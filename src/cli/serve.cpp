@@ -74,6 +74,11 @@ void register_serve(CLI::App& app) {
     // and a tokenizer folder of its own.
     std::string config, dtype = "bf16", tokenizer;
     bool random = false;
+    // Segment parallelism (docs/cluster.md).
+    std::string role = "server", workers, cluster_file;
+    int segment_port = -1;
+    double worker_deadline_s = 30, worker_probe_s = 5;
+    std::string worker_schedule = "lpt";
   };
   auto o = std::make_shared<Opts>();
   auto* c = app.add_subcommand("serve", "Serve the model over an OpenAI-compatible HTTP API");
@@ -148,6 +153,25 @@ void register_serve(CLI::App& app) {
                 "Browser Origin allowed to call the server (repeatable, or '*'); requests from any other "
                 "Origin get 403")
       ->delimiter(',');
+  c->add_option("--role", o->role,
+                "server: answer requests (and build segments for others with --segment-port); worker: the same "
+                "with the segment service on by default (--segment-port 7070)")
+      ->check(CLI::IsMember({"server", "worker"}))
+      ->capture_default_str();
+  c->add_option("--segment-port", o->segment_port,
+                "Build segments for combine nodes over UCX on this port (0: any free port, in GET /health; -1: off)");
+  c->add_option("--workers", o->workers,
+                "Segment workers (host:port,...) to spread the missing segments of a PIC request over, LPT");
+  c->add_option("--cluster-file", o->cluster_file, "File of segment workers: host:port per line ('#' comments)");
+  c->add_option("--worker-deadline-s", o->worker_deadline_s,
+                "A worker's build fails (and is done here) after this long, or 8x its estimated time if longer")
+      ->capture_default_str();
+  c->add_option("--worker-schedule", o->worker_schedule,
+                "lpt: longest segment to the node that finishes it first; round-robin: in turn (for comparison)")
+      ->check(CLI::IsMember({"lpt", "round-robin"}))
+      ->capture_default_str();
+  c->add_option("--worker-probe-s", o->worker_probe_s, "An unhealthy worker is probed again after this long")
+      ->capture_default_str();
   c->add_option("--watchdog-s", o->watchdog_s,
                 "GET /health answers 503 once the engine has spent this long in one iteration while requests "
                 "wait (0: off)")
@@ -211,6 +235,24 @@ void register_serve(CLI::App& app) {
       if (o->max_queue < 1) throw std::invalid_argument("--max-queue must be >= 1");
       if (o->prefill_chunk < 0) throw std::invalid_argument("--prefill-chunk must be >= 0");
       if (o->compose_chunk < 0) throw std::invalid_argument("--compose-chunk must be >= 0");
+      if (o->segment_port < -1 || o->segment_port > 65535)
+        throw std::invalid_argument("--segment-port must be in 0..65535 (or -1: off)");
+      so.segment_port = o->role == "worker" && c->count("--segment-port") == 0 ? 7070 : o->segment_port;
+      if (!o->workers.empty() && !o->cluster_file.empty())
+        throw std::invalid_argument("--workers and --cluster-file are exclusive");
+      so.sched.workers = o->workers;
+      if (!o->cluster_file.empty()) {
+        std::ifstream in(o->cluster_file);
+        if (!in) throw std::invalid_argument("--cluster-file: cannot read " + o->cluster_file);
+        so.sched.workers.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+        if (so.sched.workers.find_first_not_of(" \t\r\n") == std::string::npos)
+          throw std::invalid_argument("--cluster-file: " + o->cluster_file + " lists no worker");
+      }
+      if (!(o->worker_deadline_s > 0)) throw std::invalid_argument("--worker-deadline-s must be positive");
+      if (!(o->worker_probe_s > 0)) throw std::invalid_argument("--worker-probe-s must be positive");
+      so.sched.worker_deadline_seconds = o->worker_deadline_s;
+      so.sched.worker_probe_seconds = o->worker_probe_s;
+      so.sched.worker_round_robin = o->worker_schedule == "round-robin";
 
       // SIGINT / SIGTERM: a handler (which may run on any thread, including OpenBLAS's, which exist
       // before main) writes to a pipe; a watcher thread reads it and stops the server.
@@ -297,6 +339,8 @@ void register_serve(CLI::App& app) {
       });
       spdlog::info("serving '{}' on http://{}:{} (mode {}, seam {}, cache {:.0f} MiB, max-running {}, max-queue {})",
                    srv.model_name(), o->host, port, o->mode, o->seam, o->cache_mib, o->max_running, o->max_queue);
+      if (srv.segment_port() >= 0)
+        spdlog::info("building segments for combine nodes on ucx://{}:{}", o->host, srv.segment_port());
       if (!o->cache_dir.empty()) {
         const auto cs = srv.cache_stats();
         spdlog::info("segment store {}: {} files, {:.1f} MiB (budget {})", o->cache_dir, cs.disk_entries,

@@ -12,6 +12,8 @@
 #include <stdexcept>
 #include <unordered_map>
 
+#include "pic/entry_codec.h"
+
 namespace hypic {
 
 PicMode parse_pic_mode(const std::string& s) {
@@ -108,6 +110,7 @@ struct PicEngine::PrefixCache {
 PicEngine::PicEngine(Model& model, size_t segment_cache_bytes, size_t prefix_cache_bytes)
     : model_(model), cache_(segment_cache_bytes), prefix_(std::make_unique<PrefixCache>()) {
   prefix_->budget = prefix_cache_bytes ? prefix_cache_bytes : segment_cache_bytes;
+  init_expected_shapes();  // entries from disk and from workers are checked against them
 }
 PicEngine::~PicEngine() = default;
 
@@ -349,6 +352,10 @@ void PicEngine::finish_entry(SegmentEntry& e) {
 }
 
 void PicEngine::attach_store(std::shared_ptr<SegmentStore> store) {
+  cache_.attach_store(std::move(store));
+}
+
+void PicEngine::init_expected_shapes() {
   // Expected summary shapes, taken from a one-token state of this model.
   const auto& cfg = model_.config();
   SequenceState st = model_.new_state(1);
@@ -365,7 +372,6 @@ void PicEngine::attach_store(std::shared_ptr<SegmentStore> store) {
       expect_.push_back({ls.v.dim(1), ls.v.dim(2)});
     }
   }
-  cache_.attach_store(std::move(store));
 }
 
 std::shared_ptr<SegmentStore> PicEngine::attach_cache_dir(const std::string& dir, size_t disk_budget_bytes) {
@@ -509,6 +515,21 @@ bool PicEngine::build_step(PicPlan& plan, size_t i, int64_t max_token_layers) {
   part.entry = cache_.insert(std::move(e));
   part.built = true;
   return true;
+}
+
+void PicEngine::adopt(PicPlan& plan, size_t i, std::shared_ptr<SegmentEntry> e) {
+  PicPart& part = plan.parts.at(i);
+  if (!e) throw std::invalid_argument("no entry");
+  if (std::string d = key_difference(part.key, e->key); !d.empty()) throw std::invalid_argument("the entry " + d);
+  if (std::string why = check_entry(*e); !why.empty()) throw std::invalid_argument(why);
+  Backend& be = model_.backend();
+  for (auto& l : e->layers)
+    for (Tensor* t : l.tensors())
+      if (t->defined()) *t = be.to_device(*t);
+  e->account();
+  part.building.reset();
+  part.entry = cache_.insert(std::move(e));
+  part.built = true;
 }
 
 PrefillResult PicEngine::prefill(const std::vector<std::vector<int32_t>>& segs, const PicOptions& opt) {

@@ -106,6 +106,10 @@ class PicEngine {
   // One step of that build (at most build_chunk() tokens through as many whole layers as
   // max_token_layers allows, at least one); true once the entry is cached.
   bool build_step(PicPlan& plan, size_t part, int64_t max_token_layers = std::numeric_limits<int64_t>::max());
+  // A missing part's entry made elsewhere (a segment worker), in host memory: checked against the
+  // part's key and this model's layer layout, moved to the device and cached as a build of this
+  // request. Throws std::invalid_argument naming what does not fit; nothing is cached then.
+  void adopt(PicPlan& plan, size_t part, std::shared_ptr<SegmentEntry> entry);
   // Every part with a body must have its entry (throws otherwise). opt.skip_question is the plan's.
   PrefillResult compose(const std::vector<std::vector<int32_t>>& segments, const PicPlan& plan);
   // The same in steps (the server's fairness: a prompt of many segments does not hold the engine):
@@ -178,6 +182,7 @@ class PicEngine {
   Model& model_;
   SegmentCache cache_;
   std::string check_entry(const SegmentEntry& e) const;  // "" when e fits this model
+  void init_expected_shapes();
   std::vector<Shape> expect_;  // per layer: T, S, conv_tail (linear) or k row, v row (full) shapes
   struct PrefixCache;
   std::unique_ptr<PrefixCache> prefix_;

@@ -5,10 +5,8 @@
 #include <spdlog/spdlog.h>
 #include <sys/stat.h>
 #include <unistd.h>
-#include <xxhash.h>
 
 #include <algorithm>
-#include <bit>
 #include <cerrno>
 #include <charconv>
 #include <cstring>
@@ -19,95 +17,44 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "pic/entry_codec.h"
 
 namespace hypic {
 
-static_assert(std::endian::native == std::endian::little, "the .hseg format is little-endian");
-
 namespace {
-
-constexpr char kMagic[8] = {'H', 'Y', 'P', 'I', 'C', 'S', 'E', 'G'};
-constexpr int kFields = 9;  // T, S, conv_tail, k, v, then a compact body's recurrence inputs
-constexpr uint32_t kMaxLayers = 1u << 16;
-constexpr uint8_t kMaxDims = 8;
-constexpr int64_t kMaxDim = int64_t{1} << 40;
-constexpr int kDTypes = static_cast<int>(DType::U8) + 1;
-
-const char* field_name(int f) {
-  static const char* names[kFields] = {"T", "S", "conv_tail", "k", "v", "body_k", "body_v", "body_g", "body_beta"};
-  return names[f];
-}
-
-Tensor& field_of(LayerSummary& l, int f) {
-  Tensor* t[kFields] = {&l.T, &l.S, &l.conv_tail, &l.k, &l.v, &l.body.k, &l.body.v, &l.body.g, &l.body.beta};
-  return *t[f];
-}
-const Tensor& field_of(const LayerSummary& l, int f) {
-  return field_of(const_cast<LayerSummary&>(l), f);
-}
 
 std::string errno_str(int e) {
   return std::strerror(e);
 }
 
-struct Bad {
-  std::string reason;
-};
-
-class Hasher {
+// The open file as the codec's source: reads exactly what it is asked (the codec bounds every
+// length by size() first).
+class FileSource final : public ByteSource {
  public:
-  Hasher() : s_(XXH64_createState()) { XXH64_reset(s_, 0); }
-  ~Hasher() { XXH64_freeState(s_); }
-  Hasher(const Hasher&) = delete;
-  Hasher& operator=(const Hasher&) = delete;
-  void update(const void* p, size_t n) { XXH64_update(s_, p, n); }
-  uint64_t digest() const { return XXH64_digest(s_); }
-
- private:
-  XXH64_state_t* s_;
-};
-
-// Sequential reader over an open file of known size: never reads past the end, hashes as it goes.
-class Reader {
- public:
-  Reader(int fd, uint64_t size) : fd_(fd), size_(size) {}
-  uint64_t remaining() const { return size_ - off_; }
-  void read(void* dst, size_t n, const char* what, bool hash = true) {
-    if (n > remaining())
-      throw Bad{"truncated: " + std::string(what) + " needs " + std::to_string(n) + " bytes at offset " +
-                std::to_string(off_) + ", file has " + std::to_string(size_)};
+  FileSource(int fd, uint64_t size) : fd_(fd), size_(size) {}
+  uint64_t size() const override { return size_; }
+  void read(void* dst, size_t n) override {
     char* p = static_cast<char*>(dst);
     size_t done = 0;
     while (done < n) {
       ssize_t r = ::read(fd_, p + done, n - done);
       if (r < 0 && errno == EINTR) continue;
-      if (r < 0) throw Bad{"read error: " + errno_str(errno)};
-      if (r == 0) throw Bad{"truncated while reading (file shrank)"};
+      if (r < 0) throw EntryFormatError("read error: " + errno_str(errno));
+      if (r == 0) throw EntryFormatError("truncated while reading (file shrank)");
       done += static_cast<size_t>(r);
     }
-    if (hash) h_.update(dst, n);
-    off_ += n;
   }
-  template <typename T>
-  T get(const char* what) {
-    T v;
-    read(&v, sizeof(T), what);
-    return v;
-  }
-  uint64_t digest() const { return h_.digest(); }
 
  private:
   int fd_;
-  uint64_t size_, off_ = 0;
-  Hasher h_;
+  uint64_t size_;
 };
 
-// Buffered writer that hashes everything it writes; throws std::system_error on failure.
-class Writer {
+// Buffered file writer for the codec; throws std::system_error on failure.
+class FileSink final : public ByteSink {
  public:
-  explicit Writer(int fd) : fd_(fd) { buf_.reserve(kBuf); }
-  void put(const void* p, size_t n, bool hash = true) {
-    if (hash) h_.update(p, n);
+  explicit FileSink(int fd) : fd_(fd) { buf_.reserve(kBuf); }
+  void write(const void* p, size_t n) override {
     if (buf_.size() + n > kBuf) flush();
     if (n >= kBuf) {
       raw(p, n);
@@ -116,15 +63,10 @@ class Writer {
       buf_.insert(buf_.end(), c, c + n);
     }
   }
-  template <typename T>
-  void put(const T& v) {
-    put(&v, sizeof(T));
-  }
   void flush() {
     raw(buf_.data(), buf_.size());
     buf_.clear();
   }
-  uint64_t digest() const { return h_.digest(); }
 
  private:
   static constexpr size_t kBuf = 1 << 20;
@@ -140,7 +82,6 @@ class Writer {
   }
   int fd_;
   std::vector<char> buf_;
-  Hasher h_;
 };
 
 struct Fd {
@@ -149,15 +90,6 @@ struct Fd {
     if (fd >= 0) ::close(fd);
   }
 };
-
-std::string key_diff(const SegmentKey& want, const SegmentKey& got) {
-  if (want.model_fingerprint != got.model_fingerprint)
-    return fmt::format("written by another model (fingerprint {:016x}, expected {:016x})", got.model_fingerprint,
-                       want.model_fingerprint);
-  if (want.seam != got.seam) return fmt::format("holds seam {} (expected {})", got.seam, want.seam);
-  if (want.tail != got.tail) return fmt::format("holds tail seam {} (expected {})", got.tail, want.tail);
-  return fmt::format("holds another segment ({} token ids, expected {}; ids differ)", got.ids.size(), want.ids.size());
-}
 
 bool parse_name(const std::string& name, uint64_t& h) {
   if (name.size() != 16 + 5 || name.compare(16, 5, ".hseg") != 0) return false;
@@ -184,13 +116,7 @@ std::string SegmentStore::path_for(const SegmentKey& key) const {
 }
 
 size_t SegmentStore::file_size(const SegmentEntry& e) {
-  size_t n = 8 + 4 + 4 + 8 + 4 + 4 + 4 + 4 * e.key.ids.size() + 4 + 4;  // ..seam, tail, n_ids, ids, counts
-  for (const auto& l : e.layers)
-    for (int f = 0; f < kFields; ++f) {
-      const Tensor& t = field_of(l, f);
-      if (t.defined()) n += 4 + 4 + 8 * t.shape().size() + 8 + t.nbytes();
-    }
-  return n + 8;
+  return encoded_entry_size(e);
 }
 
 SegmentStoreStats SegmentStore::stats() const {
@@ -299,10 +225,8 @@ std::shared_ptr<SegmentEntry> SegmentStore::load(const SegmentKey& key, const Va
   auto e = load_host(key, check);
   if (!e) return nullptr;
   for (auto& l : e->layers)
-    for (int f = 0; f < kFields; ++f) {
-      Tensor& t = field_of(l, f);
-      if (t.defined()) t = be_.to_device(t);
-    }
+    for (Tensor* t : l.tensors())
+      if (t->defined()) *t = be_.to_device(*t);
   return e;
 }
 
@@ -344,68 +268,11 @@ std::shared_ptr<SegmentEntry> SegmentStore::load_host(const SegmentKey& key, con
     forget(h);
     return nullptr;
   }
-  auto e = std::make_shared<SegmentEntry>();
+  std::shared_ptr<SegmentEntry> e;
   try {
-    Reader r(fd.fd, static_cast<uint64_t>(sb.st_size));
-    char magic[8];
-    r.read(magic, 8, "magic");
-    if (std::memcmp(magic, kMagic, 8) != 0) throw Bad{"not a hypic segment file (bad magic)"};
-    const auto version = r.get<uint32_t>("version");
-    if (version != kVersion)
-      throw Bad{"unsupported format version " + std::to_string(version) + " (this build reads " +
-                std::to_string(kVersion) + ")"};
-    if (r.get<uint32_t>("reserved") != 0) throw Bad{"reserved header field is not zero"};
-    e->key.model_fingerprint = r.get<uint64_t>("model fingerprint");
-    e->key.seam = r.get<int32_t>("seam");
-    e->key.tail = r.get<int32_t>("tail seam");
-    const auto n_ids = r.get<uint32_t>("id count");
-    if (uint64_t{n_ids} * 4 > r.remaining()) throw Bad{"truncated: " + std::to_string(n_ids) + " token ids"};
-    e->key.ids.resize(n_ids);
-    r.read(e->key.ids.data(), size_t{n_ids} * 4, "token ids");
-    const auto n_layers = r.get<uint32_t>("layer count");
-    const auto n_tensors = r.get<uint32_t>("tensor count");
-    if (n_layers > kMaxLayers) throw Bad{"implausible layer count " + std::to_string(n_layers)};
-    if (n_tensors > n_layers * kFields) throw Bad{"implausible tensor count " + std::to_string(n_tensors)};
-    e->layers.resize(n_layers);
-    for (uint32_t i = 0; i < n_tensors; ++i) {
-      const auto layer = r.get<uint32_t>("tensor layer");
-      uint8_t b[4];
-      r.read(b, 4, "tensor header");
-      const std::string where = "tensor " + std::to_string(i);
-      if (layer >= n_layers) throw Bad{where + ": layer " + std::to_string(layer) + " out of range"};
-      if (b[0] >= kFields) throw Bad{where + ": bad field " + std::to_string(b[0])};
-      if (b[1] >= kDTypes) throw Bad{where + ": bad dtype " + std::to_string(b[1])};
-      if (b[2] > kMaxDims) throw Bad{where + ": bad rank " + std::to_string(b[2])};
-      if (b[3] != 0) throw Bad{where + ": reserved byte is not zero"};
-      Shape shape(b[2]);
-      uint64_t numel = 1;
-      for (auto& d : shape) {
-        d = r.get<int64_t>("tensor shape");
-        if (d < 0 || d > kMaxDim || __builtin_mul_overflow(numel, static_cast<uint64_t>(d), &numel))
-          throw Bad{where + ": bad shape"};
-      }
-      const DType dt = static_cast<DType>(b[1]);
-      const auto nbytes = r.get<uint64_t>("tensor size");
-      uint64_t expect;
-      if (__builtin_mul_overflow(numel, uint64_t{dtype_size(dt)}, &expect) || nbytes != expect)
-        throw Bad{where + ": size " + std::to_string(nbytes) + " does not match " + dtype_name(dt) + shape_str(shape)};
-      if (nbytes > r.remaining()) throw Bad{"truncated: " + where + " needs " + std::to_string(nbytes) + " bytes"};
-      Tensor& dst = field_of(e->layers[layer], b[0]);
-      if (dst.defined())
-        throw Bad{where + ": layer " + std::to_string(layer) + " field " + field_name(b[0]) + " given twice"};
-      Tensor host = Tensor::uninitialized(dt, shape);  // read in full below
-      r.read(host.raw(), nbytes, "tensor data");
-      dst = host;  // moved to the device once the whole file checks out (load)
-    }
-    const uint64_t want = r.digest();
-    uint64_t sum;
-    r.read(&sum, 8, "checksum", /*hash=*/false);
-    if (sum != want) throw Bad{fmt::format("checksum mismatch (stored {:016x}, computed {:016x})", sum, want)};
-    if (r.remaining() != 0) throw Bad{std::to_string(r.remaining()) + " trailing bytes after the checksum"};
-  } catch (const Bad& b) {
-    quarantine(path, h, sb.st_dev, sb.st_ino, b.reason);
-    return nullptr;
-  } catch (const std::exception& x) {  // e.g. allocation failure
+    FileSource src(fd.fd, static_cast<uint64_t>(sb.st_size));
+    e = decode_entry(src);
+  } catch (const std::exception& x) {  // EntryFormatError, or e.g. allocation failure
     quarantine(path, h, sb.st_dev, sb.st_ino, x.what());
     return nullptr;
   }
@@ -419,7 +286,7 @@ std::shared_ptr<SegmentEntry> SegmentStore::load_host(const SegmentKey& key, con
       ++st_.disk_misses;
       return nullptr;
     }
-    quarantine(path, h, sb.st_dev, sb.st_ino, key_diff(key, e->key));
+    quarantine(path, h, sb.st_dev, sb.st_ino, key_difference(key, e->key));
     return nullptr;
   }
   if (check) {
@@ -429,7 +296,6 @@ std::shared_ptr<SegmentEntry> SegmentStore::load_host(const SegmentKey& key, con
       return nullptr;
     }
   }
-  e->account();
   ::futimens(fd.fd, nullptr);  // refresh atime/mtime for LRU across restarts; best effort
   std::lock_guard<std::mutex> g(mu_);
   touch(h, static_cast<size_t>(sb.st_size));
@@ -469,35 +335,8 @@ bool SegmentStore::save(const SegmentEntry& e) {
     return false;
   }
   try {
-    Writer w(fd.fd);
-    w.put(kMagic, 8);
-    w.put(kVersion);
-    w.put(uint32_t{0});
-    w.put(e.key.model_fingerprint);
-    w.put(e.key.seam);
-    w.put(e.key.tail);
-    w.put(static_cast<uint32_t>(e.key.ids.size()));
-    w.put(e.key.ids.data(), e.key.ids.size() * 4);
-    uint32_t n_tensors = 0;
-    for (const auto& l : e.layers)
-      for (int f = 0; f < kFields; ++f) n_tensors += field_of(l, f).defined() ? 1 : 0;
-    w.put(static_cast<uint32_t>(e.layers.size()));
-    w.put(n_tensors);
-    for (size_t li = 0; li < e.layers.size(); ++li)
-      for (int f = 0; f < kFields; ++f) {
-        const Tensor& t = field_of(e.layers[li], f);
-        if (!t.defined()) continue;
-        Tensor host = be_.to_host(t);
-        w.put(static_cast<uint32_t>(li));
-        const uint8_t b[4] = {static_cast<uint8_t>(f), static_cast<uint8_t>(host.dtype()),
-                              static_cast<uint8_t>(host.shape().size()), 0};
-        w.put(b, 4);
-        for (int64_t d : host.shape()) w.put(d);
-        w.put(static_cast<uint64_t>(host.nbytes()));
-        w.put(host.raw(), host.nbytes());
-      }
-    const uint64_t sum = w.digest();
-    w.put(&sum, 8, /*hash=*/false);
+    FileSink w(fd.fd);
+    encode_entry(e, be_, w);
     w.flush();
     if (::fsync(fd.fd) != 0) throw std::system_error(errno, std::generic_category(), "fsync");
     const int c = ::close(fd.fd);

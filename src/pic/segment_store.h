@@ -3,19 +3,8 @@
 // another format version, or holds another key is reported (spdlog warning naming the file and
 // the reason, counted in corrupt_files), renamed to *.bad, and never used.
 //
-// File layout (little-endian; v1):
-//   "HYPICSEG"            8 bytes magic
-//   u32 version           = 1
-//   u32 reserved          = 0
-//   u64 model_fingerprint
-//   i32 seam, i32 tail
-//   u32 n_ids, i32 ids[n_ids]
-//   u32 n_layers, u32 n_tensors
-//   n_tensors records:    u32 layer, u8 field (0 T, 1 S, 2 conv_tail, 3 k, 4 v; a compact body:
-//                         5 body_k, 6 body_v, 7 body_g, 8 body_beta), u8 dtype,
-//                         u8 ndim, u8 reserved, i64 shape[ndim], u64 nbytes, raw data[nbytes]
-//   u64 xxh64 (seed 0) of every byte above
-// The file must end exactly after the checksum.
+// File layout: the entry codec's (pic/entry_codec.h), which is also the wire format between
+// hypic processes.
 //
 // Writes go to a temp file in the same directory, are fsync'ed, renamed over the final name, and
 // the directory is fsync'ed, so a reader sees either the old file, the new file, or none.
@@ -52,7 +41,7 @@ struct SegmentStoreStats {
 class SegmentStore {
  public:
   static constexpr size_t kUnlimited = std::numeric_limits<size_t>::max();
-  static constexpr uint32_t kVersion = 1;
+  static constexpr uint32_t kVersion = 1;  // = kEntryFormatVersion
 
   // Creates `dir` if needed and scans it. Never throws for an unusable directory: that is logged
   // and every later write fails (counted) while requests go on without the disk tier.

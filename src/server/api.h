@@ -86,6 +86,8 @@ std::string render_chat(const nlohmann::json& body, const ModelFacts& m);
 struct SegmentsSpec {
   std::vector<std::vector<int32_t>> segments;
   int seam = 8;
+  int tail = 0;         // tail seam of the entries (segment workers' builds; the HTTP API makes 0)
+  bool encode = false;  // segment workers: the entry comes back encoded in Job::wire (one segment)
 };
 SegmentsSpec parse_segments(const nlohmann::json& body, const ModelFacts& m);
 

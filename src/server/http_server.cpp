@@ -15,6 +15,9 @@
 #include <filesystem>
 #include <random>
 
+#ifdef HYPIC_HAVE_CLUSTER
+#include "cluster/segment_service.h"
+#endif
 #include "engine/generate.h"
 #include "engine/loader.h"
 #include "server/http_transport.h"
@@ -87,7 +90,10 @@ struct HttpServer::Impl {
   Metrics metrics;
   std::unique_ptr<Scheduler> sched;
   std::unique_ptr<HttpTransport> http;
-  int bound_port = -1;
+#ifdef HYPIC_HAVE_CLUSTER
+  std::unique_ptr<cluster::SegmentService> segments;  // after sched: destroyed before it
+#endif
+  int bound_port = -1, segment_port = -1;
   std::atomic<bool> stopped{false};
 
   Impl(LoadedModel& m, ServerOptions o) : lm(m), opt(std::move(o)) {
@@ -194,7 +200,9 @@ struct HttpServer::Impl {
     return json{{"content", content}};
   }
 
-  static int64_t now_unix() { return static_cast<int64_t>(std::time(nullptr)); }
+  static int64_t now_unix() {
+    return static_cast<int64_t>(std::time(nullptr));
+  }
 
   std::shared_ptr<Job> submit_or_throw(std::shared_ptr<Job> job) {
     t_ctx.job = job;
@@ -302,7 +310,9 @@ struct HttpServer::Impl {
     return c;
   }
 
-  static bool send_event(ChunkSink& sink, const json& j) { return sink.write("data: " + dump(j) + "\n\n"); }
+  static bool send_event(ChunkSink& sink, const json& j) {
+    return sink.write("data: " + dump(j) + "\n\n");
+  }
 
   void start_stream(HttpResponse& res, std::shared_ptr<Job> job, int fd, Endpoint ep) {
     auto st = std::make_shared<StreamState>();
@@ -536,7 +546,10 @@ struct HttpServer::Impl {
       send_json(r, 503, json{{"status", "stalled"}, {"message", msg}});
       return;
     }
-    send_json(r, 200, json{{"status", "ok"}});
+    json body{{"status", "ok"}};
+    if (auto w = sched->workers_json(); !w.empty()) body["segment_workers"] = std::move(w);
+    if (segment_port >= 0) body["segment_port"] = segment_port;
+    send_json(r, 200, body);
   }
 
   // Origin and key checks before any route runs; false: `res` holds the refusal.
@@ -648,7 +661,23 @@ HttpServer::~HttpServer() {
 int HttpServer::bind() {
   auto& s = *impl_;
   s.bound_port = s.http->bind(s.opt.host, s.opt.port);
+  if (s.opt.segment_port >= 0) {
+#ifdef HYPIC_HAVE_CLUSTER
+    Scheduler* sched = s.sched.get();
+    s.segments = std::make_unique<cluster::SegmentService>(
+        s.lm.model->fingerprint(), [sched](SegmentKey key, cluster::SegmentService::Reply reply) {
+          sched->submit_remote_build(std::move(key), std::move(reply));
+        });
+    s.segment_port = s.segments->listen(s.opt.host, s.opt.segment_port);
+#else
+    throw std::runtime_error("--segment-port: this build has no segment workers (built without UCX, libucx-dev)");
+#endif
+  }
   return s.bound_port;
+}
+
+int HttpServer::segment_port() const {
+  return impl_->segment_port;
 }
 
 void HttpServer::run() {

@@ -42,6 +42,9 @@ struct ServerOptions {
   // /health answers 503 once the engine has spent this long in one iteration while requests wait
   // (a stuck engine must not look healthy to a load balancer); 0 disables the check.
   double watchdog_s = 600;
+  // Segment worker service (--segment-port): >= 0 accepts segment builds from combine nodes over
+  // UCX on this port (0: any free port, see HttpServer::segment_port); -1: off.
+  int segment_port = -1;
 };
 
 class HttpServer {
@@ -57,6 +60,7 @@ class HttpServer {
   // Stops accepting, fails queued/running jobs with 503, returns once handlers are released.
   void stop();
   const std::string& model_name() const;
+  int segment_port() const;  // the bound segment service port, or -1
   Metrics& metrics();
   SegmentCacheStats cache_stats() const;  // memory and disk tiers
 

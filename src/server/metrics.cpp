@@ -151,6 +151,38 @@ std::string Metrics::render(const SegmentCacheStats& c) const {
          static_cast<double>(c.disk_bytes));
   scalar(out, "hypic_segment_cache_disk_entries", "gauge", "Segment files in the persistent store",
          static_cast<double>(c.disk_entries));
+  if (workers.load() > 0) {
+    scalar(out, "hypic_segment_workers", "gauge", "Segment workers this node may hand builds to (--workers)",
+           static_cast<double>(workers.load()));
+    scalar(out, "hypic_segment_workers_healthy", "gauge", "Of those, the ones taking builds now",
+           static_cast<double>(workers_healthy.load()));
+    scalar(out, "hypic_remote_builds_requested_total", "counter", "Segment builds asked of workers",
+           static_cast<double>(remote_requests.load()));
+    scalar(out, "hypic_remote_entries_total", "counter", "Entries received from workers and cached",
+           static_cast<double>(remote_entries.load()));
+    scalar(out, "hypic_remote_entry_bytes_total", "counter", "Bytes of entries received from workers",
+           static_cast<double>(remote_bytes.load()));
+    scalar(out, "hypic_remote_transfer_seconds_total", "counter",
+           "Sum over worker replies of the round trip less the worker's own time (requests and entries in flight)",
+           static_cast<double>(remote_transfer_us.load()) / 1e6);
+    scalar(out, "hypic_remote_timeouts_total", "counter", "Worker builds that missed their deadline",
+           static_cast<double>(remote_timeouts.load()));
+    scalar(out, "hypic_remote_lost_total", "counter", "Worker builds lost with their connection",
+           static_cast<double>(remote_lost.load()));
+    scalar(out, "hypic_remote_errors_total", "counter", "Worker builds answered with an error",
+           static_cast<double>(remote_errors.load()));
+    scalar(out, "hypic_remote_bad_entries_total", "counter",
+           "Entries from workers rejected by this node's checks (damaged, foreign, wrong shapes)",
+           static_cast<double>(remote_bad_entries.load()));
+    scalar(out, "hypic_remote_fallbacks_total", "counter", "Segments built here after their worker failed",
+           static_cast<double>(remote_fallbacks.load()));
+    scalar(out, "hypic_segment_worker_recoveries_total", "counter", "Unhealthy workers that answered a probe",
+           static_cast<double>(remote_recoveries.load()));
+  }
+  scalar(out, "hypic_served_builds_total", "counter", "Segment entries sent to combine nodes (--segment-port)",
+         static_cast<double>(served_builds.load()));
+  scalar(out, "hypic_served_bytes_total", "counter", "Bytes of entries sent to combine nodes",
+         static_cast<double>(served_bytes.load()));
   scalar(out, "hypic_queue_depth", "gauge", "Requests waiting for the engine", static_cast<double>(queue_depth.load()));
   scalar(out, "hypic_running_requests", "gauge", "Requests being prefilled or decoded",
          static_cast<double>(running.load()));

@@ -43,6 +43,13 @@ struct Metrics {
   std::atomic<int64_t> kv_reserved_tokens{0};  // KV rows held by running sequences (sum of capacities)
   std::atomic<uint64_t> cancelled{0}, prefill_chunks{0}, decode_steps{0};
   std::atomic<uint64_t> cache_waits{0};  // requests that waited for others' segment entries
+  // Segment parallelism (cluster/). Combine node: builds asked of workers, entries taken from them,
+  // their bytes, failures by cause, and segments built here after a worker failed; worker side:
+  // builds served to combine nodes.
+  std::atomic<uint64_t> remote_requests{0}, remote_entries{0}, remote_bytes{0}, remote_timeouts{0}, remote_lost{0},
+      remote_errors{0}, remote_bad_entries{0}, remote_fallbacks{0}, remote_recoveries{0}, served_builds{0},
+      served_bytes{0}, remote_transfer_us{0};
+  std::atomic<int64_t> workers{0}, workers_healthy{0};
 
  private:
   mutable std::mutex mu_;

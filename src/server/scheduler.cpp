@@ -6,7 +6,10 @@
 #include <stdexcept>
 #include <utility>
 
+#include "cluster/protocol.h"
+#include "cluster/worker_pool.h"
 #include "engine/generate.h"
+#include "pic/entry_codec.h"
 #include "tokenizer/tokenizer.h"
 
 namespace hypic::server {
@@ -41,6 +44,10 @@ struct Scheduler::Seq {
   std::unique_ptr<PicPlan> plan;          // pic / naive: entries found or built so far (pinned)
   std::shared_ptr<ComposeRun> compose;    // pic / naive: the composition under way
   std::shared_ptr<PrefixRun> prefix;      // prefix: the recomputation under way
+  // Combine node: per plan part, the build asked of a segment worker (null: none, or taken in).
+  std::vector<std::shared_ptr<cluster::RemoteBuild>> remote;
+  bool remote_sent = false;
+  double build_seconds = 0;  // time spent so far on the local build under way (the local rate)
   int hits = 0, misses = 0;
   std::vector<int32_t> flat;
   size_t flat_done = 0;
@@ -74,6 +81,20 @@ Scheduler::Scheduler(Model& model, const Tokenizer* tok, SchedulerOptions opt, M
     opt_.compose_chunk = model.backend().name() == "cpu" ? std::max(opt_.prefill_chunk / 32, 1) : opt_.prefill_chunk;
   if (opt_.host_cache_bytes > 0) engine_.attach_host_tier(opt_.host_cache_bytes);
   if (!opt_.cache_dir.empty()) engine_.attach_cache_dir(opt_.cache_dir, opt_.disk_budget_bytes);
+  if (!opt_.workers.empty()) {
+    auto list = cluster::parse_workers(opt_.workers);
+    if (list.empty()) throw std::invalid_argument("--workers: no worker address given");
+#ifdef HYPIC_HAVE_CLUSTER
+    cluster::PoolOptions po;
+    po.deadline_min_seconds = opt_.worker_deadline_seconds;
+    po.probe_seconds = opt_.worker_probe_seconds;
+    po.round_robin = opt_.worker_round_robin;
+    metrics_.workers = static_cast<int64_t>(list.size());
+    pool_ = std::make_shared<cluster::WorkerPool>(std::move(list), model_.fingerprint(), po, [this] { wake(); });
+#else
+    throw std::invalid_argument("--workers: this build has no segment workers (built without UCX, libucx-dev)");
+#endif
+  }
   if (tok_) {
     try {
       padded_ids_ = padded_ids_to_mask(model_, tok_);
@@ -157,6 +178,7 @@ void Scheduler::fail(Job& j, int status, const std::string& msg) {
     j.done = true;
   }
   j.cv.notify_all();
+  if (j.on_done) std::exchange(j.on_done, nullptr)(j);
 }
 
 void Scheduler::beat() {
@@ -177,6 +199,12 @@ void Scheduler::loop() {
       std::unique_lock<std::mutex> lk(mu_);
       if (queue_.empty() && running_.empty()) busy_ = false;
       cv_.wait(lk, [&] { return stopping_ || !queue_.empty() || !running_.empty(); });
+      if (idle_ && queue_.empty()) {
+        // Every prefill waits on segment workers and nothing decodes: sleep until a build comes
+        // back (wake), a job arrives, or the next deadline check.
+        const uint64_t seen = wakes_;
+        cv_.wait_for(lk, std::chrono::milliseconds(50), [&] { return stopping_ || !queue_.empty() || wakes_ != seen; });
+      }
       if (stopping_) return;
       beat();
       busy_ = true;
@@ -197,8 +225,10 @@ void Scheduler::loop() {
       for (auto& s : running_) fail(*s->job, 500, std::string("engine error: ") + e.what());
       running_.clear();
     }
-    for (const auto& s : running_)
+    for (const auto& s : running_) {
       if (s->finished && s->holds_entries()) ++unpinned_;
+      if (s->finished) drop_remote(*s);
+    }
     running_.erase(std::remove_if(running_.begin(), running_.end(), [](const auto& s) { return s->finished; }),
                    running_.end());
     metrics_.running = static_cast<int64_t>(running_.size());
@@ -209,6 +239,12 @@ void Scheduler::loop() {
 }
 
 void Scheduler::step() {
+  idle_ = false;
+  if (pool_) {
+    pool_->check();
+    sync_pool_metrics();
+  }
+  bool worked = false;
   // Client went away: free the sequence now.
   for (auto& s : running_)
     if (s->job->cancelled.load()) {
@@ -228,7 +264,8 @@ void Scheduler::step() {
   // cannot starve a long prompt or a segment post.
   const size_t n_run = running_.size();
   auto prefilling = [this](const Seq& s) {
-    return !s.finished && s.stage != Seq::Stage::Decode && !(s.cache_wait && s.cache_wait_at == unpinned_);
+    return !s.finished && s.stage != Seq::Stage::Decode && !(s.cache_wait && s.cache_wait_at == unpinned_) &&
+           !remote_waiting(s);
   };
   size_t first = n_run;
   if (short_first_ < 3)
@@ -250,6 +287,7 @@ void Scheduler::step() {
       next_prefill_ = i + 1;
     }
     metrics_.prefill_chunks++;
+    worked = true;
     const char* kind = unit_kind(*s);
     const auto t0 = Clock::now();
     try {
@@ -318,6 +356,8 @@ void Scheduler::step() {
     }
   }
   if (sampled) metrics_.observe_phase("sample", ms_since(t_sample) / 1000.0);
+  if (sampled || !cont.empty()) worked = true;
+  if (!worked) idle_ = std::any_of(running_.begin(), running_.end(), [&](const auto& s) { return remote_waiting(*s); });
   if (!cont.empty()) {
     metrics_.decode_steps++;
     const auto t0 = Clock::now();
@@ -360,7 +400,8 @@ bool Scheduler::prefill_unit(Seq& s) {
     if (s.warm_next == 0 && !s.seg_build) j.segments_result = nlohmann::json::array();
     while (s.warm_next < j.segs.segments.size()) {
       const auto& ids = j.segs.segments[s.warm_next];
-      if (static_cast<int64_t>(ids.size()) <= j.segs.seam) {
+      if (static_cast<int64_t>(ids.size()) <= int64_t{j.segs.seam} + j.segs.tail) {
+        if (j.segs.encode) throw std::invalid_argument("the segment has no body past its seams: nothing to build");
         // No body past the seam: every request recomputes such a segment whole, so an entry
         // would never be used.
         const SegmentKey key{engine_.model().fingerprint(), j.segs.seam, 0, ids};
@@ -376,8 +417,8 @@ bool Scheduler::prefill_unit(Seq& s) {
       std::shared_ptr<const SegmentEntry> e;
       if (!s.seg_build) {
         // Memory, then the disk tier (verified), else built in isolation in steps.
-        e = engine_.find(ids, j.segs.seam);
-        if (!e) s.seg_build = engine_.start_build(ids, j.segs.seam);
+        e = engine_.find(ids, j.segs.seam, j.segs.tail);
+        if (!e) s.seg_build = engine_.start_build(ids, j.segs.seam, j.segs.tail);
       }
       const bool built = !e;
       if (built) {
@@ -388,6 +429,10 @@ bool Scheduler::prefill_unit(Seq& s) {
       }
       remember(e);
       ++s.warm_next;
+      if (j.segs.encode) {
+        j.wire = encode_entry(*e, model_.backend());  // here: the engine thread owns the device
+        j.wire_cached = !built;
+      }
       j.segments_result.push_back({{"id", hex64(e->key.hash())},
                                    {"tokens", ids.size()},
                                    {"bytes", e->bytes},
@@ -410,6 +455,7 @@ bool Scheduler::prefill_unit(Seq& s) {
       j.done = true;
     }
     j.cv.notify_all();
+    if (j.on_done) std::exchange(j.on_done, nullptr)(j);
     s.finished = true;
     return true;
   }
@@ -477,17 +523,36 @@ bool Scheduler::prefill_unit(Seq& s) {
         for (const auto& p : s.plan->parts)
           if (p.entry) remember(p.entry);
       }
-      if (const size_t i = s.plan->next_missing(); i < s.plan->parts.size()) {
+      if (pool_) {
+        if (!s.remote_sent) dispatch_remote(s);
+        collect_remote(s);
+      }
+      // The next missing entry not being built by a worker.
+      size_t i = 0;
+      const size_t n_parts = s.plan->parts.size();
+      while (i < n_parts && !(s.plan->parts[i].missing() && !(i < s.remote.size() && s.remote[i]))) ++i;
+      if (i < n_parts) {
         // One bounded step of the build per iteration: a long segment does not hold the engine either.
         s.unit_did = "build";
-        if (engine_.build_step(*s.plan, i, build_budget())) remember(s.plan->parts[i].entry);
+        const auto t0 = Clock::now();
+        const bool done = engine_.build_step(*s.plan, i, build_budget());
+        model_.backend().synchronize();
+        s.build_seconds += ms_since(t0) / 1000.0;
+        if (done) {
+          remember(s.plan->parts[i].entry);
+          const double r = static_cast<double>(s.plan->parts[i].len) / std::max(s.build_seconds, 1e-6);
+          local_rate_ = local_rate_ > 0 ? 0.7 * local_rate_ + 0.3 * r : r;
+          s.build_seconds = 0;
+        }
         return false;
       }
+      if (s.plan->next_missing() < n_parts) return false;  // only workers' builds left (remote_waiting)
     } catch (const std::length_error&) {
       const bool others = std::any_of(running_.begin(), running_.end(), [&](const auto& o) {
         return o.get() != &s && !o->finished && o->holds_entries();
       });
       if (!others) throw;
+      drop_remote(s);
       s.plan.reset();
       s.cache_wait = true;
       s.cache_wait_at = unpinned_;
@@ -652,6 +717,7 @@ void Scheduler::finish(Seq& s, const std::string& reason) {
     j.done = true;
   }
   j.cv.notify_all();
+  if (j.on_done) std::exchange(j.on_done, nullptr)(j);
   metrics_.observe_generation(j.ttft_ms >= 0 ? j.ttft_ms / 1000.0 : -1, j.total_ms / 1000.0, j.report.computed_tokens,
                               j.report.reused_tokens, s.generated, j.report.hit_segments, j.report.miss_segments);
   s.finished = true;
@@ -689,6 +755,121 @@ void Scheduler::clear_segments() {
   std::lock_guard<std::mutex> g(index_mu_);
   engine_.cache().clear();
   index_.clear();
+}
+
+void Scheduler::submit_remote_build(SegmentKey key, std::function<void(cluster::BuildOutcome)> reply) {
+  auto job = std::make_shared<Job>();
+  job->kind = Job::Kind::Segments;
+  job->id = "remote-" + hex64(key.hash());
+  job->segs.segments = {std::move(key.ids)};
+  job->segs.seam = key.seam;
+  job->segs.tail = key.tail;
+  job->segs.encode = true;
+  job->on_done = [this, reply](Job& j) {
+    cluster::BuildOutcome out;
+    out.ok = j.error_status == 0 && !j.wire.empty();
+    out.cached = j.wire_cached;
+    out.bytes = out.ok ? std::move(j.wire) : (j.error_message.empty() ? "no entry" : j.error_message);
+    if (out.ok) {
+      metrics_.served_builds++;
+      metrics_.served_bytes += out.bytes.size();
+    }
+    reply(std::move(out));
+  };
+  if (!submit(job)) {
+    job->on_done = nullptr;
+    reply({false, false, "the worker's queue is full"});
+  }
+}
+
+nlohmann::json Scheduler::workers_json() const {
+  return pool_ ? pool_->workers_json() : nlohmann::json::array();
+}
+
+void Scheduler::wake() {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    ++wakes_;
+  }
+  cv_.notify_all();
+}
+
+void Scheduler::dispatch_remote(Seq& s) {
+  s.remote_sent = true;
+  auto& parts = s.plan->parts;
+  s.remote.assign(parts.size(), nullptr);
+  std::vector<size_t> idx;
+  std::vector<const SegmentKey*> keys;
+  for (size_t i = 0; i < parts.size(); ++i)
+    if (parts[i].missing() && !parts[i].building) {
+      idx.push_back(i);
+      keys.push_back(&parts[i].key);
+    }
+  if (idx.empty()) return;
+  const auto where = pool_->assign(keys, local_rate_, 0);
+  for (size_t k = 0; k < idx.size(); ++k)
+    if (where[k] >= 0) {
+      s.remote[idx[k]] = pool_->request(where[k], parts[idx[k]].key);
+      metrics_.remote_requests++;
+    }
+}
+
+void Scheduler::collect_remote(Seq& s) {
+  for (size_t i = 0; i < s.remote.size(); ++i) {
+    auto& b = s.remote[i];
+    if (!b || !b->done.load()) continue;
+    auto build = std::move(b);
+    if (!build->ok) {
+      spdlog::warn("request {}: segment {} rebuilt here: {}", s.job->id, i, build->error);
+      metrics_.remote_fallbacks++;
+      continue;  // stays missing: the local builder takes it
+    }
+    try {
+      engine_.adopt(*s.plan, i, decode_entry(build->bytes));
+      remember(s.plan->parts[i].entry);
+      metrics_.remote_entries++;
+      metrics_.remote_bytes += build->bytes.size();
+    } catch (const std::length_error&) {
+      throw;  // the cache is full: the Warm stage's wait
+    } catch (const std::exception& e) {
+      spdlog::warn("request {}: segment {} from worker {} rejected ({}); rebuilt here", s.job->id, i, build->worker,
+                   e.what());
+      pool_->bad_entry(*build, e.what());
+      metrics_.remote_fallbacks++;
+    }
+  }
+}
+
+void Scheduler::drop_remote(Seq& s) {
+  if (pool_)
+    for (auto& b : s.remote)
+      if (b) pool_->abandon(*b);
+  s.remote.clear();
+  s.remote_sent = false;
+}
+
+bool Scheduler::remote_waiting(const Seq& s) const {
+  if (s.stage != Seq::Stage::Warm || !s.plan || s.remote.empty()) return false;
+  bool pending = false;
+  for (size_t i = 0; i < s.plan->parts.size(); ++i) {
+    const auto& p = s.plan->parts[i];
+    if (!p.missing()) continue;
+    const auto* b = i < s.remote.size() ? s.remote[i].get() : nullptr;
+    if (!b || b->done.load()) return false;  // local work, or a build to take in
+    pending = true;
+  }
+  return pending;
+}
+
+void Scheduler::sync_pool_metrics() {
+  const auto st = pool_->stats();
+  metrics_.remote_timeouts = st.timeouts;
+  metrics_.remote_lost = st.lost;
+  metrics_.remote_errors = st.errors;
+  metrics_.remote_bad_entries = st.bad_entries;
+  metrics_.remote_recoveries = st.recoveries;
+  metrics_.remote_transfer_us = static_cast<uint64_t>(st.transfer_seconds * 1e6);
+  metrics_.workers_healthy = pool_->healthy();
 }
 
 }  // namespace hypic::server

@@ -18,6 +18,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
@@ -37,6 +38,10 @@
 namespace hypic {
 class Tokenizer;
 }
+namespace hypic::cluster {
+class WorkerPool;
+struct BuildOutcome;
+}  // namespace hypic::cluster
 
 namespace hypic::server {
 
@@ -73,6 +78,10 @@ struct Job {
   CacheReport report;  // hit/miss segments, reused / computed prompt tokens for THIS request
   double ttft_ms = -1, total_ms = 0;
   nlohmann::json segments_result;  // Segments jobs: [{"id", "tokens", "bytes", "cached"}]
+  std::string wire;                // Segments jobs with segs.encode: the entry, encoded
+  bool wire_cached = false;        // ... found in the cache rather than built
+  // Called once on the engine thread when the job is done (failed too), after the waiters are woken.
+  std::function<void(Job&)> on_done;
 
   // Handler side: waits up to `timeout` for output; moves new tokens into `got`. Returns done.
   bool wait(std::vector<TokenOut>& got, std::chrono::milliseconds timeout);
@@ -95,6 +104,12 @@ struct SchedulerOptions {
   size_t disk_budget_bytes = std::numeric_limits<size_t>::max();
   // Host tier of the segment cache (--host-cache-mib, GPU backends): 0 = none.
   size_t host_cache_bytes = 0;
+  // Segment workers (--workers, a list "host:port,..." or a cluster file's text): the missing
+  // entries of a PIC plan are spread over them and this engine by LPT. "" = build everything here.
+  std::string workers;
+  double worker_deadline_seconds = 30;  // a remote build's deadline: at least this, or 8x its estimate
+  double worker_probe_seconds = 5;      // an unhealthy worker is probed again after this
+  bool worker_round_robin = false;      // deal segments in turn instead of LPT (benchmarks)
 };
 
 struct SegmentInfo {
@@ -122,6 +137,12 @@ class Scheduler {
   std::vector<SegmentInfo> list_segments();
   bool erase_segment(const std::string& id);  // false: unknown id
   void clear_segments();
+  // A segment worker's build (cluster::SegmentService): the entry of `key`, found in the cache or
+  // built in isolation as one more job of this engine, encoded; `reply` gets it on the engine
+  // thread (or at once when the queue is full).
+  void submit_remote_build(SegmentKey key, std::function<void(cluster::BuildOutcome)> reply);
+  // Combine node: the segment workers and their state (empty without --workers).
+  nlohmann::json workers_json() const;
 
  private:
   struct Seq;
@@ -150,6 +171,14 @@ class Scheduler {
   void fail(Job& j, int status, const std::string& msg);
   void drop_cancelled_queued();  // fails and removes queued jobs whose client went away (mu_ held)
   void remember(const std::shared_ptr<const SegmentEntry>& e);
+  // Combine node: sends the plan's missing entries that LPT gives to workers; takes in the ones
+  // that came back (a failed one stays missing and is built here); forgets a request's builds.
+  void dispatch_remote(Seq& s);
+  void collect_remote(Seq& s);
+  void drop_remote(Seq& s);
+  bool remote_waiting(const Seq& s) const;  // only remote builds left, none finished yet
+  void sync_pool_metrics();
+  void wake();  // a remote build finished: the engine loop looks again
   // "" when an entry loaded from disk fits this model's layer layout and shapes.
 
   Model& model_;
@@ -159,6 +188,10 @@ class Scheduler {
   SchedulerOptions opt_;
   Metrics& metrics_;
   mutable PicEngine engine_;
+  std::shared_ptr<cluster::WorkerPool> pool_;  // shared: its deleter is made where it is
+  double local_rate_ = 0;                      // tokens/s of this engine's isolated builds (measured; 0: none yet)
+  uint64_t wakes_ = 0;                         // guarded by mu_: remote builds finished
+  bool idle_ = false;                          // the last iteration did nothing (all prefills wait on workers)
 
   std::mutex mu_;
   std::condition_variable cv_;

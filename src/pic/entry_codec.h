@@ -1,0 +1,66 @@
+// The byte form of a segment entry: the disk tier's file format (SegmentStore) and the wire
+// format of entries sent between hypic processes (cluster/), one codec for both, so an entry that
+// arrives over the network is checked exactly as a file is (magic, version, bounds, checksum).
+//
+// Layout (little-endian; v1):
+//   "HYPICSEG"            8 bytes magic
+//   u32 version           = 1
+//   u32 reserved          = 0
+//   u64 model_fingerprint
+//   i32 seam, i32 tail
+//   u32 n_ids, i32 ids[n_ids]
+//   u32 n_layers, u32 n_tensors
+//   n_tensors records:    u32 layer, u8 field (0 T, 1 S, 2 conv_tail, 3 k, 4 v; a compact body:
+//                         5 body_k, 6 body_v, 7 body_g, 8 body_beta), u8 dtype,
+//                         u8 ndim, u8 reserved, i64 shape[ndim], u64 nbytes, raw data[nbytes]
+//   u64 xxh64 (seed 0) of every byte above
+// The bytes must end exactly after the checksum.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+
+#include "pic/segment_cache.h"
+
+namespace hypic {
+
+class Backend;
+
+// A damaged, truncated, foreign-version or implausible entry: what() names the problem.
+struct EntryFormatError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+class ByteSink {
+ public:
+  virtual ~ByteSink() = default;
+  virtual void write(const void* p, size_t n) = 0;  // throws on failure
+};
+
+class ByteSource {
+ public:
+  virtual ~ByteSource() = default;
+  virtual uint64_t size() const = 0;  // total bytes
+  // Exactly n bytes; the caller has checked n against what is left (throws on I/O errors).
+  virtual void read(void* dst, size_t n) = 0;
+};
+
+inline constexpr uint32_t kEntryFormatVersion = 1;
+
+// Bytes encode_entry writes for e.
+size_t encoded_entry_size(const SegmentEntry& e);
+// Writes e (tensors copied to the host through be where they live on a device).
+void encode_entry(const SegmentEntry& e, Backend& be, ByteSink& out);
+std::string encode_entry(const SegmentEntry& e, Backend& be);
+// Reads one entry, every length and count bounded before use and the checksum verified; tensors
+// stay in host memory and bytes is accounted. Throws EntryFormatError.
+std::shared_ptr<SegmentEntry> decode_entry(ByteSource& in);
+std::shared_ptr<SegmentEntry> decode_entry(std::string_view bytes);
+
+// "" when got is want, else what differs (another model, seam, tail or segment).
+std::string key_difference(const SegmentKey& want, const SegmentKey& got);
+
+}  // namespace hypic

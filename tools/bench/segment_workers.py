@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""Segment parallelism benchmark (issue 13): a cold PIC request whose documents are all new, on one
+hypic server alone, then with 1, 2, ... segment workers (`hypic serve --role worker`), LPT and
+round-robin; prints one JSON line per run and a table. Standard library only.
+
+Each run starts fresh processes (nothing cached) and sends one request with max_tokens 1: its
+wall time is the time to first token. Documents are random words, distinct per run."""
+import argparse
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+
+WORDS = ("river bread lighthouse valley market ship map coast keeper baker dawn lake library north "
+         "garden winter copper signal harbor meadow lantern orchard quarry summit thunder village").split()
+
+
+def start(cmd, log):
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
+    line = p.stdout.readline()
+    m = re.match(r"listening on http://[^:]+:(\d+)", line)
+    if not m:
+        p.kill()
+        sys.exit(f"server did not start: {' '.join(cmd)}; see {log}")
+    return p, int(m.group(1))
+
+
+def get(port, path):
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=600) as r:
+        return r.read().decode()
+
+
+def post(port, path, body):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=3600) as r:
+        return json.loads(r.read())
+
+
+def metric(text, name):
+    m = re.search(r"^" + re.escape(name) + r"(?:\{[^}]*\})? ([0-9.eE+-]+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def document(rng, words):
+    return "Document: " + " ".join(rng.choice(WORDS) for _ in range(words)) + "."
+
+
+def run(args, workload, lengths, n_workers, schedule, seed):
+    base = [args.hypic, "serve", "--port", "0", "--config", args.config, "--random-weights", "--tokenizer",
+            args.tokenizer, "--threads", str(args.threads), "--max-queue", "256"]
+    procs, addrs = [], []
+    try:
+        for k in range(n_workers):
+            p, port = start(base + ["--role", "worker", "--segment-port", "0"], f"{args.logs}/worker{k}.log")
+            procs.append(p)
+            addrs.append(f"127.0.0.1:{json.loads(get(port, '/health'))['segment_port']}")
+        extra = ["--workers", ",".join(addrs), "--worker-schedule", schedule] if addrs else []
+        p, port = start(base + extra, f"{args.logs}/combine.log")
+        procs.append(p)
+        rng = random.Random(seed)
+        prompt = "You answer questions using the documents."
+        for n in lengths:
+            prompt += "<<PIC_SEP>>" + document(rng, n)
+        prompt += "<<PIC_SEP>>Question: which word comes first?"
+        t0 = time.perf_counter()
+        r = post(port, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "temperature": 0,
+                                           "ignore_eos": True})
+        ttft = time.perf_counter() - t0
+        m = get(port, "/metrics")
+        row = {
+            "workload": workload, "workers": n_workers, "schedule": schedule if n_workers else "-",
+            "segments": len(lengths), "prompt_tokens": r["usage"]["prompt_tokens"],
+            "ttft_s": round(ttft, 3),
+            "remote_entries": int(metric(m, "hypic_remote_entries_total")),
+            "remote_mib": round(metric(m, "hypic_remote_entry_bytes_total") / 2**20, 2),
+            "transfer_s": round(metric(m, "hypic_remote_transfer_seconds_total"), 3),
+            "fallbacks": int(metric(m, "hypic_remote_fallbacks_total")),
+        }
+        # Phase sums by label (build here, compose, prefill of the question).
+        for ph in ("build", "compose"):
+            mm = re.search(r'^hypic_engine_phase_seconds_sum\{phase="' + ph + r'"\} ([0-9.eE+-]+)$', m, re.M)
+            row[ph + "_here_s" if ph == "build" else "compose_s"] = round(float(mm.group(1)), 3) if mm else 0.0
+        return row
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hypic", default="build/hypic")
+    ap.add_argument("--config", default="../shared/bench-configs/qwen3_5_0_8b.json")
+    ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--threads", type=int, default=1, help="threads per process")
+    ap.add_argument("--workers", default="0,1", help="worker counts to run")
+    ap.add_argument("--segments", type=int, default=11)
+    ap.add_argument("--words", type=int, default=1800, help="words per document of the even workload (~2.4k tokens)")
+    ap.add_argument("--uneven", default="", help="words per document of the uneven workload (comma list)")
+    ap.add_argument("--logs", default="/tmp/hypic-segment-workers")
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    os.makedirs(a.logs, exist_ok=True)
+    rows = []
+    seed = 1
+    plans = [("even", [a.words] * a.segments)]
+    if a.uneven:
+        plans.append(("uneven", [int(x) for x in a.uneven.split(",")]))
+    for name, lengths in plans:
+        for w in [int(x) for x in a.workers.split(",")]:
+            for sched in (["lpt", "round-robin"] if w > 0 and name == "uneven" else ["lpt"]):
+                row = run(a, name, lengths, w, sched, seed)
+                seed += 1
+                base = next((r["ttft_s"] for r in rows if r["workload"] == name and r["workers"] == 0), row["ttft_s"])
+                row["speedup"] = round(base / row["ttft_s"], 2)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    if a.out:
+        with open(a.out, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    print("\n| workload | workers | schedule | prompt tokens | TTFT s | speedup | entries from workers | MiB moved | transfer s | built here s | compose s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['workload']} | {r['workers']} | {r['schedule']} | {r['prompt_tokens']} | {r['ttft_s']} | "
+              f"{r['speedup']} | {r['remote_entries']} | {r['remote_mib']} | {r['transfer_s']} | {r['build_here_s']} | "
+              f"{r['compose_s']} |")
+
+
+if __name__ == "__main__":
+    main()
