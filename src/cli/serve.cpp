@@ -77,7 +77,7 @@ void register_serve(CLI::App& app) {
     // Segment parallelism (docs/cluster.md).
     std::string role = "server", workers, cluster_file;
     int segment_port = -1;
-    double worker_deadline_s = 30, worker_probe_s = 5;
+    double worker_deadline_s = 30, worker_probe_s = 5, worker_deadline_factor = 8;
     std::string worker_schedule = "lpt";
   };
   auto o = std::make_shared<Opts>();
@@ -164,11 +164,15 @@ void register_serve(CLI::App& app) {
                 "Segment workers (host:port,...) to spread the missing segments of a PIC request over, LPT");
   c->add_option("--cluster-file", o->cluster_file, "File of segment workers: host:port per line ('#' comments)");
   c->add_option("--worker-deadline-s", o->worker_deadline_s,
-                "A worker's build fails (and is done here) after this long, or 8x its estimated time if longer")
+                "A worker's build fails (and is done here) after this long, or 8x the estimated time of its queue "
+                "there if longer")
       ->capture_default_str();
   c->add_option("--worker-schedule", o->worker_schedule,
                 "lpt: longest segment to the node that finishes it first; round-robin: in turn (for comparison)")
       ->check(CLI::IsMember({"lpt", "round-robin"}))
+      ->capture_default_str();
+  c->add_option("--worker-deadline-factor", o->worker_deadline_factor,
+                "... or this many times the estimated time of the worker's queue up to the build")
       ->capture_default_str();
   c->add_option("--worker-probe-s", o->worker_probe_s, "An unhealthy worker is probed again after this long")
       ->capture_default_str();
@@ -251,6 +255,8 @@ void register_serve(CLI::App& app) {
       if (!(o->worker_deadline_s > 0)) throw std::invalid_argument("--worker-deadline-s must be positive");
       if (!(o->worker_probe_s > 0)) throw std::invalid_argument("--worker-probe-s must be positive");
       so.sched.worker_deadline_seconds = o->worker_deadline_s;
+      if (!(o->worker_deadline_factor >= 0)) throw std::invalid_argument("--worker-deadline-factor must be >= 0");
+      so.sched.worker_deadline_factor = o->worker_deadline_factor;
       so.sched.worker_probe_seconds = o->worker_probe_s;
       so.sched.worker_round_robin = o->worker_schedule == "round-robin";
 

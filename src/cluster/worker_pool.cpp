@@ -18,6 +18,9 @@ double seconds_between(Clock::time_point a, Clock::time_point b) {
 // Before any build is measured, a node is assumed to build this many tokens per second (only the
 // ratio between nodes matters to LPT, and all start equal).
 constexpr double kUnknownRate = 1000;
+// For deadlines only, an unmeasured worker is assumed this slow (a 0.8B model on one CPU thread
+// builds ~20 tokens/s): a deadline must not fail a healthy worker before its rate is known.
+constexpr double kDeadlineRate = 10;
 // A worker that already holds a segment sends it without building: that much of a build's time.
 constexpr double kFetchShare = 0.05;
 }  // namespace
@@ -159,11 +162,14 @@ std::shared_ptr<RemoteBuild> WorkerPool::request(int worker, const SegmentKey& k
   Worker& w = workers_.at(static_cast<size_t>(worker));
   const double rate = w.rate > 0 ? w.rate : kUnknownRate;
   b->estimate_seconds = static_cast<double>(key.ids.size()) / rate;
-  const double limit = std::max(opt_.deadline_min_seconds, opt_.deadline_factor * b->estimate_seconds);
-  b->deadline = b->sent + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(limit));
   b->request = next_request_++;
   ++w.in_flight;
   w.busy += b->estimate_seconds;
+  // The worker builds its requests one after another: this one is due after everything queued
+  // there before it, so its deadline counts that work too.
+  const double ahead = w.rate > 0 ? w.busy : w.busy * kUnknownRate / kDeadlineRate;
+  const double limit = std::max(opt_.deadline_min_seconds, opt_.deadline_factor * ahead);
+  b->deadline = b->sent + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(limit));
   ++st_.requests;
   if (!w.healthy || w.peer == 0) {
     fail(b, "segment worker " + w.addr.str() + " is down: " + w.why, &PoolStats::lost);

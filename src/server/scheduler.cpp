@@ -88,6 +88,7 @@ Scheduler::Scheduler(Model& model, const Tokenizer* tok, SchedulerOptions opt, M
     cluster::PoolOptions po;
     po.deadline_min_seconds = opt_.worker_deadline_seconds;
     po.probe_seconds = opt_.worker_probe_seconds;
+    po.deadline_factor = opt_.worker_deadline_factor;
     po.round_robin = opt_.worker_round_robin;
     metrics_.workers = static_cast<int64_t>(list.size());
     pool_ = std::make_shared<cluster::WorkerPool>(std::move(list), model_.fingerprint(), po, [this] { wake(); });

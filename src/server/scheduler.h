@@ -107,7 +107,8 @@ struct SchedulerOptions {
   // Segment workers (--workers, a list "host:port,..." or a cluster file's text): the missing
   // entries of a PIC plan are spread over them and this engine by LPT. "" = build everything here.
   std::string workers;
-  double worker_deadline_seconds = 30;  // a remote build's deadline: at least this, or 8x its estimate
+  double worker_deadline_seconds = 30;  // a remote build's deadline: at least this, or
+  double worker_deadline_factor = 8;    // this many times the estimated time of the worker's queue
   double worker_probe_seconds = 5;      // an unhealthy worker is probed again after this
   bool worker_round_robin = false;      // deal segments in turn instead of LPT (benchmarks)
 };

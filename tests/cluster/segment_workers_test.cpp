@@ -226,8 +226,10 @@ TEST(SegmentWorkers, SlowWorkerMissesTheDeadline) {
   Worker slow("slow_w", "4000");
   const json body = rag_body(50, 4);
   const Answer want = reference(body);
-  ServeProcess combine(kModel, {"--threads", "1", "--workers", slow.address(), "--worker-deadline-s", "1"},
-                       log_path("slow_combine"));
+  ServeProcess combine(
+      kModel,
+      {"--threads", "1", "--workers", slow.address(), "--worker-deadline-s", "1", "--worker-deadline-factor", "0"},
+      log_path("slow_combine"));
   const Answer got = ask(combine.port(), body);
   EXPECT_EQ(got, want);
   EXPECT_GE(metric(combine.port(), "hypic_remote_timeouts_total"), 1);
