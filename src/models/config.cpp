@@ -275,6 +275,8 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
   cfg.vocab_size = f.positive("vocab_size");
   cfg.hidden_size = f.positive("hidden_size");
   cfg.num_hidden_layers = f.positive("num_hidden_layers");
+  if (cfg.num_hidden_layers > kMaxLayers)
+    f.bad("num_hidden_layers", "at most " + std::to_string(kMaxLayers) + " layers", f.need("num_hidden_layers"));
   cfg.intermediate_size = f.non_negative_or("intermediate_size", 0);
   cfg.hidden_act = f.string_or("hidden_act", "silu");
   cfg.rms_norm_eps = f.number_or("rms_norm_eps", 1e-6);

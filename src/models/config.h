@@ -14,6 +14,10 @@ enum class LayerKind { Linear, Full };  // linear_attention (Gated DeltaNet) / f
 
 const char* arch_name(Arch a);
 
+// The most decoder layers a config may declare: far above any real model (the largest have ~128),
+// low enough that a damaged or hostile count cannot drive a huge allocation before tensors are read.
+inline constexpr int64_t kMaxLayers = 4096;
+
 struct ModelConfig {
   std::string architecture;  // architectures[0] as written in config.json
   Arch arch = Arch::Qwen3_5;

@@ -354,6 +354,16 @@ TEST(ModelConfigErrors, PositiveIntegers) {
   EXPECT_THAT(error_of(n), HasSubstr("field 'vocab_size' must be a positive integer, found -1"));
 }
 
+// A damaged layer count is refused before it sizes anything (the fuzzer found a 2 GiB allocation).
+TEST(ModelConfigErrors, LayerCountIsBounded) {
+  json j = qwen3_5_text_legacy();
+  j.erase("layer_types");
+  j["num_hidden_layers"] = int64_t{1} << 40;
+  EXPECT_THAT(error_of(j), AllOf(HasSubstr(kPath), HasSubstr("field 'num_hidden_layers' must be at most 4096 layers")));
+  j["num_hidden_layers"] = 8;
+  EXPECT_EQ(parse(j).num_hidden_layers, 8);
+}
+
 TEST(ModelConfigErrors, MissingRequiredFields) {
   for (const char* k : {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "linear_num_key_heads",
                         "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"}) {

@@ -14,6 +14,7 @@
 #include "engine/generate.h"
 #include "engine/loader.h"
 #include "engine/sampler.h"
+#include "io/gguf_writer.h"
 #include "io/safetensors.h"
 
 namespace fs = std::filesystem;
@@ -229,6 +230,31 @@ TEST(GgufCheckpoint, UnsupportedFilesAreRefusedClearly) {
     EXPECT_NE(std::string(e.what()).find("small.gguf"), std::string::npos) << e.what();
   }
   EXPECT_THROW(load_model(gguf("missing.gguf"), "cpu", 1), std::runtime_error);
+}
+
+// A block count beyond the file's tensor table is damage: refused by name before it sizes anything
+// (the fuzzer found a 2 GiB layer list from one changed byte).
+TEST(GgufCheckpoint, BlockCountBeyondTheTensorsIsRefused) {
+  GgufFile src(gguf("qwen3_5_dense-f32.gguf"));
+  const ModelConfig ok = gguf_model_config(src);
+  for (const uint64_t blocks : {uint64_t{1} << 31, uint64_t{src.tensors().size() + 1}}) {
+    GgufWriter w;
+    for (const auto& [k, v] : src.metadata()) w.set(k, v);
+    w.set_u32("qwen35.block_count", static_cast<uint32_t>(blocks));
+    for (const auto& t : src.tensors()) w.add_tensor(t.name, src.get(t.name));
+    const std::string p = (fs::temp_directory_path() / ("hypic_blocks_" + std::to_string(blocks) + ".gguf")).string();
+    w.write(p);
+    GgufFile f(p);
+    try {
+      (void)gguf_model_config(f);
+      ADD_FAILURE() << "accepted block_count " << blocks;
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find("qwen35.block_count " + std::to_string(blocks)), std::string::npos)
+          << e.what();
+    }
+    fs::remove(p);
+  }
+  EXPECT_GT(ok.num_hidden_layers, 0);
 }
 
 // The CLI takes a GGUF file wherever it takes a model folder: the same answer from both.
