@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/cpu/blas_core.h"
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cpu/quant_dot.h"
 #include "tensor/quant.h"
@@ -60,6 +61,7 @@ struct Row {
 }  // namespace
 
 int main(int argc, char** argv) {
+  cpu::reexec_for_openblas_core(argv);  // the kernels hypic itself runs (blas_core.h)
   int threads = argc > 1 ? std::atoi(argv[1]) : 0;
   cpu::CpuBackend be(threads);
   threads = be.num_threads();
@@ -127,7 +129,7 @@ int main(int argc, char** argv) {
     rows.push_back({"backend_attention_decode", "f32", 1, D, Hq, s * 1e3, 2.0 * 2.0 * Hq * D * S / s / 1e9});
   }
 
-  std::printf("{\"threads\": %d, \"results\": [\n", threads);
+  std::printf("{\"threads\": %d, \"openblas_core\": \"%s\", \"results\": [\n", threads, cpu::openblas_core());
   for (size_t i = 0; i < rows.size(); ++i) {
     const Row& r = rows[i];
     std::printf(

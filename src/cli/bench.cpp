@@ -12,6 +12,7 @@
 #include <random>
 #include <sstream>
 
+#include "backend/cpu/blas_core.h"
 #include "cli/commands.h"
 #include "engine/loader.h"
 #include "engine/sampler.h"
@@ -92,7 +93,7 @@ double measure_gemm_gflops(Backend& be, DType wdt = DType::F32) {
 }
 
 struct BenchOpts {
-  std::string model = default_model_dir(), config, dtype = "bf16", backend = "cpu", quantize;
+  std::string model = default_model_dir(), config, dtype = "bf16", backend = "cpu", quantize, activations;
   bool random = false, json = false;
   int tokens = 512, repeats = 3, context = 128, threads = 0, batch = 1;
   std::string lengths, batches;  // several prefill lengths / decode batch sizes over one model load
@@ -100,11 +101,15 @@ struct BenchOpts {
 };
 
 LoadedModel open(const BenchOpts& o) {
+  LoadedModel lm;
   if (o.random || !o.config.empty()) {
     if (o.config.empty()) throw std::invalid_argument("--random-weights needs --config FILE");
-    return load_random_model(o.config, o.seed, parse_weight_dtype(o.dtype, "--dtype"), o.backend, o.threads);
+    lm = load_random_model(o.config, o.seed, parse_weight_dtype(o.dtype, "--dtype"), o.backend, o.threads);
+  } else {
+    lm = load_model(o.model, o.backend, o.threads, quantize_option(o.quantize));
   }
-  return load_model(o.model, o.backend, o.threads, quantize_option(o.quantize));
+  apply_activations_option(*lm.backend, o.activations);
+  return lm;
 }
 
 std::vector<int32_t> random_ids(int64_t n, int64_t vocab, uint64_t seed) {
@@ -122,6 +127,8 @@ void add_common(CLI::App* c, BenchOpts& o) {
   c->add_option("--dtype", o.dtype, "Weight dtype for --random-weights: bf16, f16, f32, q8_0, q4_k, q6_k")
       ->capture_default_str();
   c->add_option("--quantize", o.quantize, "Quantize the matrices as they load: q8_0, q4_k or q6_k (CPU backend)");
+  c->add_option("--activations", o.activations,
+                "Activations of the products: f32 (exact) or bf16 (cuda's tensor cores; default: cpu f32, cuda bf16)");
   c->add_option("--seed", o.seed, "Seed for weights and token ids")->capture_default_str();
   c->add_option("--repeats", o.repeats, "Timed repetitions (median reported)")->capture_default_str();
   c->add_option("--threads", o.threads, "CPU threads (0: all cores)");
@@ -276,6 +283,8 @@ void register_bench(CLI::App& app) {
                          {"model", lm.description},
                          {"backend", m.backend().name()},
                          {"threads", m.backend().num_threads()},
+                         {"activations", m.backend().precise() ? "f32" : "bf16"},
+                         {"openblas_core", m.backend().name() == "cpu" ? cpu::openblas_core() : ""},
                          {"parameters", m.parameter_count()},
                          {"tokens", n_tok},
                          {"peak_device_bytes", m.backend().peak_memory_bytes()},
@@ -351,6 +360,8 @@ void register_bench(CLI::App& app) {
                          {"model", lm.description},
                          {"backend", m.backend().name()},
                          {"threads", m.backend().num_threads()},
+                         {"activations", m.backend().precise() ? "f32" : "bf16"},
+                         {"openblas_core", m.backend().name() == "cpu" ? cpu::openblas_core() : ""},
                          {"parameters", m.parameter_count()},
                          {"context", o.context},
                          {"batch", B},

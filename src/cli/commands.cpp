@@ -88,7 +88,7 @@ std::vector<int> parse_int_list(const std::string& csv, const std::string& flag,
 void register_generate(CLI::App& app) {
   struct Opts {
     std::string model = default_model_dir(), prompt, prompt_ids, backend = "cpu", segments_file, mode = "pic";
-    std::string quantize;
+    std::string quantize, activations;
     int max_tokens = 64, top_k = 0, logprobs = -1, threads = 0, seam = 8, tail_seam = 0;
     std::string cache_dir;
     double cache_mib = 4096;
@@ -130,6 +130,8 @@ void register_generate(CLI::App& app) {
   c->add_option("--threads", o->threads, "CPU threads (0: all cores)");
   c->add_option("--backend", o->backend, "Compute backend")->capture_default_str();
   c->add_option("--quantize", o->quantize, "Quantize the matrices as they load: q8_0, q4_k or q6_k (CPU backend)");
+  c->add_option("--activations", o->activations,
+                "Activations of the products: f32 (exact) or bf16 (cuda's tensor cores; default: cpu f32, cuda bf16)");
   c->add_flag("--json", o->json, "Print one JSON object");
   c->callback([o] {
     guarded([&] {
@@ -143,6 +145,7 @@ void register_generate(CLI::App& app) {
       if (o->tail_seam < 0) throw std::invalid_argument("--tail-seam must be >= 0");
       if (!(o->cache_mib > 0)) throw std::invalid_argument("--cache-budget-mib must be positive");
       LoadedModel lm = load_model(o->model, o->backend, o->threads, quantize_option(o->quantize));
+      apply_activations_option(*lm.backend, o->activations);
       GenerateRequest req;
       std::vector<std::vector<int32_t>> segments;
       if (!o->prompt_ids.empty()) {

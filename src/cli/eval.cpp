@@ -13,7 +13,7 @@ namespace hypic::cli {
 
 void register_eval(CLI::App& app) {
   struct Opts {
-    std::string quantize;
+    std::string quantize, activations;
     std::string model = default_model_dir(), task = "all", set = "moderate", data, modes = "full,prefix,pic,naive",
                 seams = "8", predictions;
     int n = 0, threads = 0;
@@ -38,6 +38,8 @@ void register_eval(CLI::App& app) {
               "Never decode ids without a tokenizer entry (default: every row, as transformers does)");
   c->add_option("--threads", o->threads, "CPU threads (0: all cores)");
   c->add_option("--quantize", o->quantize, "Quantize the matrices as they load: q8_0, q4_k or q6_k (CPU backend)");
+  c->add_option("--activations", o->activations,
+                "Activations of the products: f32 (exact) or bf16 (cuda's tensor cores; default: cpu f32, cuda bf16)");
   c->add_flag("--json", o->json, "Print JSON only");
   c->callback([o] {
     guarded([&] {
@@ -66,6 +68,7 @@ void register_eval(CLI::App& app) {
       std::vector<std::string> tasks = o->task == "all" ? std::vector<std::string>{"lookup", "twohop", "aggregate"}
                                                         : std::vector<std::string>{o->task};
       LoadedModel lm = load_model(o->model, "cpu", o->threads, quantize_option(o->quantize));
+      apply_activations_option(*lm.backend, o->activations);
       eval::RunOptions ro;
       ro.warm = !o->no_warm;
       ro.cache_mib = o->cache_mib;

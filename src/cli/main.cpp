@@ -8,9 +8,12 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "backend/cpu/blas_core.h"
 #include "cli/commands.h"
 
 int main(int argc, char** argv) {
+  // OpenBLAS on a CPU it did not recognise (virtual machines): run again on the right kernels.
+  hypic::cpu::reexec_for_openblas_core(argv);
   // Logs go to stderr: stdout carries results (JSON, generated text, SSE never mixes with logs).
   spdlog::set_default_logger(spdlog::stderr_color_mt("hypic"));
   CLI::App app{"hypic: inference and serving for hybrid-attention LLMs with position-independent caching"};

@@ -57,7 +57,7 @@ void on_signal(int) {
 void register_serve(CLI::App& app) {
   struct Opts {
     std::string model = default_model_dir(), host = "127.0.0.1", mode = "pic", name, backend = "cpu";
-    std::string quantize;
+    std::string quantize, activations;
     int port = 8080, seam = 8, max_queue = 64, max_running = 8, threads = 0, prefill_chunk = 0, http_threads = 0,
         compose_chunk = 0;
     double cache_mib = 0, max_body_mib = 32, host_cache_mib = 0;  // cache_mib: set from the machine unless given
@@ -90,6 +90,8 @@ void register_serve(CLI::App& app) {
   c->add_option("--dtype", o->dtype, "Weight dtype for --random-weights: bf16, f16, f32, q8_0, q4_k, q6_k")
       ->capture_default_str();
   c->add_option("--quantize", o->quantize, "Quantize the matrices as they load: q8_0, q4_k or q6_k (CPU backend)");
+  c->add_option("--activations", o->activations,
+                "Activations of the products: f32 (exact) or bf16 (cuda's tensor cores; default: cpu f32, cuda bf16)");
   c->add_option("--tokenizer", o->tokenizer,
                 "Folder with tokenizer.json (and tokenizer_config.json) to use instead of the model's");
   c->add_option("--host", o->host, "Address to listen on")->capture_default_str();
@@ -276,6 +278,8 @@ void register_serve(CLI::App& app) {
       DType rdt = DType::BF16;
       if (o->random) rdt = parse_weight_dtype(o->dtype, "--dtype");
       const auto quantize = quantize_option(o->quantize);
+      if (!o->activations.empty() && o->activations != "f32" && o->activations != "bf16")  // before a long load
+        throw std::invalid_argument("--activations '" + o->activations + "': must be f32 or bf16");
       spdlog::info("loading model from {}", o->random ? o->config + " (random weights)" : o->model);
       const auto t0 = std::chrono::steady_clock::now();
       std::mutex mu;
@@ -291,6 +295,7 @@ void register_serve(CLI::App& app) {
       try {
         lm = o->random ? load_random_model(o->config, 1, rdt, o->backend, o->threads)
                        : load_model(o->model, o->backend, o->threads, quantize);
+        apply_activations_option(*lm.backend, o->activations);
         if (!o->tokenizer.empty()) {
           namespace fs = std::filesystem;
           const fs::path t = fs::path(o->tokenizer) / "tokenizer.json",

@@ -44,5 +44,10 @@ LoadedModel load_random_model(const std::string& config_json, uint64_t seed, DTy
 DType parse_weight_dtype(const std::string& name, const std::string& option);
 // --quantize: empty for none, else q8_0, q4_k or q6_k.
 std::optional<DType> quantize_option(const std::string& name);
+// --activations: how products treat their activations. "f32": exact (Backend::set_precise(true));
+// "bf16": rounded to bf16 for the GPU's tensor cores; empty: the backend's default (f32 on the CPU,
+// bf16 on CUDA). An unknown name, or bf16 on the CPU (which has no faster bf16 products), is an
+// error naming the flag.
+void apply_activations_option(Backend& backend, const std::string& name);
 
 }  // namespace hypic

@@ -13,6 +13,7 @@
 #include "backend/backend.h"
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cpu/thread_pool.h"
+#include "engine/loader.h"
 
 using namespace hypic;
 
@@ -187,6 +188,22 @@ TEST_F(CpuOps, MatmulAllDtypesAndShapes) {
       EXPECT_LE(rel_l2(y, ref2), 1e-5) << "accumulate " << dtype_name(dt) << " M=" << c.M;
     }
   }
+}
+
+// The CPU's products are always f32-exact in the activations; --activations says so by name.
+TEST_F(CpuOps, ActivationsOptionIsF32Only) {
+  EXPECT_TRUE(be->precise());
+  be->set_precise(false);
+  EXPECT_TRUE(be->precise());
+  EXPECT_NO_THROW(apply_activations_option(*be, ""));
+  EXPECT_NO_THROW(apply_activations_option(*be, "f32"));
+  try {
+    apply_activations_option(*be, "bf16");
+    ADD_FAILURE() << "bf16 activations accepted by the cpu backend";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("--activations bf16: the cpu backend"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(error_of([&] { apply_activations_option(*be, "fp8"); }), "--activations 'fp8': must be f32 or bf16");
 }
 
 TEST_F(CpuOps, MatmulValidation) {

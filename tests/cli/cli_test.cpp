@@ -22,8 +22,9 @@ struct Run {
   std::string out;
 };
 
-Run run(const std::string& args) {
-  std::string cmd = "timeout -k 5 300 " + std::string(HYPIC_BIN) + " " + args + " 2>&1";
+// A shell command line, stdout and stderr together.
+Run run_cmd(const std::string& line) {
+  std::string cmd = "timeout -k 5 300 " + line + " 2>&1";
   FILE* p = popen(cmd.c_str(), "r");
   std::string out;
   std::array<char, 4096> buf;
@@ -31,6 +32,10 @@ Run run(const std::string& args) {
   while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
   int st = pclose(p);
   return {WEXITSTATUS(st), out};
+}
+
+Run run(const std::string& args) {
+  return run_cmd(std::string(HYPIC_BIN) + " " + args);
 }
 
 std::string model() {
@@ -150,6 +155,28 @@ TEST(Cli, TtftReportCountsComputedTokens) {
   EXPECT_EQ(computed["full"], 6 + 3 * 30 + 5);
   EXPECT_EQ(computed["pic"], 3 * 8 + 5);  // a seam per document (all follow the prefix) + question
   EXPECT_EQ(computed["naive"], 5);
+}
+
+// OpenBLAS picks its kernels from the CPU model when it loads; where a virtual machine hides the
+// model it falls back to SSE3 kernels (4-5x slower sgemm). hypic runs itself again on the kernels
+// its CPU's instruction sets allow, unless OPENBLAS_CORETYPE names a choice; bench reports it.
+TEST(Cli, RunsOnTheOpenBlasKernelsOfItsCpu) {
+  auto core_of = [](const std::string& env) {
+    auto r = run_cmd(env + " " + HYPIC_BIN + " bench prefill --json --model " + model() + " --tokens 8 --repeats 1");
+    EXPECT_EQ(r.rc, 0) << r.out;
+    auto j = nlohmann::json::parse(r.out.substr(r.out.find('{')), nullptr, false);
+    return j.is_discarded() ? std::string("?") : j.value("openblas_core", std::string("?"));
+  };
+  __builtin_cpu_init();
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  const std::string picked = core_of("env -u OPENBLAS_CORETYPE");
+  if (avx512)
+    EXPECT_TRUE(picked == "SkylakeX" || picked == "Cooperlake" || picked == "SapphireRapids") << picked;
+  else
+    EXPECT_NE(picked, "?");
+  // The user's choice stands.
+  EXPECT_EQ(core_of("env OPENBLAS_CORETYPE=Prescott"), "Prescott");
 }
 
 // Multi-turn: each turn repeats the previous prompt as its exact prefix and adds the previous
