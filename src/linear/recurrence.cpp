@@ -22,6 +22,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace hypic::linear {
@@ -90,11 +91,58 @@ inline void micro1x8(int64_t K, float alpha, const float* A, const float* B, int
   store8(C, _mm256_add_ps(c0, c1), _mm256_set1_ps(alpha), acc);
 }
 
+#if defined(__AVX512F__)
+// MR (1..12) rows x 32 columns in zmm registers: 24 accumulators at MR = 12 hide the FMA latency at
+// two FMAs a cycle (the 6 x 16 ymm kernel below reaches half of that); the array stays in
+// registers because every index is a constant after unrolling.
+template <int MR>
+void micro_x32(int64_t K, float alpha, const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
+               bool acc) {
+  __m512 c[MR][2];
+#pragma GCC unroll 12
+  for (int r = 0; r < MR; ++r) c[r][0] = c[r][1] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < K; ++p) {
+    const __m512 b0 = _mm512_loadu_ps(B + p * ldb), b1 = _mm512_loadu_ps(B + p * ldb + 16);
+#pragma GCC unroll 12
+    for (int r = 0; r < MR; ++r) {
+      const __m512 a = _mm512_set1_ps(A[r * lda + p]);
+      c[r][0] = _mm512_fmadd_ps(a, b0, c[r][0]);
+      c[r][1] = _mm512_fmadd_ps(a, b1, c[r][1]);
+    }
+  }
+  const __m512 al = _mm512_set1_ps(alpha);
+#pragma GCC unroll 12
+  for (int r = 0; r < MR; ++r)
+    for (int h = 0; h < 2; ++h) {
+      float* d = C + r * ldc + 16 * h;
+      __m512 x = _mm512_mul_ps(al, c[r][h]);
+      if (acc) x = _mm512_add_ps(x, _mm512_loadu_ps(d));
+      _mm512_storeu_ps(d, x);
+    }
+}
+
+template <int... I>
+void micro_x32_rows(int rows, int64_t K, float alpha, const float* A, int64_t lda, const float* B, int64_t ldb,
+                    float* C, int64_t ldc, bool acc, std::integer_sequence<int, I...>) {
+  using Fn = void (*)(int64_t, float, const float*, int64_t, const float*, int64_t, float*, int64_t, bool);
+  static constexpr Fn table[] = {&micro_x32<I + 1>...};
+  table[rows - 1](K, alpha, A, lda, B, ldb, C, ldc, acc);
+}
+#endif
+
 void gemm(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda, const float* B, int64_t ldb,
           float* C, int64_t ldc, bool acc) {
-  const int64_t N16 = N / 16 * 16, N8 = N / 8 * 8, M6 = M / 6 * 6;
+  int64_t j0 = 0;
+#if defined(__AVX512F__)
+  // Column strips outermost: a K x 32 strip of B stays in L1 across all row blocks.
+  for (; j0 + 32 <= N; j0 += 32)
+    for (int64_t i = 0; i < M; i += 12)
+      micro_x32_rows(static_cast<int>(std::min<int64_t>(12, M - i)), K, alpha, A + i * lda, lda, B + j0, ldb,
+                     C + i * ldc + j0, ldc, acc, std::make_integer_sequence<int, 12>{});
+#endif
+  const int64_t N16 = j0 + (N - j0) / 16 * 16, N8 = N / 8 * 8, M6 = M / 6 * 6;
   // Column strips outermost: a K x 16 strip of B stays in L1 across all row blocks.
-  for (int64_t j = 0; j < N16; j += 16) {
+  for (int64_t j = j0; j < N16; j += 16) {
     for (int64_t i = 0; i < M6; i += 6) micro_x16<6>(K, alpha, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, acc);
     const float* Ar = A + M6 * lda;
     float* Cr = C + M6 * ldc + j;
@@ -118,9 +166,9 @@ void gemm(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t 
         break;
     }
   }
-  for (int64_t j = N16; j < N8; j += 8)
+  for (int64_t j = std::max(N16, j0); j < N8; j += 8)
     for (int64_t i = 0; i < M; ++i) micro1x8(K, alpha, A + i * lda, B + j, ldb, C + i * ldc + j, acc);
-  for (int64_t j = N8; j < N; ++j)
+  for (int64_t j = std::max(N8, j0); j < N; ++j)
     for (int64_t i = 0; i < M; ++i) {
       float sum = 0;
       for (int64_t p = 0; p < K; ++p) sum += A[i * lda + p] * B[p * ldb + j];
