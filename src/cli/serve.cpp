@@ -278,8 +278,7 @@ void register_serve(CLI::App& app) {
       DType rdt = DType::BF16;
       if (o->random) rdt = parse_weight_dtype(o->dtype, "--dtype");
       const auto quantize = quantize_option(o->quantize);
-      if (!o->activations.empty() && o->activations != "f32" && o->activations != "bf16")  // before a long load
-        throw std::invalid_argument("--activations '" + o->activations + "': must be f32 or bf16");
+      (void)activations_precise(o->activations);  // a bad name fails before a long load
       spdlog::info("loading model from {}", o->random ? o->config + " (random weights)" : o->model);
       const auto t0 = std::chrono::steady_clock::now();
       std::mutex mu;

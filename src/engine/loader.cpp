@@ -88,11 +88,17 @@ std::optional<DType> quantize_option(const std::string& name) {
   return dt;
 }
 
-void apply_activations_option(Backend& backend, const std::string& name) {
-  if (name.empty()) return;
+std::optional<bool> activations_precise(const std::string& name) {
+  if (name.empty()) return std::nullopt;
   if (name != "f32" && name != "bf16") throw std::invalid_argument("--activations '" + name + "': must be f32 or bf16");
-  backend.set_precise(name == "f32");
-  if (name == "bf16" && backend.precise())
+  return name == "f32";
+}
+
+void apply_activations_option(Backend& backend, const std::string& name) {
+  const std::optional<bool> precise = activations_precise(name);
+  if (!precise) return;
+  backend.set_precise(*precise);
+  if (!*precise && backend.precise())
     throw std::invalid_argument("--activations bf16: the " + backend.name() +
                                 " backend has no bf16 products (its f32 products are the fast ones)");
 }

@@ -49,5 +49,8 @@ std::optional<DType> quantize_option(const std::string& name);
 // bf16 on CUDA). An unknown name, or bf16 on the CPU (which has no faster bf16 products), is an
 // error naming the flag.
 void apply_activations_option(Backend& backend, const std::string& name);
+// The same flag checked before any loading: whether it asks for precise products (nullopt: the
+// backend's default); an unknown name is the same error.
+std::optional<bool> activations_precise(const std::string& name);
 
 }  // namespace hypic

@@ -232,7 +232,8 @@ ModelConfig gguf_model_config(const GgufFile& f) {
   // Every block has tensors of its own, so a count beyond the tensor table is damage, not a model.
   if (c.num_hidden_layers > kMaxLayers || c.num_hidden_layers > static_cast<int64_t>(f.tensors().size()))
     fail(f, a + ".block_count " + std::to_string(c.num_hidden_layers) + " exceeds the " +
-                std::to_string(f.tensors().size()) + " tensors of the file");
+                std::to_string(f.tensors().size()) + " tensors of the file or the bound of " +
+                std::to_string(kMaxLayers) + " layers");
   c.max_position_embeddings = positive("context_length");
   c.rms_norm_eps = f.get_float(a + ".attention.layer_norm_rms_epsilon");
   c.num_attention_heads = positive("attention.head_count");
