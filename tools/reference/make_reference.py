@@ -280,19 +280,87 @@ def make_model(name):
             mlp_only_layers=[1],
         )
         return T.Qwen3NextForCausalLM(cfg)
+    if name == "nemotron_h":
+        cfg = checked_config(T.NemotronHConfig, **common_kwargs(), **NEMOTRON_H_KWARGS)
+        return T.NemotronHForCausalLM(cfg)
+    if name == "kimi_linear":
+        cfg = checked_config(T.KimiLinearConfig, **common_kwargs(), **KIMI_LINEAR_KWARGS)
+        return T.KimiLinearForCausalLM(cfg)
+    if name == "minimax":
+        cfg = checked_config(T.MiniMaxConfig, **common_kwargs(), **MINIMAX_KWARGS)
+        return T.MiniMaxForCausalLM(cfg)
     raise KeyError(name)
 
 
-MODEL_NAMES = ["qwen3_5_dense", "qwen3_5_vl", "qwen3_5_moe", "qwen3_5_moe_vl", "qwen3_next", "qwen3_5_dense_bf16"]
-MODEL_SEEDS = {"qwen3_5_dense": 0, "qwen3_5_vl": 1, "qwen3_5_moe": 2, "qwen3_5_moe_vl": 3, "qwen3_next": 4, "qwen3_5_dense_bf16": 0}
+# ---- the architectures beyond Qwen (issue 15): several layers of every kind, chunks shorter than prompt a
+def common_kwargs():
+    return dict(vocab_size=VOCAB, hidden_size=HIDDEN, max_position_embeddings=4096, tie_word_embeddings=False,
+                eos_token_id=511, pad_token_id=509, bos_token_id=None)
+
+
+# Nemotron-H: M = Mamba2, E = MoE, * = attention (no RoPE), - = ReLU^2 MLP; one mixer per block
+NEMOTRON_H_KWARGS = dict(
+    hybrid_override_pattern="ME*M-MM*E-",
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, mlp_hidden_act="relu2",
+    mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4, expand=2, chunk_size=32,
+    use_conv_bias=True, mamba_proj_bias=False,  # dt clamp: 5.17 applies time_step_min in prefill, not in decode
+    n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
+    n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.5, layer_norm_epsilon=1e-5,
+)
+# Kimi-Linear: KDA linear layers, MLA full attention without RoPE, MoE (sigmoid, grouped top-k), layer 0 dense
+KIMI_LINEAR_KWARGS = dict(
+    num_hidden_layers=N_LAYERS, layer_types=list(LAYER_TYPES), first_k_dense_replace=1,
+    num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+    qk_rope_head_dim=0, v_head_dim=16, linear_num_heads=4, linear_head_dim=16, linear_conv_kernel_dim=4,
+    intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+    n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.446, hidden_act="silu", rms_norm_eps=1e-5,
+)
+# MiniMax-Text-01 / M1: lightning attention (per-head decay, block-wise) and RoPE softmax attention, MoE,
+# residual scaling factors (distinct values so that a swapped alpha/beta shows)
+MINIMAX_KWARGS = dict(
+    num_hidden_layers=N_LAYERS, layer_types=list(LAYER_TYPES), num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, block_size=32,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    full_attn_alpha_factor=1.3, full_attn_beta_factor=0.9, linear_attn_alpha_factor=1.7,
+    linear_attn_beta_factor=0.8, mlp_alpha_factor=1.2, mlp_beta_factor=1.1, rms_norm_eps=1e-5,
+)
+
+
+def checked_config(cls, **kw):
+    """Build a config and check that every field we set reads back (a renamed field must fail here, not
+    silently leave a default in the reference)."""
+    cfg = cls(**kw)
+    aliases = {"hybrid_override_pattern": None, "first_k_dense_replace": None}
+    for k, v in kw.items():
+        if k in aliases:
+            continue
+        got = getattr(cfg, k, "<missing>")
+        if isinstance(v, tuple):
+            v = list(v)
+        if isinstance(got, tuple):
+            got = list(got)
+        if got != v:
+            raise ValueError(f"{cls.__name__}: {k} = {v!r} was read back as {got!r}")
+    return cfg
+
+
+MODEL_NAMES = ["qwen3_5_dense", "qwen3_5_vl", "qwen3_5_moe", "qwen3_5_moe_vl", "qwen3_next", "qwen3_5_dense_bf16",
+               "nemotron_h", "kimi_linear", "minimax"]
+MODEL_SEEDS = {"qwen3_5_dense": 0, "qwen3_5_vl": 1, "qwen3_5_moe": 2, "qwen3_5_moe_vl": 3, "qwen3_next": 4,
+               "qwen3_5_dense_bf16": 0, "nemotron_h": 5, "kimi_linear": 6, "minimax": 7}
+# RMSNorm weights that multiply directly (not Qwen's zero-centred 1 + w) get 1 + N(0, NORM_STD)
+DIRECT_NORM_MODELS = ("nemotron_h", "kimi_linear", "minimax")
 
 
 # ----------------------------------------------------------------------------------------------
 # weights
 @torch.no_grad()
-def randomize(model, gen):
+def randomize(model, gen, direct_norms=False):
     """Overwrite every text-model parameter with seeded random values (vision tower left as built)."""
     rules = {}
+    n_experts = getattr(model.config.get_text_config(), "num_experts", None) or getattr(
+        model.config.get_text_config(), "n_routed_experts", None) or getattr(
+        model.config.get_text_config(), "num_local_experts", None)
     for name, p in model.named_parameters():
         if ".visual." in name or name.startswith("visual.") or ".vision_tower." in name:
             rules.setdefault("vision (constructor init)", 0)
@@ -305,15 +373,21 @@ def randomize(model, gen):
             val, rule = torch.randn(p.shape, generator=gen) * DT_BIAS_STD, "dt_bias"
         elif name.endswith("linear_attn.norm.weight"):
             val, rule = 1.0 + torch.randn(p.shape, generator=gen) * NORM_STD, "gated norm 1+N(0,0.3)"
+        elif name.endswith(".weight") and "norm" in leaf and direct_norms:
+            val, rule = 1.0 + torch.randn(p.shape, generator=gen) * NORM_STD, "norm 1+N(0,0.3)"
         elif name.endswith(".weight") and "norm" in leaf:
             val, rule = torch.randn(p.shape, generator=gen) * NORM_STD, "zero-centred norm N(0,0.3)"
+        elif name.endswith(".D") or name.endswith("mixer.D"):
+            val, rule = 1.0 + torch.randn(p.shape, generator=gen) * 0.3, "D skip 1+N(0,0.3)"
+        elif name.endswith("e_score_correction_bias"):
+            val, rule = torch.randn(p.shape, generator=gen) * 0.5, "router score bias N(0,0.5)"
         elif name.endswith("conv1d.weight"):
             val, rule = torch.randn(p.shape, generator=gen) * CONV_STD, "conv1d"
         elif name.endswith("embed_tokens.weight"):
             val, rule = torch.randn(p.shape, generator=gen) * EMB_STD, "embedding"
         elif name.endswith("lm_head.weight"):
             val, rule = torch.randn(p.shape, generator=gen) * (LM_HEAD_STD), "lm_head"
-        elif name.endswith("mlp.gate.weight"):
+        elif name.endswith("gate.weight") and p.dim() == 2 and n_experts and p.shape[0] == n_experts:
             val, rule = torch.randn(p.shape, generator=gen) * (ROUTER_GAIN / math.sqrt(p.shape[-1])), "router"
         elif p.dim() >= 2:
             val, rule = torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]), "N(0, 1/fan_in)"
@@ -350,7 +424,8 @@ class RouterProbe:
         self.min_gap = float("inf")
         self.handles = []
         for name, m in model.named_modules():
-            if name.endswith("mlp.gate") and hasattr(m, "weight") and m.weight.dim() == 2:
+            w = getattr(m, "weight", None)
+            if (name.endswith("mlp.gate") or name.endswith("mixer.gate")) and isinstance(w, torch.Tensor) and w.dim() == 2:
                 self.handles.append(m.register_forward_hook(self._hook(name)))
 
     def _hook(self, name):
@@ -480,7 +555,7 @@ def build_one(name, out_root, tok, tok_class, tok_meta, prompts, seed, base_mode
             mseed = seed * 100 + MODEL_SEEDS[name] + 1000 * attempt
             torch.manual_seed(mseed)
             model = make_model(name)
-            rules = randomize(model, torch.Generator().manual_seed(mseed))
+            rules = randomize(model, torch.Generator().manual_seed(mseed), name in DIRECT_NORM_MODELS)
             model.eval()
             margin = greedy_min_margin(model, prompts)
             if name == "qwen3_5_dense":  # the bf16-rounded copy must be decisive too
@@ -520,7 +595,7 @@ def build_one(name, out_root, tok, tok_class, tok_meta, prompts, seed, base_mode
     ref_model.generation_config.eos_token_id = None  # always decode N_NEW tokens (eos is recorded instead)
     if ref_dtype != torch.float32:
         ref_model = eager_experts(ref_model.to(ref_dtype))
-    k = getattr(ref_model.config.get_text_config(), "num_experts_per_tok", None)
+    k = getattr(ref_model.config.get_text_config(), "num_experts_per_tok", None) if "qwen" in name else None
     probe = RouterProbe(ref_model, k) if k else None
     ra = reference(ref_model, prompts["a"])
     router = probe.summary() if probe else None
@@ -561,7 +636,7 @@ def build_one(name, out_root, tok, tok_class, tok_meta, prompts, seed, base_mode
         "prompt_seed": prompts["seed"],
         "attn_implementation": "eager",
         "device": "cpu, 1 thread, deterministic algorithms",
-        "rope_parameters": tcfg.rope_parameters,
+        "rope_parameters": getattr(tcfg, "rope_parameters", None),
         "tie_word_embeddings": bool(getattr(tcfg, "tie_word_embeddings", False)),
         "eos_token_id": eos,
         "pad_token_id": pad,
@@ -618,7 +693,7 @@ def inspect_dump(path):
     T = transformers
     with open(path, "w") as f:
         for cname in ["Qwen3_5TextConfig", "Qwen3_5Config", "Qwen3_5VisionConfig", "Qwen3_5MoeTextConfig",
-                      "Qwen3_5MoeConfig", "Qwen3NextConfig"]:
+                      "Qwen3_5MoeConfig", "Qwen3NextConfig", "NemotronHConfig", "KimiLinearConfig", "MiniMaxConfig"]:
             c = getattr(T, cname)
             f.write(f"===== {cname}\n{inspect.signature(c.__init__)}\n{(c.__doc__ or '')[:3000]}\n")
             try:
