@@ -31,21 +31,26 @@ double secs(Clock::time_point a, Clock::time_point b) {
 // shared expert), plus the LM head.
 double weight_flops_per_token(const ModelConfig& c) {
   const double H = static_cast<double>(c.hidden_size);
+  const bool nemotron = c.arch == Arch::NemotronH;  // ungated attention and ReLU^2 MLPs (up, down)
+  const double mlp_mats = nemotron ? 2 : 3;
   double f = 0;
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    if (c.layer_types[static_cast<size_t>(i)] == LayerKind::Linear) {
+    const LayerKind kind = c.layer_types[static_cast<size_t>(i)];
+    if (kind == LayerKind::Linear) {
       const double kd = c.linear_num_key_heads * c.linear_key_head_dim,
                    vd = c.linear_num_value_heads * c.linear_value_head_dim;
       f += H * (2 * kd + 2 * vd + 2 * c.linear_num_value_heads) + vd * H;
-    } else {
+      if (nemotron) f -= H * c.linear_num_value_heads;  // one dt projection, no beta
+    } else if (kind == LayerKind::Full) {
       const double qd = c.num_attention_heads * c.head_dim, kvd = c.num_key_value_heads * c.head_dim;
-      f += H * (2 * qd + 2 * kvd) + qd * H;
+      f += H * ((nemotron ? 1 : 2) * qd + 2 * kvd) + qd * H;
     }
+    if (nemotron && kind != LayerKind::Ffn) continue;  // one sub-layer per block
     if (c.layer_is_moe(i))
-      f += H * c.num_experts + 3 * H * c.moe_intermediate_size * c.num_experts_per_tok +
-           3 * H * c.shared_expert_intermediate_size + H;
+      f += H * c.num_experts + mlp_mats * H * c.moe_intermediate_size * c.num_experts_per_tok +
+           mlp_mats * H * c.shared_expert_intermediate_size + H;
     else
-      f += 3 * H * c.intermediate_size;
+      f += mlp_mats * H * c.intermediate_size;
   }
   return 2 * f;
 }
@@ -57,7 +62,7 @@ double mixer_flops_per_token(const ModelConfig& c, double ctx) {
   for (auto k : c.layer_types) {
     if (k == LayerKind::Linear)
       f += 6.0 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim;
-    else
+    else if (k == LayerKind::Full)
       f += 4.0 * c.num_attention_heads * c.head_dim * ctx;
   }
   return f;
@@ -610,7 +615,7 @@ void register_bench(CLI::App& app) {
         rows.push_back({{"config", cfg.name}, {"layer_rel_l2", drift}, {"kl", kl}, {"top1_agreement", agree}});
       }
       std::string map;
-      for (auto k : m.config().layer_types) map += (k == LayerKind::Linear ? 'L' : 'F');
+      for (auto k : m.config().layer_types) map += layer_map_char(k);
       nlohmann::json j{{"bench", "fidelity"},
                        {"model", lm.description},
                        {"layer_map", map},

@@ -251,7 +251,7 @@ void register_info(CLI::App& app) {
       LoadedModel lm = load_model(o->model, "cpu", 1);
       const auto& cfg = lm.model->config();
       std::string map;
-      for (auto k : cfg.layer_types) map += (k == LayerKind::Linear ? 'L' : 'F');
+      for (auto k : cfg.layer_types) map += layer_map_char(k);
       nlohmann::json j{{"model", o->model},
                        {"architecture", cfg.architecture},
                        {"family", arch_name(cfg.arch)},

@@ -21,12 +21,17 @@ const char* arch_name(Arch a) {
       return "qwen3_5_moe";
     case Arch::Qwen3Next:
       return "qwen3_next";
+    case Arch::NemotronH:
+      return "nemotron_h";
+    case Arch::MiniMax:
+      return "minimax";
   }
   return "?";
 }
 
 bool ModelConfig::layer_is_moe(int64_t i) const {
   if (num_experts <= 0) return false;
+  if (arch == Arch::NemotronH) return i >= 0 && static_cast<size_t>(i) < moe_blocks.size() && moe_blocks[i];
   if (std::find(mlp_only_layers.begin(), mlp_only_layers.end(), i) != mlp_only_layers.end()) return false;
   return decoder_sparse_step > 0 && (i + 1) % decoder_sparse_step == 0;
 }
@@ -54,6 +59,8 @@ constexpr ArchInfo kArchs[] = {
     {"Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", Arch::Qwen3_5Moe, false},
     {"Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe", Arch::Qwen3_5Moe, true},
     {"Qwen3NextForCausalLM", "qwen3_next", Arch::Qwen3Next, false},
+    {"NemotronHForCausalLM", "nemotron_h", Arch::NemotronH, false},
+    {"MiniMaxForCausalLM", "minimax", Arch::MiniMax, false},
 };
 
 std::string supported_list() {
@@ -225,6 +232,118 @@ std::vector<int64_t> int_list(const Fields& f, const std::string& field) {
   return out;
 }
 
+// The first of several spellings that is present (Nemotron-H configs on the Hub use the older
+// mamba_* names; transformers 5 writes the newer ones).
+std::string first_present(const Fields& f, std::initializer_list<const char*> names) {
+  for (const char* n : names)
+    if (f.find(n)) return n;
+  return *names.begin();
+}
+
+// NemotronHForCausalLM: blocks of one sub-layer each, named by layers_block_type (transformers 5:
+// linear_attention / full_attention / mlp / moe; older configs: mamba / attention / mlp / moe) or by
+// hybrid_override_pattern (M * - E).
+void parse_nemotron_h(const Fields& f, ModelConfig& cfg) {
+  cfg.vocab_size = f.positive("vocab_size");
+  cfg.hidden_size = f.positive("hidden_size");
+  auto add_block = [&](const std::string& t, const std::string& where) {
+    if (t == "linear_attention" || t == "mamba" || t == "M") {
+      cfg.layer_types.push_back(LayerKind::Linear);
+      cfg.moe_blocks.push_back(0);
+    } else if (t == "full_attention" || t == "attention" || t == "*") {
+      cfg.layer_types.push_back(LayerKind::Full);
+      cfg.moe_blocks.push_back(0);
+    } else if (t == "mlp" || t == "-" || t == "moe" || t == "E") {
+      cfg.layer_types.push_back(LayerKind::Ffn);
+      cfg.moe_blocks.push_back(t == "moe" || t == "E");
+    } else {
+      f.fail(where + ": unknown block type '" + t + "' (expected linear_attention, full_attention, mlp or moe)");
+    }
+  };
+  if (const json* lt = f.find("layers_block_type")) {
+    if (!lt->is_array()) f.bad("layers_block_type", "a list of strings", *lt);
+    for (size_t i = 0; i < lt->size(); ++i) {
+      if (!(*lt)[i].is_string()) f.bad("layers_block_type", "a list of strings", *lt);
+      add_block((*lt)[i].get<std::string>(), "field 'layers_block_type[" + std::to_string(i) + "]'");
+      if (static_cast<int64_t>(cfg.layer_types.size()) > kMaxLayers)
+        f.bad("layers_block_type", "at most " + std::to_string(kMaxLayers) + " blocks", *lt);
+    }
+  } else if (const json* pat = f.find("hybrid_override_pattern")) {
+    if (!pat->is_string()) f.bad("hybrid_override_pattern", "a string", *pat);
+    const std::string s = pat->get<std::string>();
+    if (static_cast<int64_t>(s.size()) > kMaxLayers)
+      f.bad("hybrid_override_pattern", "at most " + std::to_string(kMaxLayers) + " blocks", *pat);
+    for (size_t i = 0; i < s.size(); ++i)
+      add_block(std::string(1, s[i]), "field 'hybrid_override_pattern' character " + std::to_string(i));
+  } else {
+    f.fail("missing field 'layers_block_type' (or 'hybrid_override_pattern')");
+  }
+  if (cfg.layer_types.empty()) f.fail("field 'layers_block_type' lists no blocks");
+  cfg.num_hidden_layers = static_cast<int64_t>(cfg.layer_types.size());
+  if (f.find("num_hidden_layers") && f.positive("num_hidden_layers") != cfg.num_hidden_layers)
+    f.fail("field 'num_hidden_layers' (" + std::to_string(f.positive("num_hidden_layers")) + ") disagrees with the " +
+           std::to_string(cfg.num_hidden_layers) + " blocks of 'layers_block_type'");
+  cfg.rms_norm_eps = f.number_or("layer_norm_epsilon", 1e-5);
+  if (!(cfg.rms_norm_eps > 0)) f.bad("layer_norm_epsilon", "a positive number", f.need("layer_norm_epsilon"));
+  cfg.tie_word_embeddings = f.boolean_or("tie_word_embeddings", false, true);
+  cfg.max_position_embeddings = f.positive_or("max_position_embeddings", 0);
+  cfg.dtype = parse_dtype(f);
+  for (const char* b : {"use_bias", "mlp_bias", "attention_bias"})
+    if (f.boolean_or(b, false)) f.fail("field '" + std::string(b) + "' = true is not supported");
+  if (f.find("moe_latent_size")) f.fail("field 'moe_latent_size' (latent expert projections) is not supported");
+
+  cfg.num_attention_heads = f.positive("num_attention_heads");
+  cfg.num_key_value_heads = f.positive_or("num_key_value_heads", cfg.num_attention_heads);
+  if (cfg.num_attention_heads % cfg.num_key_value_heads != 0)
+    f.fail("field 'num_attention_heads' (" + std::to_string(cfg.num_attention_heads) +
+           ") must be a multiple of 'num_key_value_heads' (" + std::to_string(cfg.num_key_value_heads) + ")");
+  cfg.head_dim = f.find("head_dim") ? f.positive("head_dim") : cfg.hidden_size / cfg.num_attention_heads;
+  if (cfg.head_dim <= 0) f.fail("no 'head_dim' and 'hidden_size' is smaller than 'num_attention_heads'");
+  cfg.partial_rotary_factor = 0;  // attention without RoPE
+
+  cfg.mlp_act = f.string_or("mlp_hidden_act", "relu2");
+  if (cfg.mlp_act != "relu2") f.fail("field 'mlp_hidden_act': '" + cfg.mlp_act + "' is not supported (relu2 only)");
+  if (const std::string act = f.string_or("mamba_hidden_act", "silu"); act != "silu")
+    f.fail("field 'mamba_hidden_act': '" + act + "' is not supported (silu only)");
+  cfg.intermediate_size = f.non_negative_or("intermediate_size", 0);
+  cfg.linear_num_value_heads = f.positive("mamba_num_heads");
+  cfg.linear_value_head_dim = f.positive("mamba_head_dim");
+  cfg.linear_key_head_dim = f.positive(first_present(f, {"ssm_state_size", "mamba_d_state"}));
+  cfg.linear_num_key_heads = f.positive(first_present(f, {"n_groups", "mamba_n_groups"}));
+  cfg.linear_conv_kernel_dim = f.positive(first_present(f, {"conv_kernel", "mamba_d_conv"}));
+  cfg.conv_bias = f.boolean_or(first_present(f, {"use_conv_bias", "mamba_conv_bias"}), true);
+  cfg.time_step_min = f.number_or(first_present(f, {"time_step_min", "mamba_dt_min"}), 0.001);
+  if (cfg.linear_num_value_heads % cfg.linear_num_key_heads != 0)
+    f.fail("field 'mamba_num_heads' (" + std::to_string(cfg.linear_num_value_heads) +
+           ") must be a multiple of 'n_groups' (" + std::to_string(cfg.linear_num_key_heads) + ")");
+
+  const bool any_moe = std::find(cfg.moe_blocks.begin(), cfg.moe_blocks.end(), 1) != cfg.moe_blocks.end();
+  if (any_moe) {
+    cfg.num_experts = f.positive("n_routed_experts");
+    cfg.num_experts_per_tok = f.positive("num_experts_per_tok");
+    cfg.moe_intermediate_size = f.positive("moe_intermediate_size");
+    cfg.shared_expert_intermediate_size =
+        f.non_negative_or("n_shared_experts", 1) > 0 ? f.non_negative_or("moe_shared_expert_intermediate_size", 0) : 0;
+    cfg.norm_topk_prob = f.boolean_or("norm_topk_prob", true);
+    cfg.n_group = f.positive_or("n_group", 1);
+    cfg.topk_group = f.positive_or("topk_group", 1);
+    cfg.routed_scaling_factor = f.number_or("routed_scaling_factor", 1.0);
+    if (cfg.num_experts_per_tok > cfg.num_experts)
+      f.fail("field 'num_experts_per_tok' (" + std::to_string(cfg.num_experts_per_tok) +
+             ") must not exceed 'n_routed_experts' (" + std::to_string(cfg.num_experts) + ")");
+    if (cfg.num_experts % cfg.n_group != 0 || cfg.topk_group > cfg.n_group)
+      f.fail("fields 'n_group' (" + std::to_string(cfg.n_group) + ") and 'topk_group' (" +
+             std::to_string(cfg.topk_group) + ") do not divide the " + std::to_string(cfg.num_experts) + " experts");
+  }
+  for (int64_t i = 0; i < cfg.num_hidden_layers; ++i)
+    if (cfg.layer_types[static_cast<size_t>(i)] == LayerKind::Ffn && !cfg.moe_blocks[static_cast<size_t>(i)] &&
+        cfg.intermediate_size <= 0)
+      f.fail("field 'intermediate_size' must be a positive integer (block " + std::to_string(i) + " is an MLP)");
+  cfg.eos_token_ids = f.token_ids("eos_token_id");
+  cfg.bos_token_id = f.token_id("bos_token_id");
+  cfg.pad_token_id = f.token_id("pad_token_id");
+}
+
 }  // namespace
 
 ModelConfig parse_model_config(const std::string& json_text, const std::string& path) {
@@ -271,6 +390,11 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
     text = &*tc;
   }
   Fields f(root, *text, path);
+  if (cfg.arch == Arch::NemotronH) {
+    parse_nemotron_h(f, cfg);
+    return cfg;
+  }
+  const bool minimax = cfg.arch == Arch::MiniMax;
 
   cfg.vocab_size = f.positive("vocab_size");
   cfg.hidden_size = f.positive("hidden_size");
@@ -318,11 +442,28 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
              ", which must be a positive even integer");
   }
 
-  cfg.linear_num_key_heads = f.positive("linear_num_key_heads");
-  cfg.linear_num_value_heads = f.positive("linear_num_value_heads");
-  cfg.linear_key_head_dim = f.positive("linear_key_head_dim");
-  cfg.linear_value_head_dim = f.positive("linear_value_head_dim");
-  cfg.linear_conv_kernel_dim = f.positive_or("linear_conv_kernel_dim", 4);
+  if (minimax) {
+    // Lightning attention: one state [head_dim, head_dim] per attention head, no short conv (the conv
+    // state is a placeholder of one value), RoPE over the whole head (transformers 5.17's MiniMax
+    // rotary embedding ignores partial_rotary_factor; so does this engine).
+    cfg.partial_rotary_factor = 1.0;
+    cfg.linear_num_key_heads = cfg.linear_num_value_heads = cfg.num_attention_heads;
+    cfg.linear_key_head_dim = cfg.linear_value_head_dim = cfg.head_dim;
+    cfg.linear_conv_kernel_dim = 2;
+    cfg.linear_attn_alpha = f.number_or("linear_attn_alpha_factor", 1);
+    cfg.linear_attn_beta = f.number_or("linear_attn_beta_factor", 1);
+    cfg.full_attn_alpha = f.number_or("full_attn_alpha_factor", 1);
+    cfg.full_attn_beta = f.number_or("full_attn_beta_factor", 1);
+    cfg.mlp_alpha = f.number_or("mlp_alpha_factor", 1);
+    cfg.mlp_beta = f.number_or("mlp_beta_factor", 1);
+    if (f.find("sliding_window")) f.fail("field 'sliding_window' (sliding-window attention) is not supported");
+  } else {
+    cfg.linear_num_key_heads = f.positive("linear_num_key_heads");
+    cfg.linear_num_value_heads = f.positive("linear_num_value_heads");
+    cfg.linear_key_head_dim = f.positive("linear_key_head_dim");
+    cfg.linear_value_head_dim = f.positive("linear_value_head_dim");
+    cfg.linear_conv_kernel_dim = f.positive_or("linear_conv_kernel_dim", 4);
+  }
   if (cfg.linear_num_value_heads % cfg.linear_num_key_heads != 0)
     f.fail("field 'linear_num_value_heads' (" + std::to_string(cfg.linear_num_value_heads) +
            ") must be a multiple of 'linear_num_key_heads' (" + std::to_string(cfg.linear_num_key_heads) + ")");
@@ -351,8 +492,16 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
   }
 
   // Mixture of experts.
-  cfg.num_experts = f.non_negative_or("num_experts", 0);
-  if (cfg.num_experts > 0) {
+  cfg.num_experts = f.non_negative_or(minimax ? "num_local_experts" : "num_experts", 0);
+  if (minimax && cfg.num_experts == 0) f.fail("missing field 'num_local_experts' (every MiniMax layer is an MoE)");
+  if (minimax) {
+    // Every layer routes to num_experts_per_tok of num_local_experts SwiGLU experts of intermediate_size.
+    cfg.num_experts_per_tok = f.positive("num_experts_per_tok");
+    cfg.moe_intermediate_size = f.positive("intermediate_size");
+    if (cfg.num_experts_per_tok > cfg.num_experts)
+      f.fail("field 'num_experts_per_tok' (" + std::to_string(cfg.num_experts_per_tok) +
+             ") must not exceed 'num_local_experts' (" + std::to_string(cfg.num_experts) + ")");
+  } else if (cfg.num_experts > 0) {
     cfg.num_experts_per_tok = f.positive("num_experts_per_tok");
     cfg.moe_intermediate_size = f.positive("moe_intermediate_size");
     cfg.shared_expert_intermediate_size = f.non_negative_or("shared_expert_intermediate_size", 0);

@@ -9,10 +9,16 @@
 
 namespace hypic {
 
-enum class Arch { Qwen3_5, Qwen3_5Moe, Qwen3Next };
-enum class LayerKind { Linear, Full };  // linear_attention (Gated DeltaNet) / full_attention
+enum class Arch { Qwen3_5, Qwen3_5Moe, Qwen3Next, NemotronH, MiniMax };
+// linear_attention (Gated DeltaNet, Mamba2) / full_attention / a block with no token mixer (Nemotron-H's
+// MLP and MoE blocks: one sub-layer per block there, so its feed-forward blocks hold no state).
+enum class LayerKind { Linear, Full, Ffn };
 
 const char* arch_name(Arch a);
+// One character per layer in `hypic info` and bench layer maps: L linear, F full attention, - no mixer.
+inline char layer_map_char(LayerKind k) {
+  return k == LayerKind::Linear ? 'L' : k == LayerKind::Full ? 'F' : '-';
+}
 
 // The most decoder layers a config may declare: far above any real model (the largest have ~128),
 // low enough that a damaged or hostile count cannot drive a huge allocation before tensors are read.
@@ -60,6 +66,19 @@ struct ModelConfig {
   bool norm_topk_prob = true;
   int64_t decoder_sparse_step = 1;
   std::vector<int64_t> mlp_only_layers;
+
+  // Nemotron-H (its Mamba2 layers use the linear_* fields as the recurrence sees them: key heads =
+  // n_groups, key dim = ssm_state_size (B and C), value heads = mamba_num_heads, value dim =
+  // mamba_head_dim; no RoPE anywhere: partial_rotary_factor 0).
+  std::vector<uint8_t> moe_blocks;      // per layer: the Ffn block is an MoE
+  std::string mlp_act = "silu";         // "relu2": Nemotron-H's MLPs and experts, up/down only
+  double time_step_min = 0.0;           // Mamba2: dt clamped below at this
+  bool conv_bias = false;               // Mamba2 conv1d has a bias
+  int64_t n_group = 1, topk_group = 1;  // grouped top-k routing (sigmoid scores)
+  double routed_scaling_factor = 1.0;
+  // MiniMax: residual scaling, x <- alpha * norm(x) + beta * sublayer(norm(x)), per sub-layer kind.
+  double linear_attn_alpha = 1, linear_attn_beta = 1, full_attn_alpha = 1, full_attn_beta = 1, mlp_alpha = 1,
+         mlp_beta = 1;
 
   std::vector<int64_t> eos_token_ids;  // from config.json and generation_config.json
   int64_t bos_token_id = -1;

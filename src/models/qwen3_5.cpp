@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "io/safetensors.h"
+#include "models/blocks.h"
 #include "models/model.h"
 
 namespace hypic {
@@ -186,6 +187,9 @@ struct Model::Impl {
   std::map<std::pair<int64_t, bool>, StepGraph> steps;  // by (batch size, precise products)
   // Derived sizes.
   int64_t H, Hq, Hkv, D, Hk, Hv, dk, dv, C, K;
+  // Another architecture's blocks (models/blocks.h); null for the Qwen families, whose layers are here.
+  std::unique_ptr<ArchBlocks> blocks;
+  bool norm_offset = true;  // the final RMSNorm scales by 1 + w (Qwen) or w
 };
 
 Model::Model(ModelConfig cfg, const WeightSource& ws, Backend& be)
@@ -193,7 +197,7 @@ Model::Model(ModelConfig cfg, const WeightSource& ws, Backend& be)
   auto& m = *impl_;
   const auto& c = cfg_;
   if (c.attention_bias) throw std::runtime_error("attention_bias = true is not supported");
-  if (c.hidden_act != "silu")
+  if (c.hidden_act != "silu" && c.arch != Arch::NemotronH)
     throw std::runtime_error("hidden_act '" + c.hidden_act + "' is not supported (silu only)");
   m.H = c.hidden_size;
   m.Hq = c.num_attention_heads;
@@ -237,6 +241,20 @@ Model::Model(ModelConfig cfg, const WeightSource& ws, Backend& be)
                       W(prefix + "down_proj.weight", {m.H, I})};
   };
 
+  if (const ArchBlocksEntry* arch = find_arch_blocks(c.arch)) {
+    m.embed = W(arch->embed, {c.vocab_size, m.H});
+    if (!c.tie_word_embeddings) embed_bytes_ = m.embed.nbytes();
+    m.final_norm = W(arch->final_norm, {m.H});
+    m.norm_offset = false;
+    m.lm_head = c.tie_word_embeddings ? m.embed : W("lm_head.weight", {c.vocab_size, m.H});
+    m.layers.resize(static_cast<size_t>(c.num_hidden_layers));  // kinds only: the states' shapes
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i) m.layers[static_cast<size_t>(i)].kind = c.layer_types[i];
+    m.blocks = arch->make(c, load, be_);
+    expert_bytes_ = m.blocks->expert_bytes();
+    fingerprint_ = XXH64_digest(fp);
+    if (const char* e = std::getenv("HYPIC_GRAPHS"); e && std::string(e) == "0") step_graphs_ = false;
+    return;
+  }
   m.embed = W(P + "embed_tokens.weight", {c.vocab_size, m.H});
   if (!c.tie_word_embeddings) embed_bytes_ = m.embed.nbytes();
   m.final_norm = W(P + "norm.weight", {m.H});
@@ -445,6 +463,11 @@ void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> s
     if (rows != T)
       throw std::invalid_argument("layer_forward: spans cover " + std::to_string(rows) + " rows, x has " +
                                   std::to_string(T));
+  }
+  if (m.blocks) {
+    if (step) throw std::logic_error("layer_forward: " + cfg_.architecture + " has no batched decode step");
+    m.blocks->layer_forward(*this, layer, x, spans);
+    return;
   }
   const float eps = static_cast<float>(cfg_.rms_norm_eps);
   Tensor xn = be_.alloc_uninit(DType::F32, {T, m.H});
@@ -680,6 +703,7 @@ void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> s
 }
 
 void Model::replay(const RecurrenceInputs& in, Tensor& ssm) {
+  if (impl_->blocks) return impl_->blocks->replay(in, ssm);
   // q only shapes outputs nobody reads: the keys stand in for it.
   Tensor out = be_.alloc_uninit(DType::F32, {in.rows(), ssm.dim(0), ssm.dim(2)});
   be_.gated_delta_rule(in.k, in.k, in.v, in.g, in.beta, true, ssm, out);
@@ -728,7 +752,7 @@ Tensor Model::logits(const Tensor& x) {
   auto& m = *impl_;
   const int64_t R = x.dim(0);
   Tensor xn = be_.alloc_uninit(DType::F32, {R, m.H});
-  be_.rms_norm(x, m.final_norm, static_cast<float>(cfg_.rms_norm_eps), true, xn);
+  be_.rms_norm(x, m.final_norm, static_cast<float>(cfg_.rms_norm_eps), m.norm_offset, xn);
   Tensor out = be_.alloc_uninit(DType::F32, {R, cfg_.vocab_size});
   be_.matmul(xn, m.lm_head, out);
   return out;
@@ -746,7 +770,8 @@ Tensor Model::forward_batch(std::span<const BatchItem> items) {
     reserve(*it.state, it.state->n_past + n);
     ids.insert(ids.end(), it.ids.begin(), it.ids.end());
   }
-  if (ids.size() == items.size()) return decode_step(items);
+  // Architectures with blocks of their own run decode steps as one-row spans (no step table).
+  if (ids.size() == items.size() && !impl_->blocks) return decode_step(items);
   Tensor x = embed(ids);
   std::vector<LayerSpan> spans(items.size());
   for (size_t l = 0; l < impl_->layers.size(); ++l) {
@@ -774,7 +799,7 @@ Tensor Model::forward(std::span<const int32_t> ids, SequenceState& st, const For
     throw std::length_error("sequence of " + std::to_string(st.n_past + T) + " tokens exceeds the model's context of " +
                             std::to_string(cfg_.max_position_embeddings));
   reserve(st, st.n_past + T);
-  if (T == 1 && !opt.all_logits) {
+  if (T == 1 && !opt.all_logits && !impl_->blocks) {
     const BatchItem item{&st, ids};
     return decode_step(std::span<const BatchItem>(&item, 1));
   }

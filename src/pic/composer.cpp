@@ -303,7 +303,7 @@ std::shared_ptr<SegmentEntry> PicEngine::step_build(EntryBuild& b, int64_t max_t
         o.T = be.alloc(DType::F32, {sh[0], sh[1], sh[1]});
         be.set_identity(o.T);  // empty body: T = I, S = 0
       }
-    } else {
+    } else if (cfg.layer_types[li] == LayerKind::Full) {
       const auto& ks = ls.k.shape();
       o.k = be.alloc(DType::F32, {b.L, ks[1], ks[2]});
       o.v = be.alloc(DType::F32, {b.L, ks[1], ls.v.dim(2)});
@@ -367,7 +367,7 @@ void PicEngine::init_expected_shapes() {
       expect_.push_back({sh[0], sh[1], sh[1]});
       expect_.push_back(sh);
       expect_.push_back(ls.conv.shape());
-    } else {
+    } else if (cfg.layer_types[static_cast<size_t>(l)] == LayerKind::Full) {
       expect_.push_back({ls.k.dim(1), ls.k.dim(2)});
       expect_.push_back({ls.v.dim(1), ls.v.dim(2)});
     }
@@ -417,6 +417,10 @@ std::string PicEngine::check_entry(const SegmentEntry& e) const {
       if (why.empty()) why = want(s.conv_tail, "conv_tail", expect_[x + 2]);
       if (why.empty() && (s.k.defined() || s.v.defined())) why = at + "unexpected k/v in a linear layer";
       x += 3;
+    } else if (cfg.layer_types[static_cast<size_t>(l)] == LayerKind::Ffn) {
+      if (s.T.defined() || s.S.defined() || s.conv_tail.defined() || s.body.defined() || s.body.v.defined() ||
+          s.body.g.defined() || s.body.beta.defined() || s.k.defined() || s.v.defined())
+        why = at + "unexpected state in a block without a token mixer";
     } else {
       if (why.empty()) why = want(s.k, "k", {L, expect_[x][0], expect_[x][1]});
       if (why.empty()) why = want(s.v, "v", {L, expect_[x + 1][0], expect_[x + 1][1]});
@@ -833,6 +837,7 @@ std::optional<PrefillResult> PicEngine::step_compose(ComposeRun& c, int64_t max_
   for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
     LayerState& ls = st.layers[static_cast<size_t>(l)];
     const bool linear = cfg.layer_types[static_cast<size_t>(l)] == LayerKind::Linear;
+    const bool stateless = cfg.layer_types[static_cast<size_t>(l)] == LayerKind::Ffn;  // rows only
     spans.clear();
     groups.clear();
     std::deque<Tensor> naive_states;       // naive mode: compact bodies' zero-start states
@@ -863,12 +868,14 @@ std::optional<PrefillResult> PicEngine::step_compose(ComposeRun& c, int64_t max_
           }
           after.conv = &sum.conv_tail;
         }
+      } else if (stateless) {
+        if (p.restored) continue;  // no rows to compute, no state to restore
       } else {
         if (p.head + p.tail < p.len) {
           // Splice the body's K/V; keys were stored at relative positions and RoPE angles add, so
           // rotating them by the segment's start is exact (only the rotary dims change).
           const int64_t b0 = p.head, b1 = p.len - p.tail;
-          const bool rerotate = !naive && opt.rerotate && p.pos > 0;
+          const bool rerotate = !naive && opt.rerotate && p.pos > 0 && rot > 0;  // NoPE keys: nothing to rotate
           splice.push_back({&sum.k, b0, &ls.k, p.pos + b0, b1 - b0, rerotate ? p.pos : 0});
           splice.push_back({&sum.v, b0, &ls.v, p.pos + b0, b1 - b0, 0});
         }
@@ -924,7 +931,7 @@ std::optional<PrefillResult> PicEngine::step_compose(ComposeRun& c, int64_t max_
       s0 = s1;
       r0 += n;
     }
-    if (keep_here && !linear && c.seam_rows > 0) {
+    if (keep_here && !linear && !stateless && c.seam_rows > 0) {
       // Every context segment's seam rows, in order (the K/V rows no entry holds).
       LayerState& e = c.end.layers[static_cast<size_t>(l)];
       e.k = be.alloc(DType::F32, {c.seam_rows, ls.k.dim(1), ls.k.dim(2)});

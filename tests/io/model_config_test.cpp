@@ -491,5 +491,142 @@ TEST(ModelConfigErrors, TypedFields) {
   EXPECT_THAT(error_of(j), HasSubstr("field 'architectures' must be a list of strings"));
 }
 
+// Nemotron-H: blocks named by layers_block_type (transformers 5 names or the older ones) or by
+// hybrid_override_pattern; the Mamba2 fields land in the linear_* fields as the recurrence sees them.
+json nemotron_h() {
+  return json{{"architectures", {"NemotronHForCausalLM"}},
+              {"model_type", "nemotron_h"},
+              {"vocab_size", 512},
+              {"hidden_size", 64},
+              {"layers_block_type", {"linear_attention", "moe", "full_attention", "mlp"}},
+              {"num_attention_heads", 4},
+              {"num_key_value_heads", 2},
+              {"head_dim", 16},
+              {"intermediate_size", 96},
+              {"mlp_hidden_act", "relu2"},
+              {"mamba_num_heads", 8},
+              {"mamba_head_dim", 16},
+              {"ssm_state_size", 16},
+              {"n_groups", 2},
+              {"conv_kernel", 4},
+              {"n_routed_experts", 8},
+              {"num_experts_per_tok", 2},
+              {"moe_intermediate_size", 32},
+              {"moe_shared_expert_intermediate_size", 48},
+              {"n_group", 1},
+              {"topk_group", 1},
+              {"routed_scaling_factor", 2.5},
+              {"time_step_limit", {0.0, {{"__float__", "Infinity"}}}}};
+}
+
+TEST(ModelConfig, NemotronHBlocks) {
+  const ModelConfig c = parse(nemotron_h());
+  EXPECT_EQ(c.arch, Arch::NemotronH);
+  ASSERT_EQ(c.num_hidden_layers, 4);
+  EXPECT_EQ(c.layer_types,
+            (std::vector<LayerKind>{LayerKind::Linear, LayerKind::Ffn, LayerKind::Full, LayerKind::Ffn}));
+  EXPECT_TRUE(c.layer_is_moe(1));
+  EXPECT_FALSE(c.layer_is_moe(3));
+  EXPECT_EQ(c.linear_num_key_heads, 2);
+  EXPECT_EQ(c.linear_key_head_dim, 16);
+  EXPECT_EQ(c.linear_num_value_heads, 8);
+  EXPECT_EQ(c.linear_value_head_dim, 16);
+  EXPECT_EQ(c.rotary_dim(), 0);
+  EXPECT_DOUBLE_EQ(c.routed_scaling_factor, 2.5);
+  EXPECT_DOUBLE_EQ(c.time_step_min, 0.001);
+  EXPECT_TRUE(c.conv_bias);
+  EXPECT_DOUBLE_EQ(c.rms_norm_eps, 1e-5);
+  // The older spellings name the same model.
+  json old = nemotron_h();
+  old.erase("layers_block_type");
+  old["hybrid_override_pattern"] = "ME*-";
+  old.erase("n_groups");
+  old["mamba_n_groups"] = 2;
+  const ModelConfig o = parse(old);
+  EXPECT_EQ(o.layer_types, c.layer_types);
+  EXPECT_EQ(o.moe_blocks, c.moe_blocks);
+  EXPECT_EQ(o.linear_num_key_heads, 2);
+  old.erase("hybrid_override_pattern");
+  old["layers_block_type"] = {"mamba", "moe", "attention", "mlp"};
+  EXPECT_EQ(parse(old).layer_types, c.layer_types);
+}
+
+TEST(ModelConfigErrors, NemotronH) {
+  json j = nemotron_h();
+  j["layers_block_type"][2] = "hybrid";
+  EXPECT_THAT(error_of(j), AllOf(HasSubstr(kPath), HasSubstr("'layers_block_type[2]'"), HasSubstr("'hybrid'")));
+  j = nemotron_h();
+  j.erase("layers_block_type");
+  EXPECT_THAT(error_of(j), HasSubstr("missing field 'layers_block_type'"));
+  j["hybrid_override_pattern"] = "M?";
+  EXPECT_THAT(error_of(j), HasSubstr("'hybrid_override_pattern' character 1"));
+  j = nemotron_h();
+  j["mlp_hidden_act"] = "gelu";
+  EXPECT_THAT(error_of(j), HasSubstr("'mlp_hidden_act': 'gelu' is not supported"));
+  j = nemotron_h();
+  j["n_groups"] = 3;
+  EXPECT_THAT(error_of(j), HasSubstr("'mamba_num_heads' (8) must be a multiple of 'n_groups' (3)"));
+  j = nemotron_h();
+  j["num_hidden_layers"] = 5;
+  EXPECT_THAT(error_of(j), HasSubstr("'num_hidden_layers' (5) disagrees with the 4 blocks"));
+  j = nemotron_h();
+  j["moe_latent_size"] = 32;
+  EXPECT_THAT(error_of(j), HasSubstr("'moe_latent_size'"));
+  j = nemotron_h();
+  j.erase("mamba_head_dim");
+  EXPECT_THAT(error_of(j), HasSubstr("missing field 'mamba_head_dim'"));
+  j = nemotron_h();
+  j["n_group"] = 3;
+  EXPECT_THAT(error_of(j), HasSubstr("do not divide the 8 experts"));
+}
+
+json minimax() {
+  return json{{"architectures", {"MiniMaxForCausalLM"}},
+              {"model_type", "minimax"},
+              {"vocab_size", 512},
+              {"hidden_size", 64},
+              {"num_hidden_layers", 4},
+              {"layer_types", {"linear_attention", "full_attention", "linear_attention", "full_attention"}},
+              {"num_attention_heads", 4},
+              {"num_key_value_heads", 2},
+              {"head_dim", 16},
+              {"intermediate_size", 32},
+              {"num_local_experts", 8},
+              {"num_experts_per_tok", 2},
+              {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", 10000.0}, {"partial_rotary_factor", 0.5}}},
+              {"linear_attn_alpha_factor", 1.7},
+              {"mlp_beta_factor", 1.1}};
+}
+
+TEST(ModelConfig, MiniMax) {
+  const ModelConfig c = parse(minimax());
+  EXPECT_EQ(c.arch, Arch::MiniMax);
+  EXPECT_EQ(c.layer_types,
+            (std::vector<LayerKind>{LayerKind::Linear, LayerKind::Full, LayerKind::Linear, LayerKind::Full}));
+  // Lightning state: one [head_dim, head_dim] per attention head; every layer an MoE of SwiGLU experts.
+  EXPECT_EQ(c.linear_num_value_heads, 4);
+  EXPECT_EQ(c.linear_key_head_dim, 16);
+  EXPECT_EQ(c.linear_value_head_dim, 16);
+  EXPECT_EQ(c.num_experts, 8);
+  EXPECT_EQ(c.moe_intermediate_size, 32);
+  for (int64_t i = 0; i < 4; ++i) EXPECT_TRUE(c.layer_is_moe(i));
+  EXPECT_EQ(c.rotary_dim(), 16);  // the whole head, as transformers 5.17 rotates it
+  EXPECT_DOUBLE_EQ(c.linear_attn_alpha, 1.7);
+  EXPECT_DOUBLE_EQ(c.linear_attn_beta, 1.0);
+  EXPECT_DOUBLE_EQ(c.mlp_beta, 1.1);
+}
+
+TEST(ModelConfigErrors, MiniMax) {
+  json j = minimax();
+  j["sliding_window"] = 4096;
+  EXPECT_THAT(error_of(j), HasSubstr("'sliding_window'"));
+  j = minimax();
+  j.erase("num_local_experts");
+  EXPECT_THAT(error_of(j), HasSubstr("'num_local_experts'"));
+  j = minimax();
+  j["num_experts_per_tok"] = 9;
+  EXPECT_THAT(error_of(j), HasSubstr("must not exceed 'num_local_experts' (8)"));
+}
+
 }  // namespace
 }  // namespace hypic

@@ -449,7 +449,8 @@ TEST_P(Pic, CompactBodiesComposeAsTransitions) {
   EXPECT_LT(c6->bytes, c11->bytes);
 }
 
-INSTANTIATE_TEST_SUITE_P(Models, Pic, ::testing::Values("qwen3_5_dense", "qwen3_5_moe", "qwen3_next"),
+INSTANTIATE_TEST_SUITE_P(Models, Pic,
+                         ::testing::Values("qwen3_5_dense", "qwen3_5_moe", "qwen3_next", "nemotron_h", "minimax"),
                          [](const auto& i) { return i.param; });
 
 TEST(PicErrors, BadRequestsGiveClearErrors) {

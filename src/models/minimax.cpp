@@ -1,0 +1,239 @@
+// MiniMaxForCausalLM (MiniMax-Text-01 / M1; transformers 5.17 modeling_minimax.py). Every layer:
+//   y = RMSNorm(x); x = alpha_a * y + beta_a * mixer(y); z = RMSNorm(x); x = alpha_m * z + beta_m * MoE(z)
+// (the residual is the normed input; alpha/beta per sub-layer kind), the mixer being
+//   lightning   [q | k | v] per head = silu(qkv_proj(y)); S_t = exp(-s_h) S_{t-1} + k_t v_t^T,
+//               o_t = S_t^T q_t (linear::Family::Retention; s_h the per-head slope rate, which
+//               falls with depth: slope_rate in the checkpoint, else computed as transformers does);
+//               RMSNorm over all heads (eps 1e-6, as transformers builds it), times
+//               sigmoid(output_gate(y)), out_proj
+//   attention   GQA softmax attention, NeoX RoPE over the whole head (transformers 5.17 ignores
+//               partial_rotary_factor here), no gate, no q/k norms
+// and the MoE softmax top-k over SwiGLU experts (Mixtral's w1 gate / w3 up / w2 down), renormalised.
+// RMSNorm weights multiply directly. The lightning recurrence runs on host memory: CPU backend only
+// until the CUDA backend has a retention kernel.
+#include <cmath>
+#include <stdexcept>
+
+#include "linear/recurrence.h"
+#include "models/blocks.h"
+
+namespace hypic {
+namespace {
+
+std::vector<float> host_f32(const Tensor& t) {
+  Tensor f = t.to_f32();
+  return std::vector<float>(f.data<float>(), f.data<float>() + f.numel());
+}
+
+struct Layer {
+  LayerKind kind;
+  Tensor in_norm, post_norm;
+  Tensor qkv, gate, out, norm;   // lightning
+  std::vector<float> log_gamma;  // lightning: -slope per head
+  Tensor q, k, v, o;             // attention
+  Tensor router;
+  ExpertWeights experts;
+};
+
+class MiniMax : public ArchBlocks {
+ public:
+  MiniMax(const ModelConfig& c, const LoadWeight& load, Backend& be) : c_(c), be_(be) {
+    if (be.device().kind != DeviceKind::CPU)
+      throw std::runtime_error(c.architecture + " runs on the CPU backend only for now (no CUDA lightning kernel yet)");
+    H_ = c.hidden_size;
+    Hh_ = c.num_attention_heads;
+    D_ = c.head_dim;
+    auto dev = [&](const std::string& n, const Shape& s) { return be.to_device(load(n, s)); };
+    const int64_t L = c.num_hidden_layers, E = c.num_experts, I = c.moe_intermediate_size;
+    for (int64_t i = 0; i < L; ++i) {
+      const std::string p = "model.layers." + std::to_string(i) + ".";
+      const std::string a = p + "self_attn.";
+      Layer l;
+      l.kind = c.layer_types[static_cast<size_t>(i)];
+      l.in_norm = dev(p + "input_layernorm.weight", {H_});
+      l.post_norm = dev(p + "post_attention_layernorm.weight", {H_});
+      if (l.kind == LayerKind::Linear) {
+        l.qkv = dev(a + "qkv_proj.weight", {3 * Hh_ * D_, H_});
+        l.gate = dev(a + "output_gate.weight", {Hh_ * D_, H_});
+        l.out = dev(a + "out_proj.weight", {H_, Hh_ * D_});
+        l.norm = dev(a + "norm.weight", {Hh_ * D_});
+        // transformers: rate = (2^(-8/heads))^(h+1) * (1 - layer/(layers - 1 + 1e-5) + 1e-5), in f32.
+        const double base = 1.0 / std::pow(2.0, 8.0 / static_cast<double>(Hh_));
+        const double factor = 1.0 - static_cast<double>(i) / (static_cast<double>(L) - 1.0 + 1e-5) + 1e-5;
+        std::vector<float> slope(static_cast<size_t>(Hh_));
+        for (int64_t h = 0; h < Hh_; ++h)
+          slope[h] = static_cast<float>(std::pow(base, static_cast<double>(h + 1))) * static_cast<float>(factor);
+        l.log_gamma.resize(slope.size());
+        for (size_t h = 0; h < slope.size(); ++h) l.log_gamma[h] = -slope[h];
+      } else {
+        const int64_t kv = c.num_key_value_heads * D_;
+        l.q = dev(a + "q_proj.weight", {Hh_ * D_, H_});
+        l.k = dev(a + "k_proj.weight", {kv, H_});
+        l.v = dev(a + "v_proj.weight", {kv, H_});
+        l.o = dev(a + "o_proj.weight", {H_, Hh_ * D_});
+      }
+      const std::string m = p + "block_sparse_moe.";
+      l.router = dev(m + "gate.weight", {E, H_});
+      for (int64_t e = 0; e < E; ++e) {
+        const std::string ep = m + "experts." + std::to_string(e) + ".";
+        l.experts.gate.push_back(dev(ep + "w1.weight", {I, H_}));
+        l.experts.up.push_back(dev(ep + "w3.weight", {I, H_}));
+        l.experts.down.push_back(dev(ep + "w2.weight", {H_, I}));
+        expert_bytes_ += l.experts.gate.back().nbytes() + l.experts.up.back().nbytes() + l.experts.down.back().nbytes();
+      }
+      layers_.push_back(std::move(l));
+    }
+  }
+
+  size_t expert_bytes() const override { return expert_bytes_; }
+
+  // A compact body's g rows hold the layer's log decay (the same in every row).
+  void replay(const RecurrenceInputs& in, Tensor& ssm) override {
+    const int64_t n = in.rows();
+    if (n == 0) return;
+    std::vector<float> out(static_cast<size_t>(n * Hh_ * D_));
+    linear::RecInputs r;
+    r.q = in.k.data<float>();  // only shapes outputs nobody reads
+    r.k = in.k.data<float>();
+    r.v = in.v.data<float>();
+    r.log_gamma = in.g.data<float>();
+    linear::chunked_forward(linear::Family::Retention, {n, Hh_, Hh_, D_, D_}, r, ssm.data<float>(), out.data(), nullptr,
+                            be_.num_threads());
+  }
+
+  void layer_forward(Model& model, int64_t layer, Tensor& x, std::span<const LayerSpan> spans) override {
+    Layer& l = layers_[static_cast<size_t>(layer)];
+    const int64_t T = x.dim(0);
+    const float eps = static_cast<float>(c_.rms_norm_eps);
+    Tensor y = be_.alloc_uninit(DType::F32, {T, H_});
+    Tensor mix = be_.alloc_uninit(DType::F32, {T, H_});
+    be_.rms_norm(x, l.in_norm, eps, false, y);
+    const bool lin = l.kind == LayerKind::Linear;
+    if (lin)
+      lightning(model, l, y, spans, mix);
+    else
+      attention(model, l, y, spans, mix);
+    scaled_sum(y, lin ? c_.linear_attn_alpha : c_.full_attn_alpha, mix, lin ? c_.linear_attn_beta : c_.full_attn_beta,
+               x);
+    be_.rms_norm(x, l.post_norm, eps, false, y);
+    Tensor logits = be_.alloc_uninit(DType::F32, {T, c_.num_experts});
+    be_.matmul(y, l.router, logits);
+    be_.moe_experts(y, logits, static_cast<int>(c_.num_experts_per_tok), true, l.experts, mix);
+    scaled_sum(y, c_.mlp_alpha, mix, c_.mlp_beta, x);
+  }
+
+ private:
+  // out = a * x + b * y (host).
+  static void scaled_sum(const Tensor& x, double a, const Tensor& y, double b, Tensor& out) {
+    const float fa = static_cast<float>(a), fb = static_cast<float>(b);
+    for (int64_t i = 0; i < out.numel(); ++i) out.data<float>()[i] = fa * x.data<float>()[i] + fb * y.data<float>()[i];
+  }
+
+  void lightning(Model& model, const Layer& l, const Tensor& y, std::span<const LayerSpan> spans, Tensor& mix) {
+    const int64_t T = y.dim(0), HD = Hh_ * D_;
+    Tensor qkv = be_.alloc_uninit(DType::F32, {T, 3 * HD});
+    Tensor gate = be_.alloc_uninit(DType::F32, {T, HD});
+    be_.matmul_many(y, {l.qkv, l.gate}, {qkv, gate});
+    const float* p = qkv.data<float>();
+    Tensor o = be_.alloc_uninit(DType::F32, {T, HD});
+    std::vector<float> q, k, v;
+    int64_t r0 = 0;
+    for (const LayerSpan& sp : spans) {
+      const int64_t n = sp.rows;
+      // Per head the projection's rows are [q D | k D | v D]; SiLU on all three.
+      q.resize(static_cast<size_t>(n * HD));
+      k.resize(q.size());
+      v.resize(q.size());
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t h = 0; h < Hh_; ++h)
+          for (int64_t d = 0; d < D_; ++d) {
+            const float* src = p + (r0 + t) * 3 * HD + h * 3 * D_ + d;
+            auto silu = [](float z) { return z / (1.0f + std::exp(-z)); };
+            const size_t dst = static_cast<size_t>(t * HD + h * D_ + d);
+            q[dst] = silu(src[0]);
+            k[dst] = silu(src[D_]);
+            v[dst] = silu(src[2 * D_]);
+          }
+      if (n > 0) {
+        linear::RecInputs in;
+        in.q = q.data();
+        in.k = k.data();
+        in.v = v.data();
+        in.log_gamma = l.log_gamma.data();
+        linear::chunked_forward(linear::Family::Retention, {n, Hh_, Hh_, D_, D_}, in, sp.state->ssm.data<float>(),
+                                o.data<float>() + r0 * HD, nullptr, be_.num_threads());
+      }
+      if (sp.record && n > 0) {  // a compact PIC body: k, v, and the log decay in every row of g
+        RecurrenceInputs& rec = *sp.record;
+        rec.k = be_.alloc_uninit(DType::F32, {n, Hh_, D_});
+        rec.v = be_.alloc_uninit(DType::F32, {n, Hh_, D_});
+        rec.g = be_.alloc_uninit(DType::F32, {n, Hh_});
+        rec.beta = be_.alloc(DType::F32, {n, Hh_});
+        std::copy(k.begin(), k.end(), rec.k.data<float>());
+        std::copy(v.begin(), v.end(), rec.v.data<float>());
+        for (int64_t t = 0; t < n; ++t)
+          std::copy(l.log_gamma.begin(), l.log_gamma.end(), rec.g.data<float>() + t * Hh_);
+      }
+      if (sp.transition) {  // dense [H, D, D]: gamma^n times the identity per head
+        Tensor& Tt = *sp.transition;
+        std::fill(Tt.data<float>(), Tt.data<float>() + Tt.numel(), 0.f);
+        for (int64_t h = 0; h < Hh_; ++h) {
+          const float g = std::exp(static_cast<float>(n) * l.log_gamma[static_cast<size_t>(h)]);
+          for (int64_t i = 0; i < D_; ++i) Tt.data<float>()[(h * D_ + i) * D_ + i] = g;
+        }
+      }
+      if (sp.after.any()) model.apply_after(*sp.state, sp.after);
+      r0 += n;
+    }
+    be_.rms_norm(o, l.norm, 1e-6f, false, o);
+    be_.sigmoid_mul(o, gate, o);
+    be_.matmul(o, l.out, mix);
+  }
+
+  void attention(Model& model, const Layer& l, const Tensor& y, std::span<const LayerSpan> spans, Tensor& mix) {
+    const int64_t T = y.dim(0), Hkv = c_.num_key_value_heads;
+    Tensor q = be_.alloc_uninit(DType::F32, {T, Hh_, D_});
+    Tensor k = be_.alloc_uninit(DType::F32, {T, Hkv, D_});
+    Tensor v = be_.alloc_uninit(DType::F32, {T, Hkv, D_});
+    Tensor q2 = q.reshape({T, Hh_ * D_}), k2 = k.reshape({T, Hkv * D_}), v2 = v.reshape({T, Hkv * D_});
+    be_.matmul_many(y, {l.q, l.k, l.v}, {q2, k2, v2});
+    std::vector<int64_t> pos;
+    for (const LayerSpan& sp : spans)
+      for (int64_t t = 0; t < sp.rows; ++t) pos.push_back(sp.pos0 + t);
+    const int rot = static_cast<int>(c_.rotary_dim());
+    be_.rope_neox(q, pos, rot, c_.rope_theta);
+    be_.rope_neox(k, pos, rot, c_.rope_theta);
+    Tensor o = be_.alloc_uninit(DType::F32, {T, Hh_, D_});
+    const float scale = 1.0f / std::sqrt(static_cast<float>(D_));
+    int64_t r0 = 0;
+    for (const LayerSpan& sp : spans) {
+      LayerState& ls = *sp.state;
+      if (sp.rows > 0) {
+        if (sp.pos0 + sp.rows > ls.k.dim(0)) throw std::logic_error("KV cache too small: call Model::reserve first");
+        const Backend::RowCopy pieces[2] = {{&k, r0, &ls.k, sp.pos0, sp.rows}, {&v, r0, &ls.v, sp.pos0, sp.rows}};
+        be_.copy_rows(pieces);
+        const Backend::RowSpan run{sp.pos0, sp.rows};
+        Tensor os = o.slice_rows(r0, r0 + sp.rows);
+        be_.attention_spans(q.slice_rows(r0, r0 + sp.rows), ls.k, ls.v, std::span<const Backend::RowSpan>(&run, 1),
+                            scale, os);
+      }
+      if (sp.after.any()) model.apply_after(ls, sp.after);
+      r0 += sp.rows;
+    }
+    be_.matmul(o.reshape({T, Hh_ * D_}), l.o, mix);
+  }
+
+  const ModelConfig& c_;
+  Backend& be_;
+  int64_t H_, Hh_, D_;
+  std::vector<Layer> layers_;
+  size_t expert_bytes_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<ArchBlocks> minimax_blocks(const ModelConfig& c, const LoadWeight& load, Backend& be) {
+  return std::make_unique<MiniMax>(c, load, be);
+}
+
+}  // namespace hypic

@@ -1,0 +1,380 @@
+// NemotronHForCausalLM (transformers 5.17 modeling_nemotron_h.py): blocks of one sub-layer each, x +=
+// mixer(RMSNorm(x)), the mixer being
+//   Mamba2     in_proj -> [z | xBC | dt]; causal conv1d (with bias) + SiLU over xBC -> [x | B | C];
+//              dt = max(softplus(dt + dt_bias), time_step_min); the SSM S_t = exp(dt A) S_{t-1} +
+//              B_t (dt x_t)^T, y_t = S_t^T C_t + D x_t (linear::Family::Mamba2 with k = B, q = C,
+//              v = dt x, g = dt A); y * silu(z), RMSNorm per group of I / n_groups channels; out_proj
+//   attention  plain GQA softmax attention, no RoPE, no gate, no q/k norms
+//   MLP        down(relu(up(x))^2)
+//   MoE        sigmoid router scores, choice by score + e_score_correction_bias within the best
+//              topk_group groups (a group scored by its two best), weights = the chosen scores
+//              normalised and times routed_scaling_factor; ReLU^2 experts; plus a shared ReLU^2 MLP.
+// RMSNorm weights multiply directly (no 1 + w). The token mixers run on host memory: CPU backend
+// only until the CUDA backend has Mamba2 kernels.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <stdexcept>
+
+#include "linear/recurrence.h"
+#include "models/blocks.h"
+
+namespace hypic {
+namespace {
+
+std::vector<float> host_f32(const Tensor& t) {
+  Tensor f = t.to_f32();
+  return std::vector<float>(f.data<float>(), f.data<float>() + f.numel());
+}
+
+float silu(float x) {
+  return x / (1.0f + std::exp(-x));
+}
+// torch.nn.functional.softplus (beta 1, threshold 20).
+float softplus(float x) {
+  return x > 20.0f ? x : std::log1p(std::exp(x));
+}
+
+void relu2(Tensor& t) {
+  float* p = t.data<float>();
+  for (int64_t i = 0; i < t.numel(); ++i) p[i] = p[i] > 0 ? p[i] * p[i] : 0.0f;
+}
+
+struct Mamba {
+  Tensor in_proj, out_proj;           // device: [I + Cd + nh, H], [H, I]
+  std::vector<float> conv_w, conv_b;  // [Cd, K], [Cd]
+  std::vector<float> A, D, dt_bias;   // [nh]; A = -exp(A_log)
+  std::vector<float> norm;            // [I]
+};
+struct Attn {
+  Tensor q, k, v, o;
+};
+struct Mlp {
+  Tensor up, down;
+};
+struct Moe {
+  Tensor router;  // [E, H]
+  std::vector<float> bias;
+  std::vector<Mlp> experts;
+  Mlp shared;
+  bool has_shared = false;
+};
+struct Block {
+  LayerKind kind;
+  bool moe = false;
+  Tensor norm;  // device [H]
+  Mamba mamba;
+  Attn attn;
+  Mlp mlp;
+  Moe moew;
+};
+
+class NemotronH : public ArchBlocks {
+ public:
+  NemotronH(const ModelConfig& c, const LoadWeight& load, Backend& be) : c_(c), be_(be) {
+    if (be.device().kind != DeviceKind::CPU)
+      throw std::runtime_error(c.architecture + " runs on the CPU backend only for now (no CUDA Mamba2 kernels yet)");
+    H_ = c.hidden_size;
+    nh_ = c.linear_num_value_heads;
+    P_ = c.linear_value_head_dim;
+    N_ = c.linear_key_head_dim;
+    G_ = c.linear_num_key_heads;
+    K_ = c.linear_conv_kernel_dim;
+    I_ = nh_ * P_;
+    Cd_ = I_ + 2 * G_ * N_;
+    auto dev = [&](const std::string& n, const Shape& s) { return be.to_device(load(n, s)); };
+    auto mlp = [&](const std::string& p, int64_t I) {
+      return Mlp{dev(p + "up_proj.weight", {I, H_}), dev(p + "down_proj.weight", {H_, I})};
+    };
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+      const std::string p = "backbone.layers." + std::to_string(i) + ".";
+      const std::string m = p + "mixer.";
+      Block b;
+      b.kind = c.layer_types[static_cast<size_t>(i)];
+      b.moe = c.layer_is_moe(i);
+      b.norm = dev(p + "norm.weight", {H_});
+      if (b.kind == LayerKind::Linear) {
+        auto& w = b.mamba;
+        w.in_proj = dev(m + "in_proj.weight", {I_ + Cd_ + nh_, H_});
+        w.out_proj = dev(m + "out_proj.weight", {H_, I_});
+        w.conv_w = host_f32(load(m + "conv1d.weight", {Cd_, 1, K_}));
+        w.conv_b = c.conv_bias ? host_f32(load(m + "conv1d.bias", {Cd_})) : std::vector<float>(Cd_, 0.0f);
+        w.A = host_f32(load(m + "A_log", {nh_}));
+        for (float& a : w.A) a = -std::exp(a);
+        w.D = host_f32(load(m + "D", {nh_}));
+        w.dt_bias = host_f32(load(m + "dt_bias", {nh_}));
+        w.norm = host_f32(load(m + "norm.weight", {I_}));
+      } else if (b.kind == LayerKind::Full) {
+        const int64_t q = c.num_attention_heads * c.head_dim, kv = c.num_key_value_heads * c.head_dim;
+        b.attn = Attn{dev(m + "q_proj.weight", {q, H_}), dev(m + "k_proj.weight", {kv, H_}),
+                      dev(m + "v_proj.weight", {kv, H_}), dev(m + "o_proj.weight", {H_, q})};
+      } else if (!b.moe) {
+        b.mlp = mlp(m, c.intermediate_size);
+      } else {
+        auto& mo = b.moew;
+        const int64_t E = c.num_experts, I = c.moe_intermediate_size;
+        mo.router = dev(m + "gate.weight", {E, H_});
+        const std::string bias = m + "gate.e_score_correction_bias";
+        mo.bias = host_f32(load(bias, {E}));
+        for (int64_t e = 0; e < E; ++e) {
+          mo.experts.push_back(mlp(m + "experts." + std::to_string(e) + ".", I));
+          expert_bytes_ += mo.experts.back().up.nbytes() + mo.experts.back().down.nbytes();
+        }
+        if (c.shared_expert_intermediate_size > 0) {
+          mo.has_shared = true;
+          mo.shared = mlp(m + "shared_experts.", c.shared_expert_intermediate_size);
+        }
+      }
+      blocks_.push_back(std::move(b));
+    }
+  }
+
+  size_t expert_bytes() const override { return expert_bytes_; }
+
+  void replay(const RecurrenceInputs& in, Tensor& ssm) override {
+    const int64_t n = in.rows();
+    if (n == 0) return;
+    std::vector<float> out(static_cast<size_t>(n * I_));
+    linear::RecInputs r;
+    r.q = in.k.data<float>();  // only shapes outputs nobody reads
+    r.k = in.k.data<float>();
+    r.v = in.v.data<float>();
+    r.g = in.g.data<float>();
+    linear::chunked_forward(linear::Family::Mamba2, {n, G_, nh_, N_, P_}, r, ssm.data<float>(), out.data(), nullptr,
+                            be_.num_threads());
+  }
+
+  void layer_forward(Model& model, int64_t layer, Tensor& x, std::span<const LayerSpan> spans) override {
+    Block& b = blocks_[static_cast<size_t>(layer)];
+    const int64_t T = x.dim(0);
+    Tensor xn = be_.alloc_uninit(DType::F32, {T, H_});
+    Tensor mix = be_.alloc_uninit(DType::F32, {T, H_});
+    be_.rms_norm(x, b.norm, static_cast<float>(c_.rms_norm_eps), false, xn);
+    if (b.kind == LayerKind::Linear)
+      mamba(model, b.mamba, xn, spans, mix);
+    else if (b.kind == LayerKind::Full)
+      attention(model, b.attn, xn, spans, mix);
+    else if (!b.moe)
+      mlp_forward(b.mlp, xn, mix);
+    else
+      moe(b.moew, xn, mix);
+    be_.add(x, mix, x);
+  }
+
+ private:
+  void mlp_forward(const Mlp& w, const Tensor& x, Tensor& out) {
+    Tensor h = be_.alloc_uninit(DType::F32, {x.dim(0), w.up.dim(0)});
+    be_.matmul(x, w.up, h);
+    relu2(h);
+    be_.matmul(h, w.down, out);
+  }
+
+  void mamba(Model& model, const Mamba& w, const Tensor& xn, std::span<const LayerSpan> spans, Tensor& mix) {
+    const int64_t T = xn.dim(0), W = I_ + Cd_ + nh_;
+    Tensor proj = be_.alloc_uninit(DType::F32, {T, W});
+    be_.matmul(xn, w.in_proj, proj);
+    const float* pr = proj.data<float>();
+    std::vector<float> xbc(static_cast<size_t>(T * Cd_)), q, k, v, g, out;
+    Tensor y = be_.alloc_uninit(DType::F32, {T, I_});
+    float* yp = y.data<float>();
+    const float tmin = static_cast<float>(c_.time_step_min);
+    int64_t r0 = 0;
+    for (const LayerSpan& sp : spans) {
+      LayerState& ls = *sp.state;
+      const int64_t n = sp.rows;
+      // Causal depthwise conv with bias + SiLU; the state holds the previous K-1 inputs, oldest first.
+      float* cs = ls.conv.data<float>();
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t ch = 0; ch < Cd_; ++ch) {
+          float acc = w.conv_b[static_cast<size_t>(ch)];
+          for (int64_t j = 0; j < K_; ++j) {
+            const int64_t src = t - (K_ - 1) + j;
+            const float in = src < 0 ? cs[(K_ - 1 + src) * Cd_ + ch] : pr[(r0 + src) * W + I_ + ch];
+            acc += w.conv_w[static_cast<size_t>(ch * K_ + j)] * in;
+          }
+          xbc[static_cast<size_t>((r0 + t) * Cd_ + ch)] = silu(acc);
+        }
+      if (n > 0) {
+        std::vector<float> hist(static_cast<size_t>((K_ - 1 + n) * Cd_));
+        std::copy(cs, cs + (K_ - 1) * Cd_, hist.begin());
+        for (int64_t t = 0; t < n; ++t)
+          std::copy(pr + (r0 + t) * W + I_, pr + (r0 + t) * W + I_ + Cd_, hist.begin() + (K_ - 1 + t) * Cd_);
+        std::copy(hist.end() - (K_ - 1) * Cd_, hist.end(), cs);
+      }
+      // The SSM as a scalar-decay linear recurrence.
+      q.assign(static_cast<size_t>(n * G_ * N_), 0.f);
+      k.assign(q.size(), 0.f);
+      v.assign(static_cast<size_t>(n * I_), 0.f);
+      g.assign(static_cast<size_t>(n * nh_), 0.f);
+      out.assign(v.size(), 0.f);
+      for (int64_t t = 0; t < n; ++t) {
+        const float* row = &xbc[static_cast<size_t>((r0 + t) * Cd_)];
+        std::copy(row + I_, row + I_ + G_ * N_, k.begin() + t * G_ * N_);
+        std::copy(row + I_ + G_ * N_, row + Cd_, q.begin() + t * G_ * N_);
+        for (int64_t h = 0; h < nh_; ++h) {
+          const float dt =
+              std::max(softplus(pr[(r0 + t) * W + I_ + Cd_ + h] + w.dt_bias[static_cast<size_t>(h)]), tmin);
+          g[static_cast<size_t>(t * nh_ + h)] = dt * w.A[static_cast<size_t>(h)];
+          for (int64_t p = 0; p < P_; ++p) v[static_cast<size_t>(t * I_ + h * P_ + p)] = dt * row[h * P_ + p];
+        }
+      }
+      std::vector<float> logT;
+      if (sp.transition)
+        logT.assign(static_cast<size_t>(linear::transition_floats(linear::Family::Mamba2, nh_, N_)), 0.f);
+      if (n > 0) {
+        linear::RecInputs in;
+        in.q = q.data();
+        in.k = k.data();
+        in.v = v.data();
+        in.g = g.data();
+        linear::chunked_forward(linear::Family::Mamba2, {n, G_, nh_, N_, P_}, in, ls.ssm.data<float>(), out.data(),
+                                logT.empty() ? nullptr : logT.data(), be_.num_threads());
+      }
+      if (sp.record && n > 0) {  // a compact PIC body: k = B, v = dt x, g = dt A (beta unused: zeros)
+        RecurrenceInputs& rec = *sp.record;
+        rec.k = be_.alloc_uninit(DType::F32, {n, G_, N_});
+        rec.v = be_.alloc_uninit(DType::F32, {n, nh_, P_});
+        rec.g = be_.alloc_uninit(DType::F32, {n, nh_});
+        rec.beta = be_.alloc(DType::F32, {n, nh_});
+        std::copy(k.begin(), k.end(), rec.k.data<float>());
+        std::copy(v.begin(), v.end(), rec.v.data<float>());
+        std::copy(g.begin(), g.end(), rec.g.data<float>());
+      }
+      if (sp.transition) {  // dense [nh, N, N]: exp(sum of g) times the identity per head
+        Tensor& Tt = *sp.transition;
+        std::fill(Tt.data<float>(), Tt.data<float>() + Tt.numel(), 0.f);
+        for (int64_t h = 0; h < nh_; ++h)
+          for (int64_t i = 0; i < N_; ++i)
+            Tt.data<float>()[(h * N_ + i) * N_ + i] = std::exp(logT[static_cast<size_t>(h)]);
+      }
+      // D skip, gate, grouped RMSNorm.
+      const int64_t gs = I_ / G_;
+      const float eps = static_cast<float>(c_.rms_norm_eps);
+      for (int64_t t = 0; t < n; ++t) {
+        const float* row = &xbc[static_cast<size_t>((r0 + t) * Cd_)];
+        float* yr = yp + (r0 + t) * I_;
+        for (int64_t h = 0; h < nh_; ++h)
+          for (int64_t p = 0; p < P_; ++p) {
+            const int64_t i = h * P_ + p;
+            yr[i] = (out[static_cast<size_t>(t * I_ + i)] + w.D[static_cast<size_t>(h)] * row[i]) *
+                    silu(pr[(r0 + t) * W + i]);
+          }
+        for (int64_t gi = 0; gi < G_; ++gi) {
+          double ss = 0;
+          for (int64_t i = gi * gs; i < (gi + 1) * gs; ++i) ss += double(yr[i]) * yr[i];
+          const float r = 1.0f / std::sqrt(static_cast<float>(ss / gs) + eps);
+          for (int64_t i = gi * gs; i < (gi + 1) * gs; ++i) yr[i] = w.norm[static_cast<size_t>(i)] * (yr[i] * r);
+        }
+      }
+      if (sp.after.any()) model.apply_after(ls, sp.after);
+      r0 += n;
+    }
+    be_.matmul(y, w.out_proj, mix);
+  }
+
+  void attention(Model& model, const Attn& w, const Tensor& xn, std::span<const LayerSpan> spans, Tensor& mix) {
+    const int64_t T = xn.dim(0), Hq = c_.num_attention_heads, Hkv = c_.num_key_value_heads, D = c_.head_dim;
+    Tensor q = be_.alloc_uninit(DType::F32, {T, Hq, D});
+    Tensor k = be_.alloc_uninit(DType::F32, {T, Hkv, D});
+    Tensor v = be_.alloc_uninit(DType::F32, {T, Hkv, D});
+    Tensor q2 = q.reshape({T, Hq * D}), k2 = k.reshape({T, Hkv * D}), v2 = v.reshape({T, Hkv * D});
+    be_.matmul_many(xn, {w.q, w.k, w.v}, {q2, k2, v2});
+    Tensor o = be_.alloc_uninit(DType::F32, {T, Hq, D});
+    const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+    int64_t r0 = 0;
+    for (const LayerSpan& sp : spans) {
+      LayerState& ls = *sp.state;
+      if (sp.rows > 0) {
+        if (sp.pos0 + sp.rows > ls.k.dim(0)) throw std::logic_error("KV cache too small: call Model::reserve first");
+        const Backend::RowCopy pieces[2] = {{&k, r0, &ls.k, sp.pos0, sp.rows}, {&v, r0, &ls.v, sp.pos0, sp.rows}};
+        be_.copy_rows(pieces);
+        const Backend::RowSpan run{sp.pos0, sp.rows};
+        Tensor os = o.slice_rows(r0, r0 + sp.rows);
+        be_.attention_spans(q.slice_rows(r0, r0 + sp.rows), ls.k, ls.v, std::span<const Backend::RowSpan>(&run, 1),
+                            scale, os);
+      }
+      if (sp.after.any()) model.apply_after(ls, sp.after);
+      r0 += sp.rows;
+    }
+    be_.matmul(o.reshape({T, Hq * D}), w.o, mix);
+  }
+
+  void moe(const Moe& w, const Tensor& xn, Tensor& out) {
+    const int64_t T = xn.dim(0), E = c_.num_experts, top = c_.num_experts_per_tok;
+    const int64_t ng = c_.n_group, per = E / ng;
+    Tensor logits = be_.alloc_uninit(DType::F32, {T, E});
+    be_.matmul(xn, w.router, logits);
+    // Routing per token, as NemotronHTopkRouter.
+    std::vector<std::vector<std::pair<int64_t, float>>> chosen(static_cast<size_t>(E));  // per expert: (row, weight)
+    std::vector<float> score(static_cast<size_t>(E)), choice(static_cast<size_t>(E)), gsc(static_cast<size_t>(ng));
+    std::vector<int64_t> idx(static_cast<size_t>(std::max(E, ng)));
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t e = 0; e < E; ++e) {
+        score[e] = 1.0f / (1.0f + std::exp(-logits.data<float>()[t * E + e]));
+        choice[e] = score[e] + w.bias[static_cast<size_t>(e)];
+      }
+      for (int64_t gi = 0; gi < ng; ++gi) {
+        float a = -INFINITY, b2 = -INFINITY;
+        for (int64_t e = gi * per; e < (gi + 1) * per; ++e) {
+          if (choice[e] > a) {
+            b2 = a;
+            a = choice[e];
+          } else if (choice[e] > b2) {
+            b2 = choice[e];
+          }
+        }
+        gsc[gi] = per >= 2 ? a + b2 : a;
+      }
+      std::iota(idx.begin(), idx.begin() + ng, 0);
+      std::partial_sort(idx.begin(), idx.begin() + c_.topk_group, idx.begin() + ng,
+                        [&](int64_t a, int64_t b2) { return gsc[a] > gsc[b2]; });
+      std::vector<uint8_t> keep(static_cast<size_t>(ng), 0);
+      for (int64_t i = 0; i < c_.topk_group; ++i) keep[static_cast<size_t>(idx[i])] = 1;
+      std::iota(idx.begin(), idx.begin() + E, 0);
+      auto masked = [&](int64_t e) { return keep[static_cast<size_t>(e / per)] ? choice[e] : -INFINITY; };
+      std::partial_sort(idx.begin(), idx.begin() + top, idx.begin() + E,
+                        [&](int64_t a, int64_t b2) { return masked(a) > masked(b2); });
+      float sum = 0;
+      for (int64_t i = 0; i < top; ++i) sum += score[idx[i]];
+      for (int64_t i = 0; i < top; ++i) {
+        float wt = score[idx[i]];
+        if (c_.norm_topk_prob) wt /= sum + 1e-20f;
+        chosen[static_cast<size_t>(idx[i])].push_back({t, wt * static_cast<float>(c_.routed_scaling_factor)});
+      }
+    }
+    std::fill(out.data<float>(), out.data<float>() + out.numel(), 0.f);
+    for (int64_t e = 0; e < E; ++e) {
+      const auto& rows = chosen[static_cast<size_t>(e)];
+      if (rows.empty()) continue;
+      const int64_t R = static_cast<int64_t>(rows.size());
+      Tensor xe = be_.alloc_uninit(DType::F32, {R, H_}), ye = be_.alloc_uninit(DType::F32, {R, H_});
+      for (int64_t r = 0; r < R; ++r)
+        std::copy(xn.data<float>() + rows[r].first * H_, xn.data<float>() + (rows[r].first + 1) * H_,
+                  xe.data<float>() + r * H_);
+      mlp_forward(w.experts[static_cast<size_t>(e)], xe, ye);
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t j = 0; j < H_; ++j)
+          out.data<float>()[rows[r].first * H_ + j] += rows[r].second * ye.data<float>()[r * H_ + j];
+    }
+    if (w.has_shared) {
+      Tensor sh = be_.alloc_uninit(DType::F32, {T, H_});
+      mlp_forward(w.shared, xn, sh);
+      be_.add(out, sh, out);
+    }
+  }
+
+  const ModelConfig& c_;
+  Backend& be_;
+  int64_t H_, nh_, P_, N_, G_, K_, I_, Cd_;
+  std::vector<Block> blocks_;
+  size_t expert_bytes_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<ArchBlocks> nemotron_h_blocks(const ModelConfig& c, const LoadWeight& load, Backend& be) {
+  return std::make_unique<NemotronH>(c, load, be);
+}
+
+}  // namespace hypic
