@@ -20,4 +20,11 @@ struct MoeRouting {
 
 MoeRouting route_topk(const float* logits, int64_t T, int64_t E, int top_k, bool norm_topk);
 
+// DeepSeek-V3-style routing (Nemotron-H, Kimi-Linear): scores = sigmoid(logits); experts are chosen
+// by score + bias[e] among the topk_group best of n_group groups (a group scored by its two best
+// choices, its only one if it has one); the weights are the chosen scores, divided by their sum
+// (+1e-20) when norm_topk, times `scaling`.
+MoeRouting route_sigmoid_grouped(const float* logits, const float* bias, int64_t T, int64_t E, int top_k,
+                                 int64_t n_group, int64_t topk_group, bool norm_topk, float scaling);
+
 }  // namespace hypic

@@ -267,6 +267,16 @@ void register_info(CLI::App& app) {
                        {"weight_bytes", lm.model->weight_bytes()},
                        {"max_context", cfg.max_position_embeddings},
                        {"tokenizer", static_cast<bool>(lm.tokenizer)}};
+      nlohmann::json per = nlohmann::json::array();
+      for (int64_t i = 0; i < cfg.num_hidden_layers; ++i) {
+        const LayerDesc d = describe_layer(cfg, i);
+        per.push_back({{"mixer", d.mixer},
+                       {"family", d.family},
+                       {"ffn", d.ffn},
+                       {"state_bytes", 4 * d.state_floats},
+                       {"kv_bytes_per_token", 4 * d.kv_floats_per_token}});
+      }
+      j["layer_list"] = per;
       if (o->json) {
         std::cout << j.dump(2) << "\n";
         return;
@@ -281,6 +291,22 @@ void register_info(CLI::App& app) {
       std::printf("parameters    %lld   weights %.2f MiB   context %lld   tokenizer %s\n",
                   static_cast<long long>(lm.model->parameter_count()), lm.model->weight_bytes() / 1048576.0,
                   static_cast<long long>(cfg.max_position_embeddings), lm.tokenizer ? "yes" : "no");
+      // One line per run of identical layers: what each mixes with and what it keeps per sequence.
+      auto line = [&](int64_t a, int64_t b) {
+        const LayerDesc d = describe_layer(cfg, a);
+        std::string keeps = d.state_floats          ? std::to_string(4 * d.state_floats / 1024) + " KiB state"
+                            : d.kv_floats_per_token ? std::to_string(4 * d.kv_floats_per_token) + " B/token K+V"
+                                                    : "nothing";
+        const std::string at = a + 1 == b ? std::to_string(a) : std::to_string(a) + "-" + std::to_string(b - 1);
+        std::printf("  layer %-7s %-10s %-15s ffn %-5s keeps %s\n", at.c_str(), d.mixer.c_str(),
+                    d.family.empty() ? "-" : d.family.c_str(), d.ffn.c_str(), keeps.c_str());
+      };
+      int64_t a = 0;
+      for (int64_t i = 1; i <= cfg.num_hidden_layers; ++i)
+        if (i == cfg.num_hidden_layers || per[static_cast<size_t>(i)] != per[static_cast<size_t>(a)]) {
+          line(a, i);
+          a = i;
+        }
     });
   });
 }

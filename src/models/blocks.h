@@ -24,6 +24,9 @@ class ArchBlocks {
   virtual void layer_forward(Model& model, int64_t layer, Tensor& x, std::span<const LayerSpan> spans) = 0;
   // Runs a linear layer's recurrence over recorded inputs (LayerSpan::record) from ssm, in place.
   virtual void replay(const RecurrenceInputs& in, Tensor& ssm) = 0;
+  // Whether PIC may keep a short segment body as its recurrence inputs (RecurrenceInputs with g
+  // [n, heads]); false where the decay is per channel.
+  virtual bool compact_bodies() const { return true; }
   // Bytes of routed-expert weights (for Model::step_weight_bytes).
   virtual size_t expert_bytes() const = 0;
 };
@@ -32,6 +35,9 @@ class ArchBlocks {
 std::unique_ptr<ArchBlocks> nemotron_h_blocks(const ModelConfig& c, const LoadWeight& load, Backend& be);
 // MiniMax (lightning attention, RoPE attention, MoE, scaled residuals): CPU backend only for now.
 std::unique_ptr<ArchBlocks> minimax_blocks(const ModelConfig& c, const LoadWeight& load, Backend& be);
+
+// Kimi-Linear (KDA, MLA without RoPE, sigmoid-routed MoE): CPU backend only for now.
+std::unique_ptr<ArchBlocks> kimi_linear_blocks(const ModelConfig& c, const LoadWeight& load, Backend& be);
 
 // The registry: architectures whose blocks live in their own file, with the names of the weights
 // Model loads itself. Qwen3.5 / Qwen3.5-MoE / Qwen3-Next are not listed (their layers are Model's).
@@ -45,6 +51,7 @@ inline const ArchBlocksEntry* find_arch_blocks(Arch a) {
   static const ArchBlocksEntry kEntries[] = {
       {Arch::NemotronH, "backbone.embeddings.weight", "backbone.norm_f.weight", nemotron_h_blocks},
       {Arch::MiniMax, "model.embed_tokens.weight", "model.norm.weight", minimax_blocks},
+      {Arch::KimiLinear, "model.embed_tokens.weight", "model.norm.weight", kimi_linear_blocks},
   };
   for (const auto& e : kEntries)
     if (e.arch == a) return &e;

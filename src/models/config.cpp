@@ -25,13 +25,16 @@ const char* arch_name(Arch a) {
       return "nemotron_h";
     case Arch::MiniMax:
       return "minimax";
+    case Arch::KimiLinear:
+      return "kimi_linear";
   }
   return "?";
 }
 
 bool ModelConfig::layer_is_moe(int64_t i) const {
   if (num_experts <= 0) return false;
-  if (arch == Arch::NemotronH) return i >= 0 && static_cast<size_t>(i) < moe_blocks.size() && moe_blocks[i];
+  if (arch == Arch::NemotronH || arch == Arch::KimiLinear)
+    return i >= 0 && static_cast<size_t>(i) < moe_blocks.size() && moe_blocks[i];
   if (std::find(mlp_only_layers.begin(), mlp_only_layers.end(), i) != mlp_only_layers.end()) return false;
   return decoder_sparse_step > 0 && (i + 1) % decoder_sparse_step == 0;
 }
@@ -42,6 +45,31 @@ int64_t ModelConfig::num_linear_layers() const {
 
 int64_t ModelConfig::num_full_layers() const {
   return static_cast<int64_t>(std::count(layer_types.begin(), layer_types.end(), LayerKind::Full));
+}
+
+LayerDesc describe_layer(const ModelConfig& c, int64_t i) {
+  LayerDesc d;
+  const LayerKind k = c.layer_types[static_cast<size_t>(i)];
+  const bool nemotron = c.arch == Arch::NemotronH;  // one sub-layer per block
+  if (k == LayerKind::Linear) {
+    d.mixer = "linear";
+    d.family = c.arch == Arch::NemotronH    ? "mamba2"
+               : c.arch == Arch::MiniMax    ? "lightning"
+               : c.arch == Arch::KimiLinear ? "kda"
+                                            : "gated_deltanet";
+    const int64_t conv_ch = c.arch == Arch::KimiLinear ? 3 * c.linear_num_value_heads * c.linear_value_head_dim
+                                                       : 2 * c.linear_num_key_heads * c.linear_key_head_dim +
+                                                             c.linear_num_value_heads * c.linear_value_head_dim;
+    d.state_floats = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim +
+                     (c.arch == Arch::MiniMax ? 0 : (c.linear_conv_kernel_dim - 1) * conv_ch);
+  } else if (k == LayerKind::Full) {
+    d.mixer = c.arch == Arch::KimiLinear ? "mla" : "attention";
+    d.kv_floats_per_token = 2 * c.num_key_value_heads * c.head_dim;
+  } else {
+    d.mixer = "none";
+  }
+  d.ffn = nemotron && k != LayerKind::Ffn ? "none" : c.layer_is_moe(i) ? "moe" : "mlp";
+  return d;
 }
 
 namespace {
@@ -61,6 +89,7 @@ constexpr ArchInfo kArchs[] = {
     {"Qwen3NextForCausalLM", "qwen3_next", Arch::Qwen3Next, false},
     {"NemotronHForCausalLM", "nemotron_h", Arch::NemotronH, false},
     {"MiniMaxForCausalLM", "minimax", Arch::MiniMax, false},
+    {"KimiLinearForCausalLM", "kimi_linear", Arch::KimiLinear, false},
 };
 
 std::string supported_list() {
@@ -344,6 +373,124 @@ void parse_nemotron_h(const Fields& f, ModelConfig& cfg) {
   cfg.pad_token_id = f.token_id("pad_token_id");
 }
 
+// KimiLinearForCausalLM, in transformers 5 names or in the checkpoint's own (linear_attn_config,
+// num_experts_per_token, moe_renormalize, num_expert_group, num_shared_experts, model_max_length).
+void parse_kimi_linear(const Fields& f, ModelConfig& cfg) {
+  cfg.vocab_size = f.positive("vocab_size");
+  cfg.hidden_size = f.positive("hidden_size");
+  cfg.num_hidden_layers = f.positive("num_hidden_layers");
+  if (cfg.num_hidden_layers > kMaxLayers)
+    f.bad("num_hidden_layers", "at most " + std::to_string(kMaxLayers) + " layers", f.need("num_hidden_layers"));
+  cfg.rms_norm_eps = f.number_or("rms_norm_eps", 1e-5);
+  if (!(cfg.rms_norm_eps > 0)) f.bad("rms_norm_eps", "a positive number", f.need("rms_norm_eps"));
+  cfg.tie_word_embeddings = f.boolean_or("tie_word_embeddings", false, true);
+  cfg.max_position_embeddings = f.positive_or(first_present(f, {"model_max_length", "max_position_embeddings"}), 0);
+  cfg.dtype = parse_dtype(f);
+  cfg.hidden_act = f.string_or("hidden_act", "silu");
+  if (cfg.hidden_act != "silu") f.fail("field 'hidden_act': '" + cfg.hidden_act + "' is not supported (silu only)");
+  if (f.boolean_or("attention_bias", false)) f.fail("field 'attention_bias' = true is not supported");
+  if (f.boolean_or("mla_use_output_gate", false)) f.fail("field 'mla_use_output_gate' = true is not supported");
+  if (f.non_negative_or("attn_res_block_size", 0) != 0)
+    f.fail("field 'attn_res_block_size' (AttnRes) is not supported");
+
+  // MLA, NoPE.
+  cfg.num_attention_heads = f.positive("num_attention_heads");
+  cfg.num_key_value_heads = f.positive_or("num_key_value_heads", cfg.num_attention_heads);
+  if (cfg.num_key_value_heads != cfg.num_attention_heads)
+    f.fail("field 'num_key_value_heads' (" + std::to_string(cfg.num_key_value_heads) +
+           ") must equal 'num_attention_heads' (MLA expands its latent to every head)");
+  if (f.non_negative_or("qk_rope_head_dim", 0) != 0)
+    f.fail("field 'qk_rope_head_dim' must be 0: MLA with RoPE is not supported (Kimi-Linear's MLA has none)");
+  cfg.head_dim = f.positive("qk_nope_head_dim");
+  if (const int64_t v = f.positive_or("v_head_dim", cfg.head_dim); v != cfg.head_dim)
+    f.fail("field 'v_head_dim' (" + std::to_string(v) + ") must equal 'qk_nope_head_dim' (" +
+           std::to_string(cfg.head_dim) + ")");
+  cfg.kv_lora_rank = f.positive("kv_lora_rank");
+  cfg.q_lora_rank = f.non_negative_or("q_lora_rank", 0);
+  cfg.partial_rotary_factor = 0;
+
+  // KDA: q, k, v of linear_num_heads heads of linear_head_dim, each with its own short conv.
+  const json* lac = f.find("linear_attn_config");
+  if (lac && !lac->is_object()) f.bad("linear_attn_config", "an object", *lac);
+  auto lin = [&](const char* nested, const char* flat, int64_t dflt) {
+    if (lac)
+      if (const json* v = Fields::field_of(*lac, nested)) {
+        if (!v->is_number_integer() || v->get<int64_t>() <= 0)
+          f.bad(std::string("linear_attn_config.") + nested, "a positive integer", *v);
+        return v->get<int64_t>();
+      }
+    return f.positive_or(flat, dflt);
+  };
+  const int64_t heads = lin("num_heads", "linear_num_heads", 32), hd = lin("head_dim", "linear_head_dim", 128);
+  cfg.linear_num_key_heads = cfg.linear_num_value_heads = heads;
+  cfg.linear_key_head_dim = cfg.linear_value_head_dim = hd;
+  cfg.linear_conv_kernel_dim = lin("short_conv_kernel_size", "linear_conv_kernel_dim", 4);
+
+  // Layer kinds: layer_types, else linear_attn_config's 1-based full_attn_layers, else every 4th.
+  const int64_t L = cfg.num_hidden_layers;
+  if (const json* lt = f.find("layer_types")) {
+    if (!lt->is_array() || static_cast<int64_t>(lt->size()) != L)
+      f.bad("layer_types", "a list of " + std::to_string(L) + " layer types", *lt);
+    for (size_t i = 0; i < lt->size(); ++i) {
+      const json& s = (*lt)[i];
+      if (s == "linear_attention")
+        cfg.layer_types.push_back(LayerKind::Linear);
+      else if (s == "full_attention")
+        cfg.layer_types.push_back(LayerKind::Full);
+      else
+        f.fail("field 'layer_types[" + std::to_string(i) + "]': unknown layer type " + s.dump());
+    }
+  } else if (lac && Fields::field_of(*lac, "full_attn_layers")) {
+    cfg.layer_types.assign(static_cast<size_t>(L), LayerKind::Linear);
+    const json& fl = *Fields::field_of(*lac, "full_attn_layers");
+    if (!fl.is_array()) f.bad("linear_attn_config.full_attn_layers", "a list of layer numbers", fl);
+    for (const json& v : fl) {
+      if (!v.is_number_integer() || v.get<int64_t>() < 1 || v.get<int64_t>() > L)
+        f.bad("linear_attn_config.full_attn_layers", "layer numbers in [1, " + std::to_string(L) + "]", fl);
+      cfg.layer_types[static_cast<size_t>(v.get<int64_t>() - 1)] = LayerKind::Full;
+    }
+  } else {
+    for (int64_t i = 0; i < L; ++i) cfg.layer_types.push_back((i + 1) % 4 == 0 ? LayerKind::Full : LayerKind::Linear);
+  }
+
+  // Feed-forward: dense for the first first_k_dense_replace layers (or per mlp_layer_types), MoE after.
+  if (const json* mt = f.find("mlp_layer_types")) {
+    if (!mt->is_array() || static_cast<int64_t>(mt->size()) != L)
+      f.bad("mlp_layer_types", "a list of " + std::to_string(L) + " of \"dense\" / \"sparse\"", *mt);
+    for (const json& s : *mt) {
+      if (s != "dense" && s != "sparse") f.bad("mlp_layer_types", "a list of \"dense\" / \"sparse\"", *mt);
+      cfg.moe_blocks.push_back(s == "sparse");
+    }
+  } else {
+    const int64_t k = f.non_negative_or("first_k_dense_replace", 1);
+    for (int64_t i = 0; i < L; ++i) cfg.moe_blocks.push_back(i >= k);
+  }
+  cfg.intermediate_size = f.non_negative_or(first_present(f, {"dense_ffn_hidden", "intermediate_size"}), 0);
+  const bool any_moe = std::find(cfg.moe_blocks.begin(), cfg.moe_blocks.end(), 1) != cfg.moe_blocks.end();
+  const bool any_dense = std::find(cfg.moe_blocks.begin(), cfg.moe_blocks.end(), 0) != cfg.moe_blocks.end();
+  if (any_dense && cfg.intermediate_size <= 0) f.fail("field 'intermediate_size' must be a positive integer");
+  if (any_moe) {
+    cfg.num_experts = f.positive(first_present(f, {"num_experts", "num_local_experts"}));
+    cfg.num_experts_per_tok = f.positive(first_present(f, {"num_experts_per_token", "num_experts_per_tok"}));
+    cfg.moe_intermediate_size = f.positive("moe_intermediate_size");
+    cfg.shared_expert_intermediate_size =
+        cfg.moe_intermediate_size * f.non_negative_or(first_present(f, {"num_shared_experts", "n_shared_experts"}), 1);
+    cfg.norm_topk_prob = f.boolean_or(first_present(f, {"moe_renormalize", "norm_topk_prob"}), true);
+    cfg.n_group = f.positive_or(first_present(f, {"num_expert_group", "n_group"}), 1);
+    cfg.topk_group = f.positive_or("topk_group", 1);
+    cfg.routed_scaling_factor = f.number_or("routed_scaling_factor", 1.0);
+    if (cfg.num_experts_per_tok > cfg.num_experts)
+      f.fail("field 'num_experts_per_token' (" + std::to_string(cfg.num_experts_per_tok) +
+             ") must not exceed 'num_experts' (" + std::to_string(cfg.num_experts) + ")");
+    if (cfg.num_experts % cfg.n_group != 0 || cfg.topk_group > cfg.n_group)
+      f.fail("fields 'num_expert_group' (" + std::to_string(cfg.n_group) + ") and 'topk_group' (" +
+             std::to_string(cfg.topk_group) + ") do not divide the " + std::to_string(cfg.num_experts) + " experts");
+  }
+  cfg.eos_token_ids = f.token_ids("eos_token_id");
+  cfg.bos_token_id = f.token_id("bos_token_id");
+  cfg.pad_token_id = f.token_id("pad_token_id");
+}
+
 }  // namespace
 
 ModelConfig parse_model_config(const std::string& json_text, const std::string& path) {
@@ -392,6 +539,10 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
   Fields f(root, *text, path);
   if (cfg.arch == Arch::NemotronH) {
     parse_nemotron_h(f, cfg);
+    return cfg;
+  }
+  if (cfg.arch == Arch::KimiLinear) {
+    parse_kimi_linear(f, cfg);
     return cfg;
   }
   const bool minimax = cfg.arch == Arch::MiniMax;

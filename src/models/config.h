@@ -9,7 +9,7 @@
 
 namespace hypic {
 
-enum class Arch { Qwen3_5, Qwen3_5Moe, Qwen3Next, NemotronH, MiniMax };
+enum class Arch { Qwen3_5, Qwen3_5Moe, Qwen3Next, NemotronH, MiniMax, KimiLinear };
 // linear_attention (Gated DeltaNet, Mamba2) / full_attention / a block with no token mixer (Nemotron-H's
 // MLP and MoE blocks: one sub-layer per block there, so its feed-forward blocks hold no state).
 enum class LayerKind { Linear, Full, Ffn };
@@ -76,6 +76,9 @@ struct ModelConfig {
   bool conv_bias = false;               // Mamba2 conv1d has a bias
   int64_t n_group = 1, topk_group = 1;  // grouped top-k routing (sigmoid scores)
   double routed_scaling_factor = 1.0;
+  // Kimi-Linear: MLA without RoPE (queries and keys of qk_nope_head_dim = head_dim), keys and values
+  // from a normed latent of kv_lora_rank; queries direct (q_lora_rank 0) or through a normed latent.
+  int64_t kv_lora_rank = 0, q_lora_rank = 0;
   // MiniMax: residual scaling, x <- alpha * norm(x) + beta * sublayer(norm(x)), per sub-layer kind.
   double linear_attn_alpha = 1, linear_attn_beta = 1, full_attn_alpha = 1, full_attn_beta = 1, mlp_alpha = 1,
          mlp_beta = 1;
@@ -88,6 +91,16 @@ struct ModelConfig {
   int64_t num_linear_layers() const;
   int64_t num_full_layers() const;
 };
+
+// One layer as `hypic info` shows it: its token mixer ("linear", "attention", "mla" or "none"), the
+// recurrence family of a linear mixer (gated_deltanet, mamba2, lightning, kda), its feed-forward
+// ("mlp", "moe" or "none"), and what it keeps per sequence: a fixed state (linear layers: recurrent
+// state plus short-conv tail) or key/value rows per token (attention), in f32 values.
+struct LayerDesc {
+  std::string mixer, family, ffn;
+  int64_t state_floats = 0, kv_floats_per_token = 0;
+};
+LayerDesc describe_layer(const ModelConfig& c, int64_t i);
 
 // Parses config.json text. `path` only names the file in error messages. Throws
 // std::runtime_error naming the file and the missing or malformed field.

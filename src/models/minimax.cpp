@@ -16,14 +16,10 @@
 
 #include "linear/recurrence.h"
 #include "models/blocks.h"
+#include "models/host_layers.h"
 
 namespace hypic {
 namespace {
-
-std::vector<float> host_f32(const Tensor& t) {
-  Tensor f = t.to_f32();
-  return std::vector<float>(f.data<float>(), f.data<float>() + f.numel());
-}
 
 struct Layer {
   LayerKind kind;
@@ -148,7 +144,6 @@ class MiniMax : public ArchBlocks {
         for (int64_t h = 0; h < Hh_; ++h)
           for (int64_t d = 0; d < D_; ++d) {
             const float* src = p + (r0 + t) * 3 * HD + h * 3 * D_ + d;
-            auto silu = [](float z) { return z / (1.0f + std::exp(-z)); };
             const size_t dst = static_cast<size_t>(t * HD + h * D_ + d);
             q[dst] = silu(src[0]);
             k[dst] = silu(src[D_]);

@@ -134,6 +134,9 @@ class Model {
   // advancing it in place.
   void replay(const RecurrenceInputs& in, Tensor& ssm);
 
+  // Whether PIC may keep short segment bodies in compact form (recurrence inputs) for this model.
+  bool compact_bodies() const;
+
   // Decode steps (forward_batch with one token per sequence, forward of one token) run each mixer
   // once over the batch from device tables of positions and state addresses; on a backend with
   // graphs the step is recorded once per batch size and replayed (HYPIC_GRAPHS=0 or

@@ -13,33 +13,15 @@
 // only until the CUDA backend has Mamba2 kernels.
 #include <algorithm>
 #include <cmath>
-#include <limits>
-#include <numeric>
 #include <stdexcept>
 
+#include "backend/moe_routing.h"
 #include "linear/recurrence.h"
 #include "models/blocks.h"
+#include "models/host_layers.h"
 
 namespace hypic {
 namespace {
-
-std::vector<float> host_f32(const Tensor& t) {
-  Tensor f = t.to_f32();
-  return std::vector<float>(f.data<float>(), f.data<float>() + f.numel());
-}
-
-float silu(float x) {
-  return x / (1.0f + std::exp(-x));
-}
-// torch.nn.functional.softplus (beta 1, threshold 20).
-float softplus(float x) {
-  return x > 20.0f ? x : std::log1p(std::exp(x));
-}
-
-void relu2(Tensor& t) {
-  float* p = t.data<float>();
-  for (int64_t i = 0; i < t.numel(); ++i) p[i] = p[i] > 0 ? p[i] * p[i] : 0.0f;
-}
 
 struct Mamba {
   Tensor in_proj, out_proj;           // device: [I + Cd + nh, H], [H, I]
@@ -50,14 +32,11 @@ struct Mamba {
 struct Attn {
   Tensor q, k, v, o;
 };
-struct Mlp {
-  Tensor up, down;
-};
 struct Moe {
   Tensor router;  // [E, H]
   std::vector<float> bias;
-  std::vector<Mlp> experts;
-  Mlp shared;
+  std::vector<FfnWeights> experts;
+  FfnWeights shared;
   bool has_shared = false;
 };
 struct Block {
@@ -66,7 +45,7 @@ struct Block {
   Tensor norm;  // device [H]
   Mamba mamba;
   Attn attn;
-  Mlp mlp;
+  FfnWeights mlp;
   Moe moew;
 };
 
@@ -85,7 +64,7 @@ class NemotronH : public ArchBlocks {
     Cd_ = I_ + 2 * G_ * N_;
     auto dev = [&](const std::string& n, const Shape& s) { return be.to_device(load(n, s)); };
     auto mlp = [&](const std::string& p, int64_t I) {
-      return Mlp{dev(p + "up_proj.weight", {I, H_}), dev(p + "down_proj.weight", {H_, I})};
+      return FfnWeights{Tensor(), dev(p + "up_proj.weight", {I, H_}), dev(p + "down_proj.weight", {H_, I})};
     };
     for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
       const std::string p = "backbone.layers." + std::to_string(i) + ".";
@@ -156,20 +135,13 @@ class NemotronH : public ArchBlocks {
     else if (b.kind == LayerKind::Full)
       attention(model, b.attn, xn, spans, mix);
     else if (!b.moe)
-      mlp_forward(b.mlp, xn, mix);
+      ffn_forward(be_, xn, b.mlp, mix);
     else
       moe(b.moew, xn, mix);
     be_.add(x, mix, x);
   }
 
  private:
-  void mlp_forward(const Mlp& w, const Tensor& x, Tensor& out) {
-    Tensor h = be_.alloc_uninit(DType::F32, {x.dim(0), w.up.dim(0)});
-    be_.matmul(x, w.up, h);
-    relu2(h);
-    be_.matmul(h, w.down, out);
-  }
-
   void mamba(Model& model, const Mamba& w, const Tensor& xn, std::span<const LayerSpan> spans, Tensor& mix) {
     const int64_t T = xn.dim(0), W = I_ + Cd_ + nh_;
     Tensor proj = be_.alloc_uninit(DType::F32, {T, W});
@@ -183,25 +155,9 @@ class NemotronH : public ArchBlocks {
     for (const LayerSpan& sp : spans) {
       LayerState& ls = *sp.state;
       const int64_t n = sp.rows;
-      // Causal depthwise conv with bias + SiLU; the state holds the previous K-1 inputs, oldest first.
-      float* cs = ls.conv.data<float>();
-      for (int64_t t = 0; t < n; ++t)
-        for (int64_t ch = 0; ch < Cd_; ++ch) {
-          float acc = w.conv_b[static_cast<size_t>(ch)];
-          for (int64_t j = 0; j < K_; ++j) {
-            const int64_t src = t - (K_ - 1) + j;
-            const float in = src < 0 ? cs[(K_ - 1 + src) * Cd_ + ch] : pr[(r0 + src) * W + I_ + ch];
-            acc += w.conv_w[static_cast<size_t>(ch * K_ + j)] * in;
-          }
-          xbc[static_cast<size_t>((r0 + t) * Cd_ + ch)] = silu(acc);
-        }
-      if (n > 0) {
-        std::vector<float> hist(static_cast<size_t>((K_ - 1 + n) * Cd_));
-        std::copy(cs, cs + (K_ - 1) * Cd_, hist.begin());
-        for (int64_t t = 0; t < n; ++t)
-          std::copy(pr + (r0 + t) * W + I_, pr + (r0 + t) * W + I_ + Cd_, hist.begin() + (K_ - 1 + t) * Cd_);
-        std::copy(hist.end() - (K_ - 1) * Cd_, hist.end(), cs);
-      }
+      // Causal depthwise conv with bias + SiLU over the xBC columns.
+      causal_conv_silu(pr + r0 * W + I_, W, n, Cd_, w.conv_w.data(), K_, w.conv_b.data(), ls.conv.data<float>(),
+                       &xbc[static_cast<size_t>(r0 * Cd_)]);
       // The SSM as a scalar-decay linear recurrence.
       q.assign(static_cast<size_t>(n * G_ * N_), 0.f);
       k.assign(q.size(), 0.f);
@@ -301,65 +257,16 @@ class NemotronH : public ArchBlocks {
   }
 
   void moe(const Moe& w, const Tensor& xn, Tensor& out) {
-    const int64_t T = xn.dim(0), E = c_.num_experts, top = c_.num_experts_per_tok;
-    const int64_t ng = c_.n_group, per = E / ng;
+    const int64_t T = xn.dim(0), E = c_.num_experts;
     Tensor logits = be_.alloc_uninit(DType::F32, {T, E});
     be_.matmul(xn, w.router, logits);
-    // Routing per token, as NemotronHTopkRouter.
-    std::vector<std::vector<std::pair<int64_t, float>>> chosen(static_cast<size_t>(E));  // per expert: (row, weight)
-    std::vector<float> score(static_cast<size_t>(E)), choice(static_cast<size_t>(E)), gsc(static_cast<size_t>(ng));
-    std::vector<int64_t> idx(static_cast<size_t>(std::max(E, ng)));
-    for (int64_t t = 0; t < T; ++t) {
-      for (int64_t e = 0; e < E; ++e) {
-        score[e] = 1.0f / (1.0f + std::exp(-logits.data<float>()[t * E + e]));
-        choice[e] = score[e] + w.bias[static_cast<size_t>(e)];
-      }
-      for (int64_t gi = 0; gi < ng; ++gi) {
-        float a = -INFINITY, b2 = -INFINITY;
-        for (int64_t e = gi * per; e < (gi + 1) * per; ++e) {
-          if (choice[e] > a) {
-            b2 = a;
-            a = choice[e];
-          } else if (choice[e] > b2) {
-            b2 = choice[e];
-          }
-        }
-        gsc[gi] = per >= 2 ? a + b2 : a;
-      }
-      std::iota(idx.begin(), idx.begin() + ng, 0);
-      std::partial_sort(idx.begin(), idx.begin() + c_.topk_group, idx.begin() + ng,
-                        [&](int64_t a, int64_t b2) { return gsc[a] > gsc[b2]; });
-      std::vector<uint8_t> keep(static_cast<size_t>(ng), 0);
-      for (int64_t i = 0; i < c_.topk_group; ++i) keep[static_cast<size_t>(idx[i])] = 1;
-      std::iota(idx.begin(), idx.begin() + E, 0);
-      auto masked = [&](int64_t e) { return keep[static_cast<size_t>(e / per)] ? choice[e] : -INFINITY; };
-      std::partial_sort(idx.begin(), idx.begin() + top, idx.begin() + E,
-                        [&](int64_t a, int64_t b2) { return masked(a) > masked(b2); });
-      float sum = 0;
-      for (int64_t i = 0; i < top; ++i) sum += score[idx[i]];
-      for (int64_t i = 0; i < top; ++i) {
-        float wt = score[idx[i]];
-        if (c_.norm_topk_prob) wt /= sum + 1e-20f;
-        chosen[static_cast<size_t>(idx[i])].push_back({t, wt * static_cast<float>(c_.routed_scaling_factor)});
-      }
-    }
-    std::fill(out.data<float>(), out.data<float>() + out.numel(), 0.f);
-    for (int64_t e = 0; e < E; ++e) {
-      const auto& rows = chosen[static_cast<size_t>(e)];
-      if (rows.empty()) continue;
-      const int64_t R = static_cast<int64_t>(rows.size());
-      Tensor xe = be_.alloc_uninit(DType::F32, {R, H_}), ye = be_.alloc_uninit(DType::F32, {R, H_});
-      for (int64_t r = 0; r < R; ++r)
-        std::copy(xn.data<float>() + rows[r].first * H_, xn.data<float>() + (rows[r].first + 1) * H_,
-                  xe.data<float>() + r * H_);
-      mlp_forward(w.experts[static_cast<size_t>(e)], xe, ye);
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t j = 0; j < H_; ++j)
-          out.data<float>()[rows[r].first * H_ + j] += rows[r].second * ye.data<float>()[r * H_ + j];
-    }
+    const MoeRouting r = route_sigmoid_grouped(logits.data<float>(), w.bias.data(), T, E,
+                                               static_cast<int>(c_.num_experts_per_tok), c_.n_group, c_.topk_group,
+                                               c_.norm_topk_prob, static_cast<float>(c_.routed_scaling_factor));
+    routed_experts(be_, xn, r, w.experts, out);
     if (w.has_shared) {
       Tensor sh = be_.alloc_uninit(DType::F32, {T, H_});
-      mlp_forward(w.shared, xn, sh);
+      ffn_forward(be_, xn, w.shared, sh);
       be_.add(out, sh, out);
     }
   }

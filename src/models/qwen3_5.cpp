@@ -374,6 +374,10 @@ int64_t Model::captured_steps() const {
 
 Model::~Model() = default;
 
+bool Model::compact_bodies() const {
+  return !impl_->blocks || impl_->blocks->compact_bodies();
+}
+
 SequenceState Model::new_state(int64_t capacity) const {
   const auto& m = *impl_;
   SequenceState st;

@@ -181,7 +181,7 @@ bool PicEngine::compact_body(int64_t n) const {
   const auto& c = model_.config();
   const int64_t Hk = c.linear_num_key_heads, Hv = c.linear_num_value_heads, dk = c.linear_key_head_dim,
                 dv = c.linear_value_head_dim;
-  return compact_ && n > 0 && n * (Hk * dk + Hv * dv + 2 * Hv) < Hv * dk * (dk + dv);
+  return compact_ && model_.compact_bodies() && n > 0 && n * (Hk * dk + Hv * dv + 2 * Hv) < Hv * dk * (dk + dv);
 }
 
 std::shared_ptr<EntryBuild> PicEngine::start_build(const std::vector<int32_t>& ids, int seam, int tail) {

@@ -210,6 +210,30 @@ TEST(Cli, InfoAndTokenize) {
   auto j = nlohmann::json::parse(r.out);
   EXPECT_EQ(j["layer_map"], "LLLFLLLF");
   EXPECT_GT(j["parameters"].get<int64_t>(), 0);
+  ASSERT_EQ(j["layer_list"].size(), 8u);
+  EXPECT_EQ(j["layer_list"][0]["family"], "gated_deltanet");
+  // 4 value heads x 16 x 24 f32 state + 3 conv rows of 2*2*16 + 4*24 channels.
+  EXPECT_EQ(j["layer_list"][0]["state_bytes"], 4 * (4 * 16 * 24 + 3 * (2 * 2 * 16 + 4 * 24)));
+  EXPECT_EQ(j["layer_list"][3]["mixer"], "attention");
+  EXPECT_EQ(j["layer_list"][3]["kv_bytes_per_token"], 4 * 2 * 2 * 32);
+  // Other architectures name their own families; Nemotron-H's MLP/MoE blocks mix nothing.
+  for (auto [dir, family] : {std::pair<const char*, const char*>{"nemotron_h", "mamba2"},
+                             {"minimax", "lightning"},
+                             {"kimi_linear", "kda"}}) {
+    auto o = run(std::string("info --json --model ") + HYPIC_TEST_DATA + "/models/" + dir);
+    ASSERT_EQ(o.rc, 0) << o.out;
+    auto oj = nlohmann::json::parse(o.out);
+    EXPECT_EQ(oj["layer_list"][0]["family"], family) << dir;
+    if (std::string(dir) == "nemotron_h") {
+      EXPECT_EQ(oj["layer_map"], "L-FL-LLF--");
+      EXPECT_EQ(oj["layer_list"][1]["mixer"], "none");
+      EXPECT_EQ(oj["layer_list"][1]["ffn"], "moe");
+      EXPECT_EQ(oj["layer_list"][0]["ffn"], "none");
+    }
+    if (std::string(dir) == "kimi_linear") EXPECT_EQ(oj["layer_list"][3]["mixer"], "mla");
+  }
+  auto text = run("info --model " + model());
+  EXPECT_NE(text.out.find("gated_deltanet"), std::string::npos) << text.out;
   auto t = run("tokenize --json --text 'hello there' --model " + model());
   ASSERT_EQ(t.rc, 0) << t.out;
   auto ids = nlohmann::json::parse(t.out)["ids"];

@@ -628,5 +628,91 @@ TEST(ModelConfigErrors, MiniMax) {
   EXPECT_THAT(error_of(j), HasSubstr("must not exceed 'num_local_experts' (8)"));
 }
 
+// Kimi-Linear in the checkpoint's own names (linear_attn_config with 1-based layer numbers,
+// num_experts_per_token, moe_renormalize, num_expert_group, model_max_length).
+json kimi_linear() {
+  return json{{"architectures", {"KimiLinearForCausalLM"}},
+              {"model_type", "kimi_linear"},
+              {"vocab_size", 512},
+              {"hidden_size", 64},
+              {"num_hidden_layers", 4},
+              {"linear_attn_config",
+               {{"full_attn_layers", {2, 4}},
+                {"kda_layers", {1, 3}},
+                {"head_dim", 16},
+                {"num_heads", 4},
+                {"short_conv_kernel_size", 4}}},
+              {"num_attention_heads", 4},
+              {"num_key_value_heads", 4},
+              {"kv_lora_rank", 32},
+              {"q_lora_rank", nullptr},
+              {"qk_nope_head_dim", 16},
+              {"qk_rope_head_dim", 0},
+              {"v_head_dim", 16},
+              {"intermediate_size", 96},
+              {"moe_intermediate_size", 32},
+              {"num_experts", 8},
+              {"num_experts_per_token", 2},
+              {"num_shared_experts", 1},
+              {"first_k_dense_replace", 1},
+              {"moe_renormalize", true},
+              {"num_expert_group", 4},
+              {"topk_group", 2},
+              {"routed_scaling_factor", 2.446},
+              {"model_max_length", 4096}};
+}
+
+TEST(ModelConfig, KimiLinear) {
+  const ModelConfig c = parse(kimi_linear());
+  EXPECT_EQ(c.arch, Arch::KimiLinear);
+  EXPECT_EQ(c.layer_types,
+            (std::vector<LayerKind>{LayerKind::Linear, LayerKind::Full, LayerKind::Linear, LayerKind::Full}));
+  EXPECT_FALSE(c.layer_is_moe(0));
+  EXPECT_TRUE(c.layer_is_moe(1));
+  EXPECT_EQ(c.linear_num_value_heads, 4);
+  EXPECT_EQ(c.linear_key_head_dim, 16);
+  EXPECT_EQ(c.head_dim, 16);
+  EXPECT_EQ(c.kv_lora_rank, 32);
+  EXPECT_EQ(c.q_lora_rank, 0);
+  EXPECT_EQ(c.rotary_dim(), 0);
+  EXPECT_EQ(c.num_experts_per_tok, 2);
+  EXPECT_EQ(c.shared_expert_intermediate_size, 32);
+  EXPECT_EQ(c.n_group, 4);
+  EXPECT_EQ(c.topk_group, 2);
+  EXPECT_EQ(c.max_position_embeddings, 4096);
+  // transformers 5 names give the same model.
+  json t = kimi_linear();
+  t.erase("linear_attn_config");
+  t["layer_types"] = {"linear_attention", "full_attention", "linear_attention", "full_attention"};
+  t["linear_num_heads"] = 4;
+  t["linear_head_dim"] = 16;
+  t["mlp_layer_types"] = {"dense", "sparse", "sparse", "sparse"};
+  const ModelConfig c2 = parse(t);
+  EXPECT_EQ(c2.layer_types, c.layer_types);
+  EXPECT_EQ(c2.moe_blocks, c.moe_blocks);
+  EXPECT_EQ(c2.linear_key_head_dim, 16);
+}
+
+TEST(ModelConfigErrors, KimiLinear) {
+  json j = kimi_linear();
+  j["qk_rope_head_dim"] = 64;
+  EXPECT_THAT(error_of(j), HasSubstr("MLA with RoPE is not supported"));
+  j = kimi_linear();
+  j["num_key_value_heads"] = 2;
+  EXPECT_THAT(error_of(j), HasSubstr("must equal 'num_attention_heads'"));
+  j = kimi_linear();
+  j["v_head_dim"] = 32;
+  EXPECT_THAT(error_of(j), HasSubstr("'v_head_dim' (32) must equal 'qk_nope_head_dim' (16)"));
+  j = kimi_linear();
+  j["linear_attn_config"]["full_attn_layers"] = {5};
+  EXPECT_THAT(error_of(j), HasSubstr("linear_attn_config.full_attn_layers"));
+  j = kimi_linear();
+  j["mla_use_output_gate"] = true;
+  EXPECT_THAT(error_of(j), HasSubstr("'mla_use_output_gate'"));
+  j = kimi_linear();
+  j["num_expert_group"] = 3;
+  EXPECT_THAT(error_of(j), HasSubstr("do not divide the 8 experts"));
+}
+
 }  // namespace
 }  // namespace hypic

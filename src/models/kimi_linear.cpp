@@ -1,0 +1,284 @@
+// KimiLinearForCausalLM (transformers 5.17 modeling_kimi_linear.py; weights under the checkpoint's own
+// names). Every layer: x += mixer(RMSNorm(x)); x += FFN(RMSNorm(x)), the mixer being
+//   KDA   q, k, v projections, each through its own causal conv + SiLU (no bias); per-channel decay
+//         g = -exp(A_log[h]) * softplus(f_b(f_a(x)) + dt_bias); beta = sigmoid(b_proj(x));
+//         S_t = (I - beta k k^T) diag(exp(g_t)) S_{t-1} + beta k v^T on L2-normed q, k, q scaled by
+//         dk^-0.5 (linear::Family::KDA); RMSNorm per head times sigmoid(g_b(g_a(x))); o_proj
+//   MLA   without RoPE: q = q_proj(x) (or through a normed q latent), [k | v] per head =
+//         kv_b_proj(RMSNorm(kv_a_proj_with_mqa(x))); softmax attention scaled by head_dim^-0.5
+// and the FFN a SwiGLU MLP on the first layers, then sigmoid-routed grouped top-k experts (SwiGLU,
+// Moonshot's w1 gate / w3 up / w2 down) plus shared experts. RMSNorm weights multiply directly; the
+// latents' norms use eps 1e-6, as transformers builds them. KDA runs on host memory: CPU backend
+// only until the CUDA backend has a KDA kernel. The K/V cache holds the expanded keys and values.
+#include <cmath>
+#include <stdexcept>
+
+#include "backend/moe_routing.h"
+#include "linear/recurrence.h"
+#include "models/blocks.h"
+#include "models/host_layers.h"
+
+namespace hypic {
+namespace {
+
+struct Kda {
+  Tensor q, k, v, f_a, f_b, b, g_a, g_b, o_norm, o;
+  std::vector<float> conv;        // [3 HD, K]: q's, then k's, then v's
+  std::vector<float> A, dt_bias;  // exp(A_log) [heads]; [HD]
+};
+struct Mla {
+  Tensor q, q_a, q_a_norm, q_b, kv_a, kv_a_norm, kv_b, o;
+};
+struct Layer {
+  LayerKind kind;
+  bool moe = false;
+  Tensor in_norm, post_norm;
+  Kda kda;
+  Mla mla;
+  FfnWeights mlp, shared;
+  Tensor router;
+  std::vector<float> bias;
+  std::vector<FfnWeights> experts;
+};
+
+class KimiLinear : public ArchBlocks {
+ public:
+  KimiLinear(const ModelConfig& c, const LoadWeight& load, Backend& be) : c_(c), be_(be) {
+    if (be.device().kind != DeviceKind::CPU)
+      throw std::runtime_error(c.architecture + " runs on the CPU backend only for now (no CUDA KDA kernel yet)");
+    H_ = c.hidden_size;
+    Hl_ = c.linear_num_value_heads;
+    dk_ = c.linear_key_head_dim;
+    K_ = c.linear_conv_kernel_dim;
+    HD_ = Hl_ * dk_;
+    Hq_ = c.num_attention_heads;
+    D_ = c.head_dim;
+    auto dev = [&](const std::string& n, const Shape& s) { return be.to_device(load(n, s)); };
+    auto swiglu = [&](const std::string& p, const char* g, const char* u, const char* d, int64_t I) {
+      return FfnWeights{dev(p + g + ".weight", {I, H_}), dev(p + u + ".weight", {I, H_}),
+                        dev(p + d + ".weight", {H_, I})};
+    };
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+      const std::string p = "model.layers." + std::to_string(i) + ".";
+      const std::string a = p + "self_attn.";
+      Layer l;
+      l.kind = c.layer_types[static_cast<size_t>(i)];
+      l.moe = c.layer_is_moe(i);
+      l.in_norm = dev(p + "input_layernorm.weight", {H_});
+      l.post_norm = dev(p + "post_attention_layernorm.weight", {H_});
+      if (l.kind == LayerKind::Linear) {
+        auto& w = l.kda;
+        w.q = dev(a + "q_proj.weight", {HD_, H_});
+        w.k = dev(a + "k_proj.weight", {HD_, H_});
+        w.v = dev(a + "v_proj.weight", {HD_, H_});
+        for (const char* n : {"q_conv1d", "k_conv1d", "v_conv1d"}) {
+          const auto part = host_f32(load(a + n + ".weight", {HD_, 1, K_}));
+          w.conv.insert(w.conv.end(), part.begin(), part.end());
+        }
+        w.f_a = dev(a + "f_a_proj.weight", {dk_, H_});
+        w.f_b = dev(a + "f_b_proj.weight", {HD_, dk_});
+        w.A = host_f32(load(a + "A_log", {1, 1, Hl_, 1}));
+        for (float& x : w.A) x = std::exp(x);
+        w.dt_bias = host_f32(load(a + "dt_bias", {HD_}));
+        w.b = dev(a + "b_proj.weight", {Hl_, H_});
+        w.g_a = dev(a + "g_a_proj.weight", {dk_, H_});
+        w.g_b = dev(a + "g_b_proj.weight", {HD_, dk_});
+        w.o_norm = dev(a + "o_norm.weight", {dk_});
+        w.o = dev(a + "o_proj.weight", {H_, HD_});
+      } else {
+        auto& w = l.mla;
+        const int64_t r = c.kv_lora_rank;
+        if (c.q_lora_rank > 0) {
+          w.q_a = dev(a + "q_a_proj.weight", {c.q_lora_rank, H_});
+          w.q_a_norm = dev(a + "q_a_layernorm.weight", {c.q_lora_rank});
+          w.q_b = dev(a + "q_b_proj.weight", {Hq_ * D_, c.q_lora_rank});
+        } else {
+          w.q = dev(a + "q_proj.weight", {Hq_ * D_, H_});
+        }
+        w.kv_a = dev(a + "kv_a_proj_with_mqa.weight", {r, H_});
+        w.kv_a_norm = dev(a + "kv_a_layernorm.weight", {r});
+        w.kv_b = dev(a + "kv_b_proj.weight", {Hq_ * 2 * D_, r});
+        w.o = dev(a + "o_proj.weight", {H_, Hq_ * D_});
+      }
+      const std::string m = p + "block_sparse_moe.";
+      if (!l.moe) {
+        l.mlp = swiglu(m, "gate_proj", "up_proj", "down_proj", c.intermediate_size);
+      } else {
+        const int64_t E = c.num_experts, I = c.moe_intermediate_size;
+        l.router = dev(m + "gate.weight", {E, H_});
+        l.bias = host_f32(load(m + "gate.e_score_correction_bias", {E}));
+        for (int64_t e = 0; e < E; ++e) {
+          l.experts.push_back(swiglu(m + "experts." + std::to_string(e) + ".", "w1", "w3", "w2", I));
+          expert_bytes_ +=
+              l.experts.back().gate.nbytes() + l.experts.back().up.nbytes() + l.experts.back().down.nbytes();
+        }
+        if (c.shared_expert_intermediate_size > 0)
+          l.shared =
+              swiglu(m + "shared_experts.", "gate_proj", "up_proj", "down_proj", c.shared_expert_intermediate_size);
+      }
+      layers_.push_back(std::move(l));
+    }
+  }
+
+  size_t expert_bytes() const override { return expert_bytes_; }
+  // KDA's decay is per key channel: a compact body's g would not fit the entry format ([n, heads]).
+  bool compact_bodies() const override { return false; }
+  void replay(const RecurrenceInputs&, Tensor&) override {
+    throw std::logic_error(c_.architecture + ": no compact bodies to replay");
+  }
+
+  void layer_forward(Model& model, int64_t layer, Tensor& x, std::span<const LayerSpan> spans) override {
+    Layer& l = layers_[static_cast<size_t>(layer)];
+    const int64_t T = x.dim(0);
+    const float eps = static_cast<float>(c_.rms_norm_eps);
+    Tensor y = be_.alloc_uninit(DType::F32, {T, H_});
+    Tensor mix = be_.alloc_uninit(DType::F32, {T, H_});
+    be_.rms_norm(x, l.in_norm, eps, false, y);
+    if (l.kind == LayerKind::Linear)
+      kda(model, l.kda, y, spans, mix);
+    else
+      mla(model, l.mla, y, spans, mix);
+    be_.add(x, mix, x);
+    be_.rms_norm(x, l.post_norm, eps, false, y);
+    if (!l.moe) {
+      ffn_forward(be_, y, l.mlp, mix);
+    } else {
+      const int64_t E = c_.num_experts;
+      Tensor logits = be_.alloc_uninit(DType::F32, {T, E});
+      be_.matmul(y, l.router, logits);
+      const MoeRouting r = route_sigmoid_grouped(logits.data<float>(), l.bias.data(), T, E,
+                                                 static_cast<int>(c_.num_experts_per_tok), c_.n_group, c_.topk_group,
+                                                 c_.norm_topk_prob, static_cast<float>(c_.routed_scaling_factor));
+      routed_experts(be_, y, r, l.experts, mix);
+      if (l.shared.up.defined()) {
+        Tensor sh = be_.alloc_uninit(DType::F32, {T, H_});
+        ffn_forward(be_, y, l.shared, sh);
+        be_.add(mix, sh, mix);
+      }
+    }
+    be_.add(x, mix, x);
+  }
+
+ private:
+  void kda(Model& model, const Kda& w, const Tensor& y, std::span<const LayerSpan> spans, Tensor& mix) {
+    const int64_t T = y.dim(0);
+    Tensor qkv = be_.alloc_uninit(DType::F32, {T, 3 * HD_});  // conv input, [q | k | v] per row
+    Tensor q = be_.alloc_uninit(DType::F32, {T, HD_}), k = be_.alloc_uninit(DType::F32, {T, HD_}),
+           v = be_.alloc_uninit(DType::F32, {T, HD_});
+    Tensor fa = be_.alloc_uninit(DType::F32, {T, dk_}), ga = be_.alloc_uninit(DType::F32, {T, dk_});
+    Tensor braw = be_.alloc_uninit(DType::F32, {T, Hl_});
+    be_.matmul_many(y, {w.q, w.k, w.v, w.f_a, w.g_a, w.b}, {q, k, v, fa, ga, braw});
+    be_.set_cols(q, 0, qkv);
+    be_.set_cols(k, HD_, qkv);
+    be_.set_cols(v, 2 * HD_, qkv);
+    Tensor fb = be_.alloc_uninit(DType::F32, {T, HD_}), gate = be_.alloc_uninit(DType::F32, {T, HD_});
+    be_.matmul(fa, w.f_b, fb);
+    be_.matmul(ga, w.g_b, gate);
+    // Gates for all rows: g [T, heads, dk], beta [T, heads].
+    std::vector<float> g(static_cast<size_t>(T * HD_)), beta(static_cast<size_t>(T * Hl_));
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t i = 0; i < HD_; ++i) {
+        const float z = fb.data<float>()[t * HD_ + i] + w.dt_bias[static_cast<size_t>(i)];
+        const float sp = z > 20.0f ? z : std::log(1.0f + std::exp(z));  // as transformers writes it
+        g[static_cast<size_t>(t * HD_ + i)] = -w.A[static_cast<size_t>(i / dk_)] * sp;
+      }
+      for (int64_t h = 0; h < Hl_; ++h)
+        beta[static_cast<size_t>(t * Hl_ + h)] = 1.0f / (1.0f + std::exp(-braw.data<float>()[t * Hl_ + h]));
+    }
+    std::vector<float> conv(static_cast<size_t>(T * 3 * HD_));
+    Tensor o = be_.alloc_uninit(DType::F32, {T, HD_});
+    int64_t r0 = 0;
+    for (const LayerSpan& sp : spans) {
+      const int64_t n = sp.rows;
+      if (sp.record) throw std::logic_error(c_.architecture + ": compact bodies are not supported");
+      LayerState& ls = *sp.state;
+      float* cv = &conv[static_cast<size_t>(r0 * 3 * HD_)];
+      causal_conv_silu(qkv.data<float>() + r0 * 3 * HD_, 3 * HD_, n, 3 * HD_, w.conv.data(), K_, nullptr,
+                       ls.conv.data<float>(), cv);
+      if (n > 0) {
+        std::vector<float> qs(static_cast<size_t>(n * HD_)), ks(qs.size()), vs(qs.size());
+        for (int64_t t = 0; t < n; ++t) {
+          std::copy(cv + t * 3 * HD_, cv + t * 3 * HD_ + HD_, qs.begin() + t * HD_);
+          std::copy(cv + t * 3 * HD_ + HD_, cv + t * 3 * HD_ + 2 * HD_, ks.begin() + t * HD_);
+          std::copy(cv + t * 3 * HD_ + 2 * HD_, cv + (t + 1) * 3 * HD_, vs.begin() + t * HD_);
+        }
+        linear::RecInputs in;
+        in.q = qs.data();
+        in.k = ks.data();
+        in.v = vs.data();
+        in.g = &g[static_cast<size_t>(r0 * HD_)];
+        in.beta = &beta[static_cast<size_t>(r0 * Hl_)];
+        in.l2norm_qk = true;
+        in.q_scale = 1.0f / std::sqrt(static_cast<float>(dk_));
+        linear::chunked_forward(linear::Family::KDA, {n, Hl_, Hl_, dk_, dk_}, in, ls.ssm.data<float>(),
+                                o.data<float>() + r0 * HD_, sp.transition ? sp.transition->data<float>() : nullptr,
+                                be_.num_threads());
+      } else if (sp.transition) {
+        be_.set_identity(*sp.transition);
+      }
+      if (sp.after.any()) model.apply_after(ls, sp.after);
+      r0 += n;
+    }
+    Tensor o2 = o.reshape({T * Hl_, dk_});
+    be_.rms_norm(o2, w.o_norm, static_cast<float>(c_.rms_norm_eps), false, o2);
+    be_.sigmoid_mul(o, gate, o);
+    be_.matmul(o, w.o, mix);
+  }
+
+  void mla(Model& model, const Mla& w, const Tensor& y, std::span<const LayerSpan> spans, Tensor& mix) {
+    const int64_t T = y.dim(0), r = c_.kv_lora_rank;
+    Tensor q = be_.alloc_uninit(DType::F32, {T, Hq_, D_});
+    Tensor q2 = q.reshape({T, Hq_ * D_});
+    Tensor kva = be_.alloc_uninit(DType::F32, {T, r});
+    if (w.q.defined()) {
+      be_.matmul_many(y, {w.q, w.kv_a}, {q2, kva});
+    } else {
+      Tensor qa = be_.alloc_uninit(DType::F32, {T, c_.q_lora_rank});
+      be_.matmul_many(y, {w.q_a, w.kv_a}, {qa, kva});
+      be_.rms_norm(qa, w.q_a_norm, 1e-6f, false, qa);
+      be_.matmul(qa, w.q_b, q2);
+    }
+    be_.rms_norm(kva, w.kv_a_norm, 1e-6f, false, kva);
+    Tensor kv = be_.alloc_uninit(DType::F32, {T, Hq_ * 2 * D_});  // per head [k D | v D]
+    be_.matmul(kva, w.kv_b, kv);
+    Tensor k = be_.alloc_uninit(DType::F32, {T, Hq_, D_}), v = be_.alloc_uninit(DType::F32, {T, Hq_, D_});
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < Hq_; ++h) {
+        const float* src = kv.data<float>() + (t * Hq_ + h) * 2 * D_;
+        std::copy(src, src + D_, k.data<float>() + (t * Hq_ + h) * D_);
+        std::copy(src + D_, src + 2 * D_, v.data<float>() + (t * Hq_ + h) * D_);
+      }
+    Tensor o = be_.alloc_uninit(DType::F32, {T, Hq_, D_});
+    const float scale = 1.0f / std::sqrt(static_cast<float>(D_));
+    int64_t r0 = 0;
+    for (const LayerSpan& sp : spans) {
+      LayerState& ls = *sp.state;
+      if (sp.rows > 0) {
+        if (sp.pos0 + sp.rows > ls.k.dim(0)) throw std::logic_error("KV cache too small: call Model::reserve first");
+        const Backend::RowCopy pieces[2] = {{&k, r0, &ls.k, sp.pos0, sp.rows}, {&v, r0, &ls.v, sp.pos0, sp.rows}};
+        be_.copy_rows(pieces);
+        const Backend::RowSpan run{sp.pos0, sp.rows};
+        Tensor os = o.slice_rows(r0, r0 + sp.rows);
+        be_.attention_spans(q.slice_rows(r0, r0 + sp.rows), ls.k, ls.v, std::span<const Backend::RowSpan>(&run, 1),
+                            scale, os);
+      }
+      if (sp.after.any()) model.apply_after(ls, sp.after);
+      r0 += sp.rows;
+    }
+    be_.matmul(o.reshape({T, Hq_ * D_}), w.o, mix);
+  }
+
+  const ModelConfig& c_;
+  Backend& be_;
+  int64_t H_, Hl_, dk_, K_, HD_, Hq_, D_;
+  std::vector<Layer> layers_;
+  size_t expert_bytes_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<ArchBlocks> kimi_linear_blocks(const ModelConfig& c, const LoadWeight& load, Backend& be) {
+  return std::make_unique<KimiLinear>(c, load, be);
+}
+
+}  // namespace hypic
