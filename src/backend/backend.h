@@ -219,6 +219,7 @@ class Backend {
 
   // ---- segment summaries (PIC) -----------------------------------------------------------------
   // Per head: out = alpha * (T S) + B, T [H, dk, dk], S and B [H, dk, dv]; out must not alias S.
+  // T [H, 1, 1] is a scaled identity per head (Mamba2, lightning: their T_C; CPU backend).
   virtual void compose_state(const Tensor& T, const Tensor& S, const Tensor& B, float alpha, Tensor& out) = 0;
   // Sets every [n, n] matrix of t [H, n, n] to the identity.
   virtual void set_identity(Tensor& t) = 0;

@@ -259,7 +259,11 @@ void check_compose_state(const Tensor& T, const Tensor& S, const Tensor& B, cons
   need_ndim(op, "S", S, 3);
   const int64_t H = T.dim(0), dk = T.dim(1);
   if (T.dim(2) != dk) fail(op, "T " + T.str() + ": matrices must be square");
-  if (S.dim(0) != H || S.dim(1) != dk) fail(op, "T " + T.str() + " and S " + S.str() + ": shapes do not chain");
+  // T [H, 1, 1] against S [H, dk, dv]: a scaled identity per head (scalar-decay families), CPU only.
+  const bool scaled = dk == 1 && S.dim(1) != 1;
+  if (scaled && dev != DeviceKind::CPU) fail(op, "T " + T.str() + ": scaled-identity transitions are CPU-only");
+  if (S.dim(0) != H || (S.dim(1) != dk && !scaled))
+    fail(op, "T " + T.str() + " and S " + S.str() + ": shapes do not chain");
   need_shape(op, "B", B, S.shape());
   need_shape(op, "out", out, S.shape());
   if (overlaps(out, S) || overlaps(out, T)) fail(op, "out must not overlap T or S");

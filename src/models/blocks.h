@@ -24,6 +24,8 @@ class ArchBlocks {
   virtual void layer_forward(Model& model, int64_t layer, Tensor& x, std::span<const LayerSpan> spans) = 0;
   // Runs a linear layer's recurrence over recorded inputs (LayerSpan::record) from ssm, in place.
   virtual void replay(const RecurrenceInputs& in, Tensor& ssm) = 0;
+  // Whether a segment's transition is a scaled identity per head (stored [heads, 1, 1]).
+  virtual bool scalar_transition() const { return false; }
   // Whether PIC may keep a short segment body as its recurrence inputs (RecurrenceInputs with g
   // [n, heads]); false where the decay is per channel.
   virtual bool compact_bodies() const { return true; }

@@ -56,6 +56,14 @@ void causal_conv_silu(const float* in, int64_t in_stride, int64_t n, int64_t C, 
   std::copy(hist.end() - (K - 1) * C, hist.end(), state);
 }
 
+void write_scaled_identity(const std::vector<float>& scale, Tensor& t) {
+  const int64_t H = t.dim(0), n = t.dim(1);
+  float* p = t.data<float>();
+  std::fill(p, p + t.numel(), 0.f);
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t i = 0; i < n; ++i) p[(h * n + i) * n + i] = scale[static_cast<size_t>(h)];
+}
+
 std::vector<float> host_f32(const Tensor& t) {
   Tensor f = t.to_f32();
   return std::vector<float>(f.data<float>(), f.data<float>() + f.numel());

@@ -33,6 +33,8 @@ inline float silu(float x) {
 inline float softplus(float x) {
   return x > 20.0f ? x : std::log1p(std::exp(x));
 }
+// t [H, n, n] <- scale[h] times the identity per head (n = 1: the compact form of such a transition).
+void write_scaled_identity(const std::vector<float>& scale, Tensor& t);
 // Host f32 copy of a (small) weight.
 std::vector<float> host_f32(const Tensor& t);
 

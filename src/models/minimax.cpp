@@ -83,6 +83,8 @@ class MiniMax : public ArchBlocks {
 
   size_t expert_bytes() const override { return expert_bytes_; }
 
+  bool scalar_transition() const override { return true; }
+
   // A compact body's g rows hold the layer's log decay (the same in every row).
   void replay(const RecurrenceInputs& in, Tensor& ssm) override {
     const int64_t n = in.rows();
@@ -169,13 +171,11 @@ class MiniMax : public ArchBlocks {
         for (int64_t t = 0; t < n; ++t)
           std::copy(l.log_gamma.begin(), l.log_gamma.end(), rec.g.data<float>() + t * Hh_);
       }
-      if (sp.transition) {  // dense [H, D, D]: gamma^n times the identity per head
-        Tensor& Tt = *sp.transition;
-        std::fill(Tt.data<float>(), Tt.data<float>() + Tt.numel(), 0.f);
-        for (int64_t h = 0; h < Hh_; ++h) {
-          const float g = std::exp(static_cast<float>(n) * l.log_gamma[static_cast<size_t>(h)]);
-          for (int64_t i = 0; i < D_; ++i) Tt.data<float>()[(h * D_ + i) * D_ + i] = g;
-        }
+      if (sp.transition) {  // gamma^n per head, as a scaled identity [H, 1, 1] (or dense [H, D, D])
+        std::vector<float> scale(static_cast<size_t>(Hh_));
+        for (int64_t h = 0; h < Hh_; ++h)
+          scale[h] = std::exp(static_cast<float>(n) * l.log_gamma[static_cast<size_t>(h)]);
+        write_scaled_identity(scale, *sp.transition);
       }
       if (sp.after.any()) model.apply_after(*sp.state, sp.after);
       r0 += n;

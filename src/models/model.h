@@ -136,6 +136,9 @@ class Model {
 
   // Whether PIC may keep short segment bodies in compact form (recurrence inputs) for this model.
   bool compact_bodies() const;
+  // Shape of a linear layer's segment transition T_C: [Hv, dk, dk], or [Hv, 1, 1] where every
+  // transition is a scaled identity per head (Mamba2, lightning attention).
+  Shape transition_shape() const;
 
   // Decode steps (forward_batch with one token per sequence, forward of one token) run each mixer
   // once over the batch from device tables of positions and state addresses; on a backend with

@@ -111,6 +111,8 @@ class NemotronH : public ArchBlocks {
 
   size_t expert_bytes() const override { return expert_bytes_; }
 
+  bool scalar_transition() const override { return true; }
+
   void replay(const RecurrenceInputs& in, Tensor& ssm) override {
     const int64_t n = in.rows();
     if (n == 0) return;
@@ -197,12 +199,10 @@ class NemotronH : public ArchBlocks {
         std::copy(v.begin(), v.end(), rec.v.data<float>());
         std::copy(g.begin(), g.end(), rec.g.data<float>());
       }
-      if (sp.transition) {  // dense [nh, N, N]: exp(sum of g) times the identity per head
-        Tensor& Tt = *sp.transition;
-        std::fill(Tt.data<float>(), Tt.data<float>() + Tt.numel(), 0.f);
-        for (int64_t h = 0; h < nh_; ++h)
-          for (int64_t i = 0; i < N_; ++i)
-            Tt.data<float>()[(h * N_ + i) * N_ + i] = std::exp(logT[static_cast<size_t>(h)]);
+      if (sp.transition) {  // exp(sum of g) per head, as a scaled identity [nh, 1, 1] (or dense [nh, N, N])
+        std::vector<float> scale(static_cast<size_t>(nh_));
+        for (int64_t h = 0; h < nh_; ++h) scale[h] = std::exp(logT[static_cast<size_t>(h)]);
+        write_scaled_identity(scale, *sp.transition);
       }
       // D skip, gate, grouped RMSNorm.
       const int64_t gs = I_ / G_;

@@ -374,6 +374,12 @@ int64_t Model::captured_steps() const {
 
 Model::~Model() = default;
 
+Shape Model::transition_shape() const {
+  const auto& m = *impl_;
+  if (m.blocks && m.blocks->scalar_transition()) return {m.Hv, 1, 1};
+  return {m.Hv, m.dk, m.dk};
+}
+
 bool Model::compact_bodies() const {
   return !impl_->blocks || impl_->blocks->compact_bodies();
 }

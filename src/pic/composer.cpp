@@ -260,7 +260,7 @@ std::shared_ptr<SegmentEntry> PicEngine::step_build(EntryBuild& b, int64_t max_t
         if (chain)
           Tc = be.alloc(DType::F32, b.T[li].shape());
         else
-          b.T[li] = be.alloc(DType::F32, {ls.ssm.dim(0), ls.ssm.dim(1), ls.ssm.dim(1)});
+          b.T[li] = be.alloc(DType::F32, m.transition_shape());
       }
       spans[n++] = sp;
     }
@@ -300,7 +300,7 @@ std::shared_ptr<SegmentEntry> PicEngine::step_build(EntryBuild& b, int64_t max_t
         o.T = b.T[li];
         be.compose_state(o.T, b.at_head[li].ssm, b.at_body[li].ssm, -1.f, o.S);
       } else {
-        o.T = be.alloc(DType::F32, {sh[0], sh[1], sh[1]});
+        o.T = be.alloc(DType::F32, m.transition_shape());
         be.set_identity(o.T);  // empty body: T = I, S = 0
       }
     } else if (cfg.layer_types[li] == LayerKind::Full) {
@@ -364,7 +364,7 @@ void PicEngine::init_expected_shapes() {
     const auto& ls = st.layers[static_cast<size_t>(l)];
     if (cfg.layer_types[static_cast<size_t>(l)] == LayerKind::Linear) {
       const auto& sh = ls.ssm.shape();  // [Hv, dk, dv]
-      expect_.push_back({sh[0], sh[1], sh[1]});
+      expect_.push_back(model_.transition_shape());
       expect_.push_back(sh);
       expect_.push_back(ls.conv.shape());
     } else if (cfg.layer_types[static_cast<size_t>(l)] == LayerKind::Full) {

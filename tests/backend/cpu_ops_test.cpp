@@ -664,6 +664,15 @@ TEST_F(CpuOps, ComposeStateAndIdentity) {
     be->compose_state(T, S, b2, alpha, b2);
     EXPECT_LE(rel_l2(b2, ref), 1e-6) << alpha;
   }
+  // A [H, 1, 1] transition is a scaled identity per head: the same as its dense form.
+  Tensor Ts = randn({H, 1, 1}, 94), Td = be->alloc(DType::F32, {H, dk, dk});
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t i = 0; i < dk; ++i) Td.data<float>()[(h * dk + i) * dk + i] = Ts.data<float>()[h];
+  Tensor os = be->alloc(DType::F32, {H, dk, dv}), od = be->alloc(DType::F32, {H, dk, dv});
+  be->compose_state(Ts, S, B, -1.f, os);
+  be->compose_state(Td, S, B, -1.f, od);
+  EXPECT_LE(rel_l2(os, vals(od)), 1e-6);
+  EXPECT_GT(rel_l2(os, vals(B)), 1e-3);  // the transition did something
   EXPECT_EQ(error_of([&] { be->compose_state(T, S, B, 1.f, S); }), "compose_state: out must not overlap T or S");
   Tensor Sbad = be->alloc(DType::F32, {H, dk + 1, dv});
   Tensor out = be->alloc(DType::F32, {H, dk + 1, dv});

@@ -391,6 +391,20 @@ TEST_P(Pic, LongSegmentsAreBuiltInChunks) {
 // (issue 12: an entry's size grows with its tokens). That is T S + S(C|0) by another summation
 // order, so answers and states match the T/S form to f32 rounding, layer 0 stays exact against
 // full prefill, and a hit composes bitwise as the fresh entry did.
+// Mamba2's and lightning's transitions are a number per head ([Hv, 1, 1]); the others' dense.
+TEST_P(Pic, EntriesStoreTransitionsInTheirFamilysForm) {
+  PicEngine eng(*lm_->model, 64 << 20);
+  eng.set_compact_entries(false);
+  auto e = eng.build_entry(segs_[1], 4);
+  const auto& cfg = lm_->model->config();
+  const bool scalar = cfg.arch == Arch::NemotronH || cfg.arch == Arch::MiniMax;
+  const int64_t Hv = cfg.linear_num_value_heads, dk = cfg.linear_key_head_dim;
+  for (size_t l = 0; l < e->layers.size(); ++l) {
+    if (cfg.layer_types[l] != LayerKind::Linear) continue;
+    EXPECT_EQ(e->layers[l].T.shape(), scalar ? Shape({Hv, 1, 1}) : Shape({Hv, dk, dk})) << "layer " << l;
+  }
+}
+
 TEST_P(Pic, CompactBodiesComposeAsTransitions) {
   std::mt19937_64 rng(7);
   const int64_t V = lm_->model->config().vocab_size;

@@ -887,9 +887,16 @@ void CpuBackend::gated_delta_rule(const Tensor& q, const Tensor& k, const Tensor
 // ================================================================================================
 void CpuBackend::compose_state(const Tensor& T, const Tensor& S, const Tensor& B, float alpha, Tensor& out) {
   check_compose_state(T, S, B, out, DeviceKind::CPU);
-  const int64_t H = T.dim(0), dk = T.dim(1), dv = S.dim(2);
+  const int64_t H = T.dim(0), dk = S.dim(1), dv = S.dim(2);
   const float *tp = T.data<float>(), *sp = S.data<float>(), *bp = B.data<float>();
   float* o = out.data<float>();
+  if (T.dim(1) == 1 && dk != 1) {  // scaled identity
+    for (int64_t h = 0; h < H; ++h) {
+      const float a = alpha * tp[h];
+      for (int64_t i = h * dk * dv; i < (h + 1) * dk * dv; ++i) o[i] = a * sp[i] + bp[i];
+    }
+    return;
+  }
   pool_.parallel_for(H, [&](int64_t h0, int64_t h1) {
     for (int64_t h = h0; h < h1; ++h) {
       float* oh = o + h * dk * dv;
