@@ -1,6 +1,7 @@
 #include "models/host_layers.h"
 
 #include <algorithm>
+#include <stdexcept>
 
 namespace hypic {
 
@@ -34,6 +35,25 @@ void routed_experts(Backend& be, const Tensor& x, const MoeRouting& r, const std
       const float w = r.weight[slot];
       for (int64_t j = 0; j < H; ++j) out.data<float>()[t * H + j] += w * ye.data<float>()[i * H + j];
     }
+  }
+}
+
+void attend_spans(Model& model, Backend& be, const Tensor& q, const Tensor& k, const Tensor& v,
+                  std::span<const LayerSpan> spans, float scale, Tensor& o) {
+  int64_t r0 = 0;
+  for (const LayerSpan& sp : spans) {
+    LayerState& ls = *sp.state;
+    if (sp.rows > 0) {
+      if (sp.pos0 + sp.rows > ls.k.dim(0)) throw std::logic_error("KV cache too small: call Model::reserve first");
+      const Backend::RowCopy pieces[2] = {{&k, r0, &ls.k, sp.pos0, sp.rows}, {&v, r0, &ls.v, sp.pos0, sp.rows}};
+      be.copy_rows(pieces);
+      const Backend::RowSpan run{sp.pos0, sp.rows};
+      Tensor os = o.slice_rows(r0, r0 + sp.rows);
+      be.attention_spans(q.slice_rows(r0, r0 + sp.rows), ls.k, ls.v, std::span<const Backend::RowSpan>(&run, 1), scale,
+                         os);
+    }
+    if (sp.after.any()) model.apply_after(ls, sp.after);
+    r0 += sp.rows;
   }
 }
 

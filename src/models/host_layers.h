@@ -7,6 +7,7 @@
 
 #include "backend/backend.h"
 #include "backend/moe_routing.h"
+#include "models/model.h"
 
 namespace hypic {
 
@@ -19,6 +20,12 @@ void ffn_forward(Backend& be, const Tensor& x, const FfnWeights& w, Tensor& out)
 // out [T, H] = sum over each token's routed experts of weight * expert(x).
 void routed_experts(Backend& be, const Tensor& x, const MoeRouting& r, const std::vector<FfnWeights>& experts,
                     Tensor& out);
+
+// Causal softmax attention of each span's rows of q [T, Hq, D] against its sequence's cache: the
+// span's k, v rows [T, Hkv, D] are written at its positions first; then its `after` work runs
+// (through model.apply_after). o [T, Hq, D].
+void attend_spans(Model& model, Backend& be, const Tensor& q, const Tensor& k, const Tensor& v,
+                  std::span<const LayerSpan> spans, float scale, Tensor& o);
 
 // Depthwise causal conv1d + SiLU over n rows: in(t, c) = in[t * in_stride + c] for c < C, w [C, K],
 // bias [C] or null; state [K-1, C] holds the K-1 inputs before row 0 (oldest first) and is advanced.

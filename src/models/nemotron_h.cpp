@@ -238,21 +238,7 @@ class NemotronH : public ArchBlocks {
     be_.matmul_many(xn, {w.q, w.k, w.v}, {q2, k2, v2});
     Tensor o = be_.alloc_uninit(DType::F32, {T, Hq, D});
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-    int64_t r0 = 0;
-    for (const LayerSpan& sp : spans) {
-      LayerState& ls = *sp.state;
-      if (sp.rows > 0) {
-        if (sp.pos0 + sp.rows > ls.k.dim(0)) throw std::logic_error("KV cache too small: call Model::reserve first");
-        const Backend::RowCopy pieces[2] = {{&k, r0, &ls.k, sp.pos0, sp.rows}, {&v, r0, &ls.v, sp.pos0, sp.rows}};
-        be_.copy_rows(pieces);
-        const Backend::RowSpan run{sp.pos0, sp.rows};
-        Tensor os = o.slice_rows(r0, r0 + sp.rows);
-        be_.attention_spans(q.slice_rows(r0, r0 + sp.rows), ls.k, ls.v, std::span<const Backend::RowSpan>(&run, 1),
-                            scale, os);
-      }
-      if (sp.after.any()) model.apply_after(ls, sp.after);
-      r0 += sp.rows;
-    }
+    attend_spans(model, be_, q, k, v, spans, scale, o);
     be_.matmul(o.reshape({T, Hq * D}), w.o, mix);
   }
 
