@@ -8,7 +8,9 @@ using namespace hypic;
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   try {
-    (void)parse_model_config(std::string(reinterpret_cast<const char*>(data), size), "config.json");
+    const ModelConfig c = parse_model_config(std::string(reinterpret_cast<const char*>(data), size), "config.json");
+    // What a parsed config promises: one kind per layer, each describable (hypic info).
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i) (void)describe_layer(c, i);
   } catch (const std::exception&) {
   }
   return 0;
