@@ -1,4 +1,5 @@
-// config.json parsing for the Qwen3.5 / Qwen3.5-MoE / Qwen3-Next families.
+// config.json parsing for the Qwen3.5 / Qwen3.5-MoE / Qwen3-Next families, Nemotron-H, MiniMax and
+// Kimi-Linear (each in the field names transformers 5 writes and those of the checkpoints on the Hub).
 #include "models/config.h"
 
 #include <algorithm>

@@ -1,4 +1,5 @@
-// A loaded hybrid-attention model (Qwen3.5 dense/MoE, Qwen3-Next): weights on a backend and a
+// A loaded hybrid-attention model (Qwen3.5 dense/MoE and Qwen3-Next here; Nemotron-H, MiniMax and
+// Kimi-Linear through their own files, models/blocks.h): weights on a backend and a
 // layer-by-layer forward that the engine (plain prefill/decode) and PIC (segment summaries,
 // composition, seams) both drive.
 #pragma once
