@@ -17,15 +17,21 @@ void group_by_expert(MoeRouting& r) {
   std::vector<int64_t> fill(r.start.begin(), r.start.end() - 1);
   for (int64_t i = 0; i < n; ++i) r.order[fill[r.expert[i]]++] = i;
 }
-}  // namespace
 
-MoeRouting route_topk(const float* lg, int64_t T, int64_t E, int top_k, bool norm_topk) {
+// A routing of T tokens to top_k of E experts, its slots not yet filled.
+MoeRouting empty_routing(int64_t T, int64_t E, int top_k) {
   MoeRouting r;
   r.tokens = T;
   r.experts = E;
   r.top_k = top_k;
   r.expert.resize(static_cast<size_t>(T * top_k));
   r.weight.resize(static_cast<size_t>(T * top_k));
+  return r;
+}
+}  // namespace
+
+MoeRouting route_topk(const float* lg, int64_t T, int64_t E, int top_k, bool norm_topk) {
+  MoeRouting r = empty_routing(T, E, top_k);
   std::vector<float> p(static_cast<size_t>(E));
   std::vector<int32_t> idx(static_cast<size_t>(E));
   for (int64_t t = 0; t < T; ++t) {
@@ -51,12 +57,7 @@ MoeRouting route_topk(const float* lg, int64_t T, int64_t E, int top_k, bool nor
 
 MoeRouting route_sigmoid_grouped(const float* lg, const float* bias, int64_t T, int64_t E, int top_k, int64_t n_group,
                                  int64_t topk_group, bool norm_topk, float scaling) {
-  MoeRouting r;
-  r.tokens = T;
-  r.experts = E;
-  r.top_k = top_k;
-  r.expert.resize(static_cast<size_t>(T * top_k));
-  r.weight.resize(static_cast<size_t>(T * top_k));
+  MoeRouting r = empty_routing(T, E, top_k);
   const int64_t per = E / n_group;
   std::vector<float> score(static_cast<size_t>(E)), choice(static_cast<size_t>(E)), gsc(static_cast<size_t>(n_group));
   std::vector<int32_t> idx(static_cast<size_t>(std::max(E, n_group)));

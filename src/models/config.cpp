@@ -270,6 +270,28 @@ std::string first_present(const Fields& f, std::initializer_list<const char*> na
   return *names.begin();
 }
 
+// DeepSeek-V3-style routed experts (Nemotron-H, Kimi-Linear): sigmoid scores, grouped top-k, scaling.
+// Each field is read under the first of its spellings that is present; errors name that spelling.
+// The shared experts' width is the caller's (the two architectures size them differently).
+void parse_grouped_moe(const Fields& f, ModelConfig& cfg, std::initializer_list<const char*> experts,
+                       std::initializer_list<const char*> per_tok, std::initializer_list<const char*> renorm,
+                       std::initializer_list<const char*> group) {
+  const std::string e = first_present(f, experts), k = first_present(f, per_tok), g = first_present(f, group);
+  cfg.num_experts = f.positive(e);
+  cfg.num_experts_per_tok = f.positive(k);
+  cfg.moe_intermediate_size = f.positive("moe_intermediate_size");
+  cfg.norm_topk_prob = f.boolean_or(first_present(f, renorm), true);
+  cfg.n_group = f.positive_or(g, 1);
+  cfg.topk_group = f.positive_or("topk_group", 1);
+  cfg.routed_scaling_factor = f.number_or("routed_scaling_factor", 1.0);
+  if (cfg.num_experts_per_tok > cfg.num_experts)
+    f.fail("field '" + k + "' (" + std::to_string(cfg.num_experts_per_tok) + ") must not exceed '" + e + "' (" +
+           std::to_string(cfg.num_experts) + ")");
+  if (cfg.num_experts % cfg.n_group != 0 || cfg.topk_group > cfg.n_group)
+    f.fail("fields '" + g + "' (" + std::to_string(cfg.n_group) + ") and 'topk_group' (" +
+           std::to_string(cfg.topk_group) + ") do not divide the " + std::to_string(cfg.num_experts) + " experts");
+}
+
 // NemotronHForCausalLM: blocks of one sub-layer each, named by layers_block_type (transformers 5:
 // linear_attention / full_attention / mlp / moe; older configs: mamba / attention / mlp / moe) or by
 // hybrid_override_pattern (M * - E).
@@ -349,21 +371,9 @@ void parse_nemotron_h(const Fields& f, ModelConfig& cfg) {
 
   const bool any_moe = std::find(cfg.moe_blocks.begin(), cfg.moe_blocks.end(), 1) != cfg.moe_blocks.end();
   if (any_moe) {
-    cfg.num_experts = f.positive("n_routed_experts");
-    cfg.num_experts_per_tok = f.positive("num_experts_per_tok");
-    cfg.moe_intermediate_size = f.positive("moe_intermediate_size");
+    parse_grouped_moe(f, cfg, {"n_routed_experts"}, {"num_experts_per_tok"}, {"norm_topk_prob"}, {"n_group"});
     cfg.shared_expert_intermediate_size =
         f.non_negative_or("n_shared_experts", 1) > 0 ? f.non_negative_or("moe_shared_expert_intermediate_size", 0) : 0;
-    cfg.norm_topk_prob = f.boolean_or("norm_topk_prob", true);
-    cfg.n_group = f.positive_or("n_group", 1);
-    cfg.topk_group = f.positive_or("topk_group", 1);
-    cfg.routed_scaling_factor = f.number_or("routed_scaling_factor", 1.0);
-    if (cfg.num_experts_per_tok > cfg.num_experts)
-      f.fail("field 'num_experts_per_tok' (" + std::to_string(cfg.num_experts_per_tok) +
-             ") must not exceed 'n_routed_experts' (" + std::to_string(cfg.num_experts) + ")");
-    if (cfg.num_experts % cfg.n_group != 0 || cfg.topk_group > cfg.n_group)
-      f.fail("fields 'n_group' (" + std::to_string(cfg.n_group) + ") and 'topk_group' (" +
-             std::to_string(cfg.topk_group) + ") do not divide the " + std::to_string(cfg.num_experts) + " experts");
   }
   for (int64_t i = 0; i < cfg.num_hidden_layers; ++i)
     if (cfg.layer_types[static_cast<size_t>(i)] == LayerKind::Ffn && !cfg.moe_blocks[static_cast<size_t>(i)] &&
@@ -471,21 +481,10 @@ void parse_kimi_linear(const Fields& f, ModelConfig& cfg) {
   const bool any_dense = std::find(cfg.moe_blocks.begin(), cfg.moe_blocks.end(), 0) != cfg.moe_blocks.end();
   if (any_dense && cfg.intermediate_size <= 0) f.fail("field 'intermediate_size' must be a positive integer");
   if (any_moe) {
-    cfg.num_experts = f.positive(first_present(f, {"num_experts", "num_local_experts"}));
-    cfg.num_experts_per_tok = f.positive(first_present(f, {"num_experts_per_token", "num_experts_per_tok"}));
-    cfg.moe_intermediate_size = f.positive("moe_intermediate_size");
+    parse_grouped_moe(f, cfg, {"num_experts", "num_local_experts"}, {"num_experts_per_token", "num_experts_per_tok"},
+                      {"moe_renormalize", "norm_topk_prob"}, {"num_expert_group", "n_group"});
     cfg.shared_expert_intermediate_size =
         cfg.moe_intermediate_size * f.non_negative_or(first_present(f, {"num_shared_experts", "n_shared_experts"}), 1);
-    cfg.norm_topk_prob = f.boolean_or(first_present(f, {"moe_renormalize", "norm_topk_prob"}), true);
-    cfg.n_group = f.positive_or(first_present(f, {"num_expert_group", "n_group"}), 1);
-    cfg.topk_group = f.positive_or("topk_group", 1);
-    cfg.routed_scaling_factor = f.number_or("routed_scaling_factor", 1.0);
-    if (cfg.num_experts_per_tok > cfg.num_experts)
-      f.fail("field 'num_experts_per_token' (" + std::to_string(cfg.num_experts_per_tok) +
-             ") must not exceed 'num_experts' (" + std::to_string(cfg.num_experts) + ")");
-    if (cfg.num_experts % cfg.n_group != 0 || cfg.topk_group > cfg.n_group)
-      f.fail("fields 'num_expert_group' (" + std::to_string(cfg.n_group) + ") and 'topk_group' (" +
-             std::to_string(cfg.topk_group) + ") do not divide the " + std::to_string(cfg.num_experts) + " experts");
   }
   cfg.eos_token_ids = f.token_ids("eos_token_id");
   cfg.bos_token_id = f.token_id("bos_token_id");

@@ -197,7 +197,7 @@ Model::Model(ModelConfig cfg, const WeightSource& ws, Backend& be)
   auto& m = *impl_;
   const auto& c = cfg_;
   if (c.attention_bias) throw std::runtime_error("attention_bias = true is not supported");
-  if (c.hidden_act != "silu" && c.arch != Arch::NemotronH)
+  if (c.hidden_act != "silu")
     throw std::runtime_error("hidden_act '" + c.hidden_act + "' is not supported (silu only)");
   m.H = c.hidden_size;
   m.Hq = c.num_attention_heads;
