@@ -31,7 +31,10 @@ for b in "${bins[@]}"; do
   strip --strip-debug "$stage/bin/$(basename "$b")"
 done
 # The device's newer libstdc++ and libgcc_s serve binaries built against older ones.
-skip='^(linux-vdso|ld-linux|libc\.so|libm\.so|libdl\.so|libpthread\.so|librt\.so|libstdc\+\+|libgcc_s|libcuda|libcudart|libcublas|libnvidia)'
+skip='^(linux-vdso|ld-linux|libc\.so|libm\.so|libdl\.so|libpthread\.so|librt\.so|libstdc\+\+|libgcc_s|libcuda|libcudart|libcublas|libnvidia|libopenblas|libgfortran|libquadmath)'
+# OpenBLAS (36 MB, with libgfortran) is left out too: the device machine has its own, and the
+# archive must fit the carried tree's 64 MiB beside the test models. PACK_BLAS=1 packs it.
+[ "${PACK_BLAS:-0}" = 1 ] && skip="${skip/|libopenblas|libgfortran|libquadmath/}"
 for b in "${bins[@]}"; do
   ldd "$b" | awk '$3 ~ /^\// {print $1, $3}' | while read -r name path; do
     [[ "$name" =~ $skip ]] && continue

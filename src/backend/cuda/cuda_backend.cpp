@@ -226,8 +226,10 @@ struct CudaBackend::Impl {
   Tensor half_x;
   Tensor blas_ws;
   bool exact_half = false;
-  // HYPIC_CUDA_GDN=token keeps every span on the token-recurrence kernel (benchmarks, bisecting).
+  // HYPIC_CUDA_GDN=token keeps every span on the token-recurrence kernel, =f32 long spans on the
+  // f32 chunked kernel instead of the tensor-core one (benchmarks, bisecting, tests).
   bool gdn_token_only = false;
+  bool gdn_f32_chunks = false;
   // Makes this backend's GPU current on the calling thread (a no-op after the first call there).
   void bind() const {
     thread_local int current = -1;
@@ -346,7 +348,13 @@ CudaBackend::CudaBackend(int device) : impl_(std::make_unique<Impl>()) {
   CUBLAS_CHECK(cublasSetWorkspace(m.blas, m.blas_ws.raw(), m.blas_ws.nbytes()));
   if (const char* e = std::getenv("HYPIC_CUDA_PROFILE"); e && *e && std::string(e) != "0")
     m.prof = std::make_unique<OpProfile>(), m.prof->level = std::atoi(e) >= 2 ? 2 : 1;
-  if (const char* e = std::getenv("HYPIC_CUDA_GDN"); e && std::string(e) == "token") m.gdn_token_only = true;
+  if (const char* e = std::getenv("HYPIC_CUDA_GDN"); e && *e) {
+    const std::string mode = e;
+    if (mode != "token" && mode != "f32" && mode != "tc")
+      throw std::invalid_argument("HYPIC_CUDA_GDN=" + mode + ": expected token, f32 or tc");
+    m.gdn_token_only = mode == "token";
+    m.gdn_f32_chunks = mode == "f32";
+  }
 }
 
 CudaBackend::~CudaBackend() {
@@ -1031,6 +1039,16 @@ void CudaBackend::gated_delta_rule(const Tensor& q, const Tensor& k, const Tenso
   float* tr = transition && transition->defined() ? transition->data<float>() : nullptr;
   // Long spans take the chunked form (tensor-friendly, parallel over chunks); decode steps and
   // short seams stay on the token recurrence, which has no workspace and fewer launches.
+  // Outside precise mode, on the tensor cores where the shape allows (bf16 operands, f32 state).
+  if (T >= kGdnChunkedMin && !impl_->gdn_token_only && !impl_->gdn_f32_chunks && !impl_->exact_half &&
+      gated_delta_chunked_tc_supported(q.data<float>(), k.data<float>(), v.data<float>(), out.data<float>(), dk, dv)) {
+    const int64_t bytes = gated_delta_chunked_tc_workspace_bytes(T, Hv, dk, dv);
+    Tensor ws = alloc_uninit(DType::F32, {(bytes + 3) / 4});
+    launch_gated_delta_rule_chunked_tc(impl_->stream, q.data<float>(), k.data<float>(), v.data<float>(),
+                                       g.data<float>(), beta.data<float>(), l2norm_qk, T, Hk, Hv, dv,
+                                       state.data<float>(), out.data<float>(), tr, ws.raw());
+    return;
+  }
   if (T >= kGdnChunkedMin && !impl_->gdn_token_only &&
       gated_delta_chunked_supported(q.data<float>(), k.data<float>(), dk, dv)) {
     Tensor ws = alloc_uninit(DType::F32, {gated_delta_chunked_workspace_floats(T, Hv, dk, dv)});

@@ -180,6 +180,16 @@ void launch_gated_delta_rule_chunked(cudaStream_t s, const float* q, const float
                                      const float* beta, bool l2norm_qk, int64_t T, int64_t Hk, int64_t Hv, int64_t dk,
                                      int64_t dv, float* state, float* out, float* transition, float* workspace);
 
+// The chunked form on the tensor cores (gated_delta_chunked_tc.cu): bf16 operands, f32
+// accumulation and f32 state, for dk = 128 and dv a multiple of 32 up to 256; the f32 chunked
+// kernel above is its reference and the precise-mode path. Workspace in bytes.
+bool gated_delta_chunked_tc_supported(const float* q, const float* k, const float* v, const float* out, int64_t dk,
+                                      int64_t dv);
+int64_t gated_delta_chunked_tc_workspace_bytes(int64_t T, int64_t Hv, int64_t dk, int64_t dv);
+void launch_gated_delta_rule_chunked_tc(cudaStream_t s, const float* q, const float* k, const float* v, const float* g,
+                                        const float* beta, bool l2norm_qk, int64_t T, int64_t Hk, int64_t Hv,
+                                        int64_t dv, float* state, float* out, float* transition, void* workspace);
+
 // A PIC composition's chain of links over one state [Hv, dk, dv] (gated_delta_chain.cu): per
 // link, the recurrence over its next `rows` rows of q/k/v/g/beta (outputs to out), then a compact
 // body's recurrence inputs replayed (rk as keys and queries), then S <- T S + B (T null: S + B;
