@@ -293,63 +293,71 @@ TEST_F(CudaOps, AttentionSpansMatchOneCallPerSpan) {
 }
 
 TEST_F(CudaOps, CausalConvAndGates) {
-  for (int64_t T : {1, 2, 3, 50}) {
-    const int64_t C = 70, K = 4, H = 6;
-    Tensor x = randn({T, C}, rng), w = as(randn({C, K}, rng, 0.5f), DType::BF16), st = randn({K - 1, C}, rng);
-    Tensor sc = st.clone(), sg = dev(st);
-    Tensor oc = cpu->alloc(DType::F32, {T, C}), og = poisoned(DType::F32, {T, C});
-    cpu->causal_conv1d_silu(x, w, sc, oc);
-    gpu->causal_conv1d_silu(dev(x), dev(w), sg, og);
-    EXPECT_LE(err(og, oc), 1e-6) << "T=" << T;
-    EXPECT_EQ(err(sg, sc), 0.0) << "state T=" << T;
+  // C = 96: the tiled kernel (4 channels a thread, 16-row tiles: T = 50 ends on a partial tile).
+  for (int64_t C : {70, 96})
+    for (int64_t T : {1, 2, 3, 50}) {
+      const int64_t K = 4, H = 6;
+      Tensor x = randn({T, C}, rng), w = as(randn({C, K}, rng, 0.5f), DType::BF16), st = randn({K - 1, C}, rng);
+      Tensor sc = st.clone(), sg = dev(st);
+      Tensor oc = cpu->alloc(DType::F32, {T, C}), og = poisoned(DType::F32, {T, C});
+      cpu->causal_conv1d_silu(x, w, sc, oc);
+      gpu->causal_conv1d_silu(dev(x), dev(w), sg, og);
+      EXPECT_LE(err(og, oc), 1e-6) << "T=" << T;
+      EXPECT_EQ(err(sg, sc), 0.0) << "state T=" << T;
 
-    Tensor a = randn({T, H}, rng, 5.f), b = randn({T, H}, rng), al = randn({H}, rng), db = randn({H}, rng);
-    Tensor gc = cpu->alloc(DType::F32, {T, H}), bc = cpu->alloc(DType::F32, {T, H});
-    Tensor gg = poisoned(DType::F32, {T, H}), bg = poisoned(DType::F32, {T, H});
-    cpu->gdn_gates(a, b, al, db, gc, bc);
-    gpu->gdn_gates(dev(a), dev(b), dev(al), dev(db), gg, bg);
-    EXPECT_LE(err(gg, gc), 1e-6);
-    EXPECT_LE(err(bg, bc), 1e-6);
-  }
+      Tensor a = randn({T, H}, rng, 5.f), b = randn({T, H}, rng), al = randn({H}, rng), db = randn({H}, rng);
+      Tensor gc = cpu->alloc(DType::F32, {T, H}), bc = cpu->alloc(DType::F32, {T, H});
+      Tensor gg = poisoned(DType::F32, {T, H}), bg = poisoned(DType::F32, {T, H});
+      cpu->gdn_gates(a, b, al, db, gc, bc);
+      gpu->gdn_gates(dev(a), dev(b), dev(al), dev(db), gg, bg);
+      EXPECT_LE(err(gg, gc), 1e-6);
+      EXPECT_LE(err(bg, bc), 1e-6);
+    }
 }
 
 // A composition's convs in one launch: spans of 0-5 rows (fewer than K-1 too), each followed or not
 // by a cached body's conv tail (`after`), the last span open or closed.
 TEST_F(CudaOps, CausalConvSpansMatchOneCallPerSpan) {
-  const int64_t C = 70, K = 4;
-  const std::vector<std::vector<std::pair<int64_t, bool>>> cases = {
-      {{3, true}, {2, true}, {0, true}, {5, false}},   // seams, an empty one, then the question
-      {{1, false}, {2, true}, {4, false}, {1, true}},  // ends on a body tail
-      {{2, false}, {1, false}},                        // no bodies: one continued conv
-      {{0, true}}};                                    // no rows: the state is the tail
-  for (const auto& cs : cases) {
-    int64_t T = 0;
-    for (auto [r, a] : cs) T += r;
-    Tensor x = randn({std::max<int64_t>(T, 1), C}, rng).slice_rows(0, T), w = as(randn({C, K}, rng, 0.5f), DType::BF16);
-    Tensor st = randn({K - 1, C}, rng);
-    std::vector<Tensor> tails_c, tails_g;
-    for (size_t i = 0; i < cs.size(); ++i)
-      tails_c.push_back(randn({K - 1, C}, rng)), tails_g.push_back(dev(tails_c.back()));
-    std::vector<Backend::ConvSpan> sc, sg;
-    for (size_t i = 0; i < cs.size(); ++i) {
-      sc.push_back({cs[i].first, cs[i].second ? &tails_c[i] : nullptr});
-      sg.push_back({cs[i].first, cs[i].second ? &tails_g[i] : nullptr});
+  // C = 96: one continued conv takes the tiled kernel.
+  for (const int64_t C : {70, 96}) {
+    const int64_t K = 4;
+    const std::vector<std::vector<std::pair<int64_t, bool>>> cases = {
+        {{3, true}, {2, true}, {0, true}, {5, false}},   // seams, an empty one, then the question
+        {{1, false}, {2, true}, {4, false}, {1, true}},  // ends on a body tail
+        {{2, false}, {1, false}},                        // no bodies: one continued conv
+        {{0, true}}};                                    // no rows: the state is the tail
+    for (const auto& cs : cases) {
+      int64_t T = 0;
+      for (auto [r, a] : cs) T += r;
+      Tensor x = randn({std::max<int64_t>(T, 1), C}, rng).slice_rows(0, T),
+             w = as(randn({C, K}, rng, 0.5f), DType::BF16);
+      Tensor st = randn({K - 1, C}, rng);
+      std::vector<Tensor> tails_c, tails_g;
+      for (size_t i = 0; i < cs.size(); ++i)
+        tails_c.push_back(randn({K - 1, C}, rng)), tails_g.push_back(dev(tails_c.back()));
+      std::vector<Backend::ConvSpan> sc, sg;
+      for (size_t i = 0; i < cs.size(); ++i) {
+        sc.push_back({cs[i].first, cs[i].second ? &tails_c[i] : nullptr});
+        sg.push_back({cs[i].first, cs[i].second ? &tails_g[i] : nullptr});
+      }
+      Tensor stc = st.clone(), stg = dev(st);
+      Tensor oc = cpu->alloc(DType::F32, {T, C}),
+             og = T ? poisoned(DType::F32, {T, C}) : gpu->alloc(DType::F32, {0, C});
+      cpu->causal_conv1d_silu_spans(x, w, sc, stc, oc);
+      gpu->causal_conv1d_silu_spans(dev(x), dev(w), sg, stg, og);
+      if (T) {
+        EXPECT_LE(err(og, oc), 1e-6) << "T=" << T;
+      }
+      EXPECT_EQ(err(stg, stc), 0.0) << "state, T=" << T;
     }
-    Tensor stc = st.clone(), stg = dev(st);
-    Tensor oc = cpu->alloc(DType::F32, {T, C}), og = T ? poisoned(DType::F32, {T, C}) : gpu->alloc(DType::F32, {0, C});
-    cpu->causal_conv1d_silu_spans(x, w, sc, stc, oc);
-    gpu->causal_conv1d_silu_spans(dev(x), dev(w), sg, stg, og);
-    if (T) {
-      EXPECT_LE(err(og, oc), 1e-6) << "T=" << T;
-    }
-    EXPECT_EQ(err(stg, stc), 0.0) << "state, T=" << T;
+    // Spans that do not cover x are refused by name.
+    Tensor x = dev(randn({4, C}, rng)), w = dev(randn({C, K}, rng)), st = gpu->alloc(DType::F32, {K - 1, C});
+    Tensor o = gpu->alloc(DType::F32, {4, C});
+    const std::vector<Backend::ConvSpan> short_spans = {{1, nullptr}, {2, nullptr}};
+    EXPECT_NE(
+        error_of([&] { gpu->causal_conv1d_silu_spans(x, w, short_spans, st, o); }).find("causal_conv1d_silu_spans"),
+        std::string::npos);
   }
-  // Spans that do not cover x are refused by name.
-  Tensor x = dev(randn({4, C}, rng)), w = dev(randn({C, K}, rng)), st = gpu->alloc(DType::F32, {K - 1, C});
-  Tensor o = gpu->alloc(DType::F32, {4, C});
-  const std::vector<Backend::ConvSpan> short_spans = {{1, nullptr}, {2, nullptr}};
-  EXPECT_NE(error_of([&] { gpu->causal_conv1d_silu_spans(x, w, short_spans, st, o); }).find("causal_conv1d_silu_spans"),
-            std::string::npos);
 }
 
 // A composition's K/V splice: body rows copied into a cache and the keys re-rotated on the way, the
@@ -587,11 +595,12 @@ TEST_F(CudaOps, ComposeStateAndIdentity) {
 }
 
 TEST_F(CudaOps, MoeExperts) {
-  // Up to 256 slots: the few-slot kernels; 300 and 2100 (16-bit weights): the grouped tensor-core
-  // kernels (several M tiles per expert, K not a multiple of their 64-column stages, fewer output
-  // columns than a block's) and cuBLAS's batched products; f32 weights: cuBLAS.
+  // Up to 256 slots: the few-slot kernels; 300 (16-bit weights): the grouped tensor-core kernels
+  // (several M tiles per expert, K not a multiple of their 64-column stages, fewer output columns
+  // than a block's); 2100 and 9000: the grouped GEMM (partial 128-row tiles, ~1100 rows an
+  // expert); with grouped off, cuBLAS's batched products; f32 weights: cuBLAS.
   for (DType wd : {DType::F32, DType::BF16, DType::F16})
-    for (int64_t T : {1, 9, 40, 100, 700})
+    for (int64_t T : {1, 9, 40, 100, 700, 3000})
       for (bool grouped : {true, false}) {
 #if HYPIC_HAVE_CUDA
         cuda::set_moe_grouped(grouped);

@@ -36,6 +36,9 @@ void launch_rope_neox(cudaStream_t s, float* x, int64_t T, int64_t H, int64_t D,
                       const float* inv_freq, int half);
 void launch_gdn_gates(cudaStream_t s, const float* a, const float* b, const void* A_log, DType adt, const void* dt_bias,
                       DType bdt, float* g, float* beta, int64_t T, int64_t H);
+// The outputs only, from the K-1 rows at start (4 channels x 16 rows a thread where C % 4 == 0).
+void launch_conv1d_rows(cudaStream_t s, const float* x, const void* w, DType wdt, const float* start, float* out,
+                        int64_t T, int64_t C, int64_t K);
 void launch_causal_conv1d_silu(cudaStream_t s, const float* x, const void* w, DType wdt, float* state, float* out,
                                int64_t T, int64_t C, int64_t K);
 // Spans of rows of one conv (causal_conv1d_silu_spans): rows [row0, row0 + rows) of x start from
@@ -79,6 +82,17 @@ void launch_moe_index(cudaStream_t s, const int32_t* sel, const int32_t* rank, c
 // pos null means y is indexed by slot.
 void launch_moe_combine(cudaStream_t s, const float* y, const int32_t* pos, const float* w, int64_t T, int top_k,
                         int64_t H, float* out);
+
+// MoE for more slots than that (prefill): a grouped GEMM over the slots sorted by expert
+// (moe_gemm.cu), 128 x 128 tiles mapped to experts on the device by tile_start (launch_moe_tiles,
+// E + 1 ints). a is 16-bit in the weights' dtype: gate_up, x [T, K] (rows by order / top_k), y the
+// 16-bit silu(gate) * up [slots, N] in sorted order; else a [slots, K] sorted, y f32 [slots, N].
+// K and N multiples of 8; grid sized by moe_gemm_max_tiles.
+int64_t moe_gemm_max_tiles(int64_t slots, int64_t E);
+void launch_moe_tiles(cudaStream_t s, const int32_t* counts, int64_t E, int32_t* tile_start);
+void launch_moe_gemm(cudaStream_t s, DType wdt, bool gate_up, const void* a, const int32_t* order,
+                     const int32_t* offsets, const int32_t* counts, const int32_t* tile_start, int64_t E, int64_t slots,
+                     const void* const* w0, const void* const* w1, int top_k, int64_t K, int64_t N, void* y);
 
 // Few-row products (gemv.cu): y[M,N] (+)= x[M,K] W[N,K]^T for M <= kGemvMaxRows, W bf16/f16/f32
 // (K % 8 == 0, W and x 16-byte aligned), f32 accumulation from f32 activations.
