@@ -1,5 +1,6 @@
-// config.json parsing for the Qwen3.5 / Qwen3.5-MoE / Qwen3-Next families, Nemotron-H, MiniMax and
-// Kimi-Linear (each in the field names transformers 5 writes and those of the checkpoints on the Hub).
+// config.json parsing for the Qwen3.5 / Qwen3.5-MoE / Qwen3-Next families and MiniMax, and the
+// dispatch to the parsers that live with their architectures (nemotron_h.cpp, kimi_linear.cpp),
+// each in the field names transformers 5 writes and those of the checkpoints on the Hub.
 #include "models/config.h"
 
 #include <algorithm>
@@ -9,6 +10,8 @@
 #include <optional>
 #include <sstream>
 #include <stdexcept>
+
+#include "models/config_fields.h"
 
 namespace hypic {
 
@@ -73,143 +76,7 @@ LayerDesc describe_layer(const ModelConfig& c, int64_t i) {
   return d;
 }
 
-namespace {
-
-struct ArchInfo {
-  const char* name;  // architectures[0]
-  const char* model_type;
-  Arch arch;
-  bool nested;
-};
-
-constexpr ArchInfo kArchs[] = {
-    {"Qwen3_5ForCausalLM", "qwen3_5_text", Arch::Qwen3_5, false},
-    {"Qwen3_5ForConditionalGeneration", "qwen3_5", Arch::Qwen3_5, true},
-    {"Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", Arch::Qwen3_5Moe, false},
-    {"Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe", Arch::Qwen3_5Moe, true},
-    {"Qwen3NextForCausalLM", "qwen3_next", Arch::Qwen3Next, false},
-    {"NemotronHForCausalLM", "nemotron_h", Arch::NemotronH, false},
-    {"MiniMaxForCausalLM", "minimax", Arch::MiniMax, false},
-    {"KimiLinearForCausalLM", "kimi_linear", Arch::KimiLinear, false},
-};
-
-std::string supported_list() {
-  std::string s;
-  for (const auto& a : kArchs) s += (s.empty() ? "" : ", ") + std::string(a.name);
-  return s;
-}
-
-// Field access with error messages that name the file and the field. `text` is the object
-// holding the text model's hyper-parameters; `root` the whole file (they are the same object
-// unless the config nests a text_config).
-class Fields {
- public:
-  Fields(const json& root, const json& text, std::string path) : root_(root), text_(text), path_(std::move(path)) {}
-
-  [[noreturn]] void fail(const std::string& msg) const { throw std::runtime_error(path_ + ": " + msg); }
-  [[noreturn]] void bad(const std::string& field, const std::string& what, const json& v) const {
-    fail("field '" + field + "' must be " + what + ", found " + v.dump());
-  }
-
-  // The field's value in the text object; with `root_fallback`, also looked up at the top level
-  // (the nested value wins). nullptr when absent or null.
-  const json* find(const std::string& field, bool root_fallback = false) const {
-    auto it = text_.find(field);
-    if (it != text_.end() && !it->is_null()) return &*it;
-    if (root_fallback && &root_ != &text_) {
-      it = root_.find(field);
-      if (it != root_.end() && !it->is_null()) return &*it;
-    }
-    return nullptr;
-  }
-
-  const json& need(const std::string& field) const {
-    const json* v = find(field);
-    if (!v) fail("missing field '" + field + "'");
-    return *v;
-  }
-
-  int64_t to_int(const std::string& field, const json& v) const {
-    if (v.is_number_integer()) return v.get<int64_t>();
-    // 4096.0 is tolerated (some tools write ints as floats); 1.5 is not.
-    if (v.is_number_float()) {
-      double d = v.get<double>();
-      if (std::isfinite(d) && d == std::floor(d) && std::fabs(d) < 9.0e15) return static_cast<int64_t>(d);
-    }
-    bad(field, "an integer", v);
-  }
-
-  int64_t positive(const std::string& field) const {
-    const json& v = need(field);
-    if (!v.is_number()) bad(field, "a positive integer", v);
-    int64_t x = to_int(field, v);
-    if (x <= 0) bad(field, "a positive integer", v);
-    return x;
-  }
-  int64_t positive_or(const std::string& field, int64_t dflt) const { return find(field) ? positive(field) : dflt; }
-  int64_t non_negative_or(const std::string& field, int64_t dflt) const {
-    const json* v = find(field);
-    if (!v) return dflt;
-    if (!v->is_number()) bad(field, "a non-negative integer", *v);
-    int64_t x = to_int(field, *v);
-    if (x < 0) bad(field, "a non-negative integer", *v);
-    return x;
-  }
-  double number_or(const std::string& field, double dflt, const json* obj = nullptr) const {
-    const json* v = obj ? field_of(*obj, field) : find(field);
-    if (!v) return dflt;
-    if (!v->is_number()) bad(field, "a number", *v);
-    return v->get<double>();
-  }
-  bool boolean_or(const std::string& field, bool dflt, bool root_fallback = false) const {
-    const json* v = find(field, root_fallback);
-    if (!v) return dflt;
-    if (!v->is_boolean()) bad(field, "true or false", *v);
-    return v->get<bool>();
-  }
-  std::string string_or(const std::string& field, const std::string& dflt) const {
-    const json* v = find(field);
-    if (!v) return dflt;
-    if (!v->is_string()) bad(field, "a string", *v);
-    return v->get<std::string>();
-  }
-  // Token ids: an integer, a list of integers, or absent/null.
-  std::vector<int64_t> token_ids(const std::string& field) const {
-    std::vector<int64_t> out;
-    const json* v = find(field, true);
-    if (!v) return out;
-    if (v->is_array()) {
-      for (const json& x : *v) {
-        if (!x.is_number_integer()) bad(field, "an integer or a list of integers", *v);
-        out.push_back(x.get<int64_t>());
-      }
-    } else if (v->is_number_integer()) {
-      out.push_back(v->get<int64_t>());
-    } else {
-      bad(field, "an integer or a list of integers", *v);
-    }
-    return out;
-  }
-  int64_t token_id(const std::string& field) const {
-    const json* v = find(field, true);
-    if (!v) return -1;
-    if (!v->is_number_integer()) bad(field, "an integer", *v);
-    return v->get<int64_t>();
-  }
-
-  static const json* field_of(const json& obj, const std::string& field) {
-    auto it = obj.find(field);
-    return it != obj.end() && !it->is_null() ? &*it : nullptr;
-  }
-
-  const json& root() const { return root_; }
-  const std::string& path() const { return path_; }
-
- private:
-  const json& root_;
-  const json& text_;
-  std::string path_;
-};
+namespace config_detail {
 
 DType parse_dtype(const Fields& f) {
   const json* v = f.find("dtype", true);
@@ -292,203 +159,34 @@ void parse_grouped_moe(const Fields& f, ModelConfig& cfg, std::initializer_list<
            std::to_string(cfg.topk_group) + ") do not divide the " + std::to_string(cfg.num_experts) + " experts");
 }
 
-// NemotronHForCausalLM: blocks of one sub-layer each, named by layers_block_type (transformers 5:
-// linear_attention / full_attention / mlp / moe; older configs: mamba / attention / mlp / moe) or by
-// hybrid_override_pattern (M * - E).
-void parse_nemotron_h(const Fields& f, ModelConfig& cfg) {
-  cfg.vocab_size = f.positive("vocab_size");
-  cfg.hidden_size = f.positive("hidden_size");
-  auto add_block = [&](const std::string& t, const std::string& where) {
-    if (t == "linear_attention" || t == "mamba" || t == "M") {
-      cfg.layer_types.push_back(LayerKind::Linear);
-      cfg.moe_blocks.push_back(0);
-    } else if (t == "full_attention" || t == "attention" || t == "*") {
-      cfg.layer_types.push_back(LayerKind::Full);
-      cfg.moe_blocks.push_back(0);
-    } else if (t == "mlp" || t == "-" || t == "moe" || t == "E") {
-      cfg.layer_types.push_back(LayerKind::Ffn);
-      cfg.moe_blocks.push_back(t == "moe" || t == "E");
-    } else {
-      f.fail(where + ": unknown block type '" + t + "' (expected linear_attention, full_attention, mlp or moe)");
-    }
-  };
-  if (const json* lt = f.find("layers_block_type")) {
-    if (!lt->is_array()) f.bad("layers_block_type", "a list of strings", *lt);
-    for (size_t i = 0; i < lt->size(); ++i) {
-      if (!(*lt)[i].is_string()) f.bad("layers_block_type", "a list of strings", *lt);
-      add_block((*lt)[i].get<std::string>(), "field 'layers_block_type[" + std::to_string(i) + "]'");
-      if (static_cast<int64_t>(cfg.layer_types.size()) > kMaxLayers)
-        f.bad("layers_block_type", "at most " + std::to_string(kMaxLayers) + " blocks", *lt);
-    }
-  } else if (const json* pat = f.find("hybrid_override_pattern")) {
-    if (!pat->is_string()) f.bad("hybrid_override_pattern", "a string", *pat);
-    const std::string s = pat->get<std::string>();
-    if (static_cast<int64_t>(s.size()) > kMaxLayers)
-      f.bad("hybrid_override_pattern", "at most " + std::to_string(kMaxLayers) + " blocks", *pat);
-    for (size_t i = 0; i < s.size(); ++i)
-      add_block(std::string(1, s[i]), "field 'hybrid_override_pattern' character " + std::to_string(i));
-  } else {
-    f.fail("missing field 'layers_block_type' (or 'hybrid_override_pattern')");
-  }
-  if (cfg.layer_types.empty()) f.fail("field 'layers_block_type' lists no blocks");
-  cfg.num_hidden_layers = static_cast<int64_t>(cfg.layer_types.size());
-  if (f.find("num_hidden_layers") && f.positive("num_hidden_layers") != cfg.num_hidden_layers)
-    f.fail("field 'num_hidden_layers' (" + std::to_string(f.positive("num_hidden_layers")) + ") disagrees with the " +
-           std::to_string(cfg.num_hidden_layers) + " blocks of 'layers_block_type'");
-  cfg.rms_norm_eps = f.number_or("layer_norm_epsilon", 1e-5);
-  if (!(cfg.rms_norm_eps > 0)) f.bad("layer_norm_epsilon", "a positive number", f.need("layer_norm_epsilon"));
-  cfg.tie_word_embeddings = f.boolean_or("tie_word_embeddings", false, true);
-  cfg.max_position_embeddings = f.positive_or("max_position_embeddings", 0);
-  cfg.dtype = parse_dtype(f);
-  for (const char* b : {"use_bias", "mlp_bias", "attention_bias"})
-    if (f.boolean_or(b, false)) f.fail("field '" + std::string(b) + "' = true is not supported");
-  if (f.find("moe_latent_size")) f.fail("field 'moe_latent_size' (latent expert projections) is not supported");
+}  // namespace config_detail
 
-  cfg.num_attention_heads = f.positive("num_attention_heads");
-  cfg.num_key_value_heads = f.positive_or("num_key_value_heads", cfg.num_attention_heads);
-  if (cfg.num_attention_heads % cfg.num_key_value_heads != 0)
-    f.fail("field 'num_attention_heads' (" + std::to_string(cfg.num_attention_heads) +
-           ") must be a multiple of 'num_key_value_heads' (" + std::to_string(cfg.num_key_value_heads) + ")");
-  cfg.head_dim = f.find("head_dim") ? f.positive("head_dim") : cfg.hidden_size / cfg.num_attention_heads;
-  if (cfg.head_dim <= 0) f.fail("no 'head_dim' and 'hidden_size' is smaller than 'num_attention_heads'");
-  cfg.partial_rotary_factor = 0;  // attention without RoPE
+using namespace config_detail;
 
-  cfg.mlp_act = f.string_or("mlp_hidden_act", "relu2");
-  if (cfg.mlp_act != "relu2") f.fail("field 'mlp_hidden_act': '" + cfg.mlp_act + "' is not supported (relu2 only)");
-  if (const std::string act = f.string_or("mamba_hidden_act", "silu"); act != "silu")
-    f.fail("field 'mamba_hidden_act': '" + act + "' is not supported (silu only)");
-  cfg.intermediate_size = f.non_negative_or("intermediate_size", 0);
-  cfg.linear_num_value_heads = f.positive("mamba_num_heads");
-  cfg.linear_value_head_dim = f.positive("mamba_head_dim");
-  cfg.linear_key_head_dim = f.positive(first_present(f, {"ssm_state_size", "mamba_d_state"}));
-  cfg.linear_num_key_heads = f.positive(first_present(f, {"n_groups", "mamba_n_groups"}));
-  cfg.linear_conv_kernel_dim = f.positive(first_present(f, {"conv_kernel", "mamba_d_conv"}));
-  cfg.conv_bias = f.boolean_or(first_present(f, {"use_conv_bias", "mamba_conv_bias"}), true);
-  cfg.time_step_min = f.number_or(first_present(f, {"time_step_min", "mamba_dt_min"}), 0.001);
-  if (cfg.linear_num_value_heads % cfg.linear_num_key_heads != 0)
-    f.fail("field 'mamba_num_heads' (" + std::to_string(cfg.linear_num_value_heads) +
-           ") must be a multiple of 'n_groups' (" + std::to_string(cfg.linear_num_key_heads) + ")");
+namespace {
 
-  const bool any_moe = std::find(cfg.moe_blocks.begin(), cfg.moe_blocks.end(), 1) != cfg.moe_blocks.end();
-  if (any_moe) {
-    parse_grouped_moe(f, cfg, {"n_routed_experts"}, {"num_experts_per_tok"}, {"norm_topk_prob"}, {"n_group"});
-    cfg.shared_expert_intermediate_size =
-        f.non_negative_or("n_shared_experts", 1) > 0 ? f.non_negative_or("moe_shared_expert_intermediate_size", 0) : 0;
-  }
-  for (int64_t i = 0; i < cfg.num_hidden_layers; ++i)
-    if (cfg.layer_types[static_cast<size_t>(i)] == LayerKind::Ffn && !cfg.moe_blocks[static_cast<size_t>(i)] &&
-        cfg.intermediate_size <= 0)
-      f.fail("field 'intermediate_size' must be a positive integer (block " + std::to_string(i) + " is an MLP)");
-  cfg.eos_token_ids = f.token_ids("eos_token_id");
-  cfg.bos_token_id = f.token_id("bos_token_id");
-  cfg.pad_token_id = f.token_id("pad_token_id");
-}
+struct ArchInfo {
+  const char* name;  // architectures[0]
+  const char* model_type;
+  Arch arch;
+  bool nested;
+};
 
-// KimiLinearForCausalLM, in transformers 5 names or in the checkpoint's own (linear_attn_config,
-// num_experts_per_token, moe_renormalize, num_expert_group, num_shared_experts, model_max_length).
-void parse_kimi_linear(const Fields& f, ModelConfig& cfg) {
-  cfg.vocab_size = f.positive("vocab_size");
-  cfg.hidden_size = f.positive("hidden_size");
-  cfg.num_hidden_layers = f.positive("num_hidden_layers");
-  if (cfg.num_hidden_layers > kMaxLayers)
-    f.bad("num_hidden_layers", "at most " + std::to_string(kMaxLayers) + " layers", f.need("num_hidden_layers"));
-  cfg.rms_norm_eps = f.number_or("rms_norm_eps", 1e-5);
-  if (!(cfg.rms_norm_eps > 0)) f.bad("rms_norm_eps", "a positive number", f.need("rms_norm_eps"));
-  cfg.tie_word_embeddings = f.boolean_or("tie_word_embeddings", false, true);
-  cfg.max_position_embeddings = f.positive_or(first_present(f, {"model_max_length", "max_position_embeddings"}), 0);
-  cfg.dtype = parse_dtype(f);
-  cfg.hidden_act = f.string_or("hidden_act", "silu");
-  if (cfg.hidden_act != "silu") f.fail("field 'hidden_act': '" + cfg.hidden_act + "' is not supported (silu only)");
-  if (f.boolean_or("attention_bias", false)) f.fail("field 'attention_bias' = true is not supported");
-  if (f.boolean_or("mla_use_output_gate", false)) f.fail("field 'mla_use_output_gate' = true is not supported");
-  if (f.non_negative_or("attn_res_block_size", 0) != 0)
-    f.fail("field 'attn_res_block_size' (AttnRes) is not supported");
+constexpr ArchInfo kArchs[] = {
+    {"Qwen3_5ForCausalLM", "qwen3_5_text", Arch::Qwen3_5, false},
+    {"Qwen3_5ForConditionalGeneration", "qwen3_5", Arch::Qwen3_5, true},
+    {"Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", Arch::Qwen3_5Moe, false},
+    {"Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe", Arch::Qwen3_5Moe, true},
+    {"Qwen3NextForCausalLM", "qwen3_next", Arch::Qwen3Next, false},
+    {"NemotronHForCausalLM", "nemotron_h", Arch::NemotronH, false},
+    {"MiniMaxForCausalLM", "minimax", Arch::MiniMax, false},
+    {"KimiLinearForCausalLM", "kimi_linear", Arch::KimiLinear, false},
+};
 
-  // MLA, NoPE.
-  cfg.num_attention_heads = f.positive("num_attention_heads");
-  cfg.num_key_value_heads = f.positive_or("num_key_value_heads", cfg.num_attention_heads);
-  if (cfg.num_key_value_heads != cfg.num_attention_heads)
-    f.fail("field 'num_key_value_heads' (" + std::to_string(cfg.num_key_value_heads) +
-           ") must equal 'num_attention_heads' (MLA expands its latent to every head)");
-  if (f.non_negative_or("qk_rope_head_dim", 0) != 0)
-    f.fail("field 'qk_rope_head_dim' must be 0: MLA with RoPE is not supported (Kimi-Linear's MLA has none)");
-  cfg.head_dim = f.positive("qk_nope_head_dim");
-  if (const int64_t v = f.positive_or("v_head_dim", cfg.head_dim); v != cfg.head_dim)
-    f.fail("field 'v_head_dim' (" + std::to_string(v) + ") must equal 'qk_nope_head_dim' (" +
-           std::to_string(cfg.head_dim) + ")");
-  cfg.kv_lora_rank = f.positive("kv_lora_rank");
-  cfg.q_lora_rank = f.non_negative_or("q_lora_rank", 0);
-  cfg.partial_rotary_factor = 0;
-
-  // KDA: q, k, v of linear_num_heads heads of linear_head_dim, each with its own short conv.
-  const json* lac = f.find("linear_attn_config");
-  if (lac && !lac->is_object()) f.bad("linear_attn_config", "an object", *lac);
-  auto lin = [&](const char* nested, const char* flat, int64_t dflt) {
-    if (lac)
-      if (const json* v = Fields::field_of(*lac, nested)) {
-        if (!v->is_number_integer() || v->get<int64_t>() <= 0)
-          f.bad(std::string("linear_attn_config.") + nested, "a positive integer", *v);
-        return v->get<int64_t>();
-      }
-    return f.positive_or(flat, dflt);
-  };
-  const int64_t heads = lin("num_heads", "linear_num_heads", 32), hd = lin("head_dim", "linear_head_dim", 128);
-  cfg.linear_num_key_heads = cfg.linear_num_value_heads = heads;
-  cfg.linear_key_head_dim = cfg.linear_value_head_dim = hd;
-  cfg.linear_conv_kernel_dim = lin("short_conv_kernel_size", "linear_conv_kernel_dim", 4);
-
-  // Layer kinds: layer_types, else linear_attn_config's 1-based full_attn_layers, else every 4th.
-  const int64_t L = cfg.num_hidden_layers;
-  if (const json* lt = f.find("layer_types")) {
-    if (!lt->is_array() || static_cast<int64_t>(lt->size()) != L)
-      f.bad("layer_types", "a list of " + std::to_string(L) + " layer types", *lt);
-    for (size_t i = 0; i < lt->size(); ++i) {
-      const json& s = (*lt)[i];
-      if (s == "linear_attention")
-        cfg.layer_types.push_back(LayerKind::Linear);
-      else if (s == "full_attention")
-        cfg.layer_types.push_back(LayerKind::Full);
-      else
-        f.fail("field 'layer_types[" + std::to_string(i) + "]': unknown layer type " + s.dump());
-    }
-  } else if (lac && Fields::field_of(*lac, "full_attn_layers")) {
-    cfg.layer_types.assign(static_cast<size_t>(L), LayerKind::Linear);
-    const json& fl = *Fields::field_of(*lac, "full_attn_layers");
-    if (!fl.is_array()) f.bad("linear_attn_config.full_attn_layers", "a list of layer numbers", fl);
-    for (const json& v : fl) {
-      if (!v.is_number_integer() || v.get<int64_t>() < 1 || v.get<int64_t>() > L)
-        f.bad("linear_attn_config.full_attn_layers", "layer numbers in [1, " + std::to_string(L) + "]", fl);
-      cfg.layer_types[static_cast<size_t>(v.get<int64_t>() - 1)] = LayerKind::Full;
-    }
-  } else {
-    for (int64_t i = 0; i < L; ++i) cfg.layer_types.push_back((i + 1) % 4 == 0 ? LayerKind::Full : LayerKind::Linear);
-  }
-
-  // Feed-forward: dense for the first first_k_dense_replace layers (or per mlp_layer_types), MoE after.
-  if (const json* mt = f.find("mlp_layer_types")) {
-    if (!mt->is_array() || static_cast<int64_t>(mt->size()) != L)
-      f.bad("mlp_layer_types", "a list of " + std::to_string(L) + " of \"dense\" / \"sparse\"", *mt);
-    for (const json& s : *mt) {
-      if (s != "dense" && s != "sparse") f.bad("mlp_layer_types", "a list of \"dense\" / \"sparse\"", *mt);
-      cfg.moe_blocks.push_back(s == "sparse");
-    }
-  } else {
-    const int64_t k = f.non_negative_or("first_k_dense_replace", 1);
-    for (int64_t i = 0; i < L; ++i) cfg.moe_blocks.push_back(i >= k);
-  }
-  cfg.intermediate_size = f.non_negative_or(first_present(f, {"dense_ffn_hidden", "intermediate_size"}), 0);
-  const bool any_moe = std::find(cfg.moe_blocks.begin(), cfg.moe_blocks.end(), 1) != cfg.moe_blocks.end();
-  const bool any_dense = std::find(cfg.moe_blocks.begin(), cfg.moe_blocks.end(), 0) != cfg.moe_blocks.end();
-  if (any_dense && cfg.intermediate_size <= 0) f.fail("field 'intermediate_size' must be a positive integer");
-  if (any_moe) {
-    parse_grouped_moe(f, cfg, {"num_experts", "num_local_experts"}, {"num_experts_per_token", "num_experts_per_tok"},
-                      {"moe_renormalize", "norm_topk_prob"}, {"num_expert_group", "n_group"});
-    cfg.shared_expert_intermediate_size =
-        cfg.moe_intermediate_size * f.non_negative_or(first_present(f, {"num_shared_experts", "n_shared_experts"}), 1);
-  }
-  cfg.eos_token_ids = f.token_ids("eos_token_id");
-  cfg.bos_token_id = f.token_id("bos_token_id");
-  cfg.pad_token_id = f.token_id("pad_token_id");
+std::string supported_list() {
+  std::string s;
+  for (const auto& a : kArchs) s += (s.empty() ? "" : ", ") + std::string(a.name);
+  return s;
 }
 
 }  // namespace

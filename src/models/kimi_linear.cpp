@@ -16,6 +16,7 @@
 #include "backend/moe_routing.h"
 #include "linear/recurrence.h"
 #include "models/blocks.h"
+#include "models/config_fields.h"
 #include "models/host_layers.h"
 
 namespace hypic {
@@ -266,5 +267,118 @@ class KimiLinear : public ArchBlocks {
 std::unique_ptr<ArchBlocks> kimi_linear_blocks(const ModelConfig& c, const LoadWeight& load, Backend& be) {
   return std::make_unique<KimiLinear>(c, load, be);
 }
+
+// This architecture's config.json fields (parse_model_config dispatches here).
+
+namespace config_detail {
+
+// KimiLinearForCausalLM, in transformers 5 names or in the checkpoint's own (linear_attn_config,
+// num_experts_per_token, moe_renormalize, num_expert_group, num_shared_experts, model_max_length).
+void parse_kimi_linear(const Fields& f, ModelConfig& cfg) {
+  cfg.vocab_size = f.positive("vocab_size");
+  cfg.hidden_size = f.positive("hidden_size");
+  cfg.num_hidden_layers = f.positive("num_hidden_layers");
+  if (cfg.num_hidden_layers > kMaxLayers)
+    f.bad("num_hidden_layers", "at most " + std::to_string(kMaxLayers) + " layers", f.need("num_hidden_layers"));
+  cfg.rms_norm_eps = f.number_or("rms_norm_eps", 1e-5);
+  if (!(cfg.rms_norm_eps > 0)) f.bad("rms_norm_eps", "a positive number", f.need("rms_norm_eps"));
+  cfg.tie_word_embeddings = f.boolean_or("tie_word_embeddings", false, true);
+  cfg.max_position_embeddings = f.positive_or(first_present(f, {"model_max_length", "max_position_embeddings"}), 0);
+  cfg.dtype = parse_dtype(f);
+  cfg.hidden_act = f.string_or("hidden_act", "silu");
+  if (cfg.hidden_act != "silu") f.fail("field 'hidden_act': '" + cfg.hidden_act + "' is not supported (silu only)");
+  if (f.boolean_or("attention_bias", false)) f.fail("field 'attention_bias' = true is not supported");
+  if (f.boolean_or("mla_use_output_gate", false)) f.fail("field 'mla_use_output_gate' = true is not supported");
+  if (f.non_negative_or("attn_res_block_size", 0) != 0)
+    f.fail("field 'attn_res_block_size' (AttnRes) is not supported");
+
+  // MLA, NoPE.
+  cfg.num_attention_heads = f.positive("num_attention_heads");
+  cfg.num_key_value_heads = f.positive_or("num_key_value_heads", cfg.num_attention_heads);
+  if (cfg.num_key_value_heads != cfg.num_attention_heads)
+    f.fail("field 'num_key_value_heads' (" + std::to_string(cfg.num_key_value_heads) +
+           ") must equal 'num_attention_heads' (MLA expands its latent to every head)");
+  if (f.non_negative_or("qk_rope_head_dim", 0) != 0)
+    f.fail("field 'qk_rope_head_dim' must be 0: MLA with RoPE is not supported (Kimi-Linear's MLA has none)");
+  cfg.head_dim = f.positive("qk_nope_head_dim");
+  if (const int64_t v = f.positive_or("v_head_dim", cfg.head_dim); v != cfg.head_dim)
+    f.fail("field 'v_head_dim' (" + std::to_string(v) + ") must equal 'qk_nope_head_dim' (" +
+           std::to_string(cfg.head_dim) + ")");
+  cfg.kv_lora_rank = f.positive("kv_lora_rank");
+  cfg.q_lora_rank = f.non_negative_or("q_lora_rank", 0);
+  cfg.partial_rotary_factor = 0;
+
+  // KDA: q, k, v of linear_num_heads heads of linear_head_dim, each with its own short conv.
+  const json* lac = f.find("linear_attn_config");
+  if (lac && !lac->is_object()) f.bad("linear_attn_config", "an object", *lac);
+  auto lin = [&](const char* nested, const char* flat, int64_t dflt) {
+    if (lac)
+      if (const json* v = Fields::field_of(*lac, nested)) {
+        if (!v->is_number_integer() || v->get<int64_t>() <= 0)
+          f.bad(std::string("linear_attn_config.") + nested, "a positive integer", *v);
+        return v->get<int64_t>();
+      }
+    return f.positive_or(flat, dflt);
+  };
+  const int64_t heads = lin("num_heads", "linear_num_heads", 32), hd = lin("head_dim", "linear_head_dim", 128);
+  cfg.linear_num_key_heads = cfg.linear_num_value_heads = heads;
+  cfg.linear_key_head_dim = cfg.linear_value_head_dim = hd;
+  cfg.linear_conv_kernel_dim = lin("short_conv_kernel_size", "linear_conv_kernel_dim", 4);
+
+  // Layer kinds: layer_types, else linear_attn_config's 1-based full_attn_layers, else every 4th.
+  const int64_t L = cfg.num_hidden_layers;
+  if (const json* lt = f.find("layer_types")) {
+    if (!lt->is_array() || static_cast<int64_t>(lt->size()) != L)
+      f.bad("layer_types", "a list of " + std::to_string(L) + " layer types", *lt);
+    for (size_t i = 0; i < lt->size(); ++i) {
+      const json& s = (*lt)[i];
+      if (s == "linear_attention")
+        cfg.layer_types.push_back(LayerKind::Linear);
+      else if (s == "full_attention")
+        cfg.layer_types.push_back(LayerKind::Full);
+      else
+        f.fail("field 'layer_types[" + std::to_string(i) + "]': unknown layer type " + s.dump());
+    }
+  } else if (lac && Fields::field_of(*lac, "full_attn_layers")) {
+    cfg.layer_types.assign(static_cast<size_t>(L), LayerKind::Linear);
+    const json& fl = *Fields::field_of(*lac, "full_attn_layers");
+    if (!fl.is_array()) f.bad("linear_attn_config.full_attn_layers", "a list of layer numbers", fl);
+    for (const json& v : fl) {
+      if (!v.is_number_integer() || v.get<int64_t>() < 1 || v.get<int64_t>() > L)
+        f.bad("linear_attn_config.full_attn_layers", "layer numbers in [1, " + std::to_string(L) + "]", fl);
+      cfg.layer_types[static_cast<size_t>(v.get<int64_t>() - 1)] = LayerKind::Full;
+    }
+  } else {
+    for (int64_t i = 0; i < L; ++i) cfg.layer_types.push_back((i + 1) % 4 == 0 ? LayerKind::Full : LayerKind::Linear);
+  }
+
+  // Feed-forward: dense for the first first_k_dense_replace layers (or per mlp_layer_types), MoE after.
+  if (const json* mt = f.find("mlp_layer_types")) {
+    if (!mt->is_array() || static_cast<int64_t>(mt->size()) != L)
+      f.bad("mlp_layer_types", "a list of " + std::to_string(L) + " of \"dense\" / \"sparse\"", *mt);
+    for (const json& s : *mt) {
+      if (s != "dense" && s != "sparse") f.bad("mlp_layer_types", "a list of \"dense\" / \"sparse\"", *mt);
+      cfg.moe_blocks.push_back(s == "sparse");
+    }
+  } else {
+    const int64_t k = f.non_negative_or("first_k_dense_replace", 1);
+    for (int64_t i = 0; i < L; ++i) cfg.moe_blocks.push_back(i >= k);
+  }
+  cfg.intermediate_size = f.non_negative_or(first_present(f, {"dense_ffn_hidden", "intermediate_size"}), 0);
+  const bool any_moe = std::find(cfg.moe_blocks.begin(), cfg.moe_blocks.end(), 1) != cfg.moe_blocks.end();
+  const bool any_dense = std::find(cfg.moe_blocks.begin(), cfg.moe_blocks.end(), 0) != cfg.moe_blocks.end();
+  if (any_dense && cfg.intermediate_size <= 0) f.fail("field 'intermediate_size' must be a positive integer");
+  if (any_moe) {
+    parse_grouped_moe(f, cfg, {"num_experts", "num_local_experts"}, {"num_experts_per_token", "num_experts_per_tok"},
+                      {"moe_renormalize", "norm_topk_prob"}, {"num_expert_group", "n_group"});
+    cfg.shared_expert_intermediate_size =
+        cfg.moe_intermediate_size * f.non_negative_or(first_present(f, {"num_shared_experts", "n_shared_experts"}), 1);
+  }
+  cfg.eos_token_ids = f.token_ids("eos_token_id");
+  cfg.bos_token_id = f.token_id("bos_token_id");
+  cfg.pad_token_id = f.token_id("pad_token_id");
+}
+
+}  // namespace config_detail
 
 }  // namespace hypic

@@ -18,6 +18,7 @@
 #include "backend/moe_routing.h"
 #include "linear/recurrence.h"
 #include "models/blocks.h"
+#include "models/config_fields.h"
 #include "models/host_layers.h"
 
 namespace hypic {
@@ -269,5 +270,103 @@ class NemotronH : public ArchBlocks {
 std::unique_ptr<ArchBlocks> nemotron_h_blocks(const ModelConfig& c, const LoadWeight& load, Backend& be) {
   return std::make_unique<NemotronH>(c, load, be);
 }
+
+// This architecture's config.json fields (parse_model_config dispatches here).
+
+namespace config_detail {
+
+// NemotronHForCausalLM: blocks of one sub-layer each, named by layers_block_type (transformers 5:
+// linear_attention / full_attention / mlp / moe; older configs: mamba / attention / mlp / moe) or by
+// hybrid_override_pattern (M * - E).
+void parse_nemotron_h(const Fields& f, ModelConfig& cfg) {
+  cfg.vocab_size = f.positive("vocab_size");
+  cfg.hidden_size = f.positive("hidden_size");
+  auto add_block = [&](const std::string& t, const std::string& where) {
+    if (t == "linear_attention" || t == "mamba" || t == "M") {
+      cfg.layer_types.push_back(LayerKind::Linear);
+      cfg.moe_blocks.push_back(0);
+    } else if (t == "full_attention" || t == "attention" || t == "*") {
+      cfg.layer_types.push_back(LayerKind::Full);
+      cfg.moe_blocks.push_back(0);
+    } else if (t == "mlp" || t == "-" || t == "moe" || t == "E") {
+      cfg.layer_types.push_back(LayerKind::Ffn);
+      cfg.moe_blocks.push_back(t == "moe" || t == "E");
+    } else {
+      f.fail(where + ": unknown block type '" + t + "' (expected linear_attention, full_attention, mlp or moe)");
+    }
+  };
+  if (const json* lt = f.find("layers_block_type")) {
+    if (!lt->is_array()) f.bad("layers_block_type", "a list of strings", *lt);
+    for (size_t i = 0; i < lt->size(); ++i) {
+      if (!(*lt)[i].is_string()) f.bad("layers_block_type", "a list of strings", *lt);
+      add_block((*lt)[i].get<std::string>(), "field 'layers_block_type[" + std::to_string(i) + "]'");
+      if (static_cast<int64_t>(cfg.layer_types.size()) > kMaxLayers)
+        f.bad("layers_block_type", "at most " + std::to_string(kMaxLayers) + " blocks", *lt);
+    }
+  } else if (const json* pat = f.find("hybrid_override_pattern")) {
+    if (!pat->is_string()) f.bad("hybrid_override_pattern", "a string", *pat);
+    const std::string s = pat->get<std::string>();
+    if (static_cast<int64_t>(s.size()) > kMaxLayers)
+      f.bad("hybrid_override_pattern", "at most " + std::to_string(kMaxLayers) + " blocks", *pat);
+    for (size_t i = 0; i < s.size(); ++i)
+      add_block(std::string(1, s[i]), "field 'hybrid_override_pattern' character " + std::to_string(i));
+  } else {
+    f.fail("missing field 'layers_block_type' (or 'hybrid_override_pattern')");
+  }
+  if (cfg.layer_types.empty()) f.fail("field 'layers_block_type' lists no blocks");
+  cfg.num_hidden_layers = static_cast<int64_t>(cfg.layer_types.size());
+  if (f.find("num_hidden_layers") && f.positive("num_hidden_layers") != cfg.num_hidden_layers)
+    f.fail("field 'num_hidden_layers' (" + std::to_string(f.positive("num_hidden_layers")) + ") disagrees with the " +
+           std::to_string(cfg.num_hidden_layers) + " blocks of 'layers_block_type'");
+  cfg.rms_norm_eps = f.number_or("layer_norm_epsilon", 1e-5);
+  if (!(cfg.rms_norm_eps > 0)) f.bad("layer_norm_epsilon", "a positive number", f.need("layer_norm_epsilon"));
+  cfg.tie_word_embeddings = f.boolean_or("tie_word_embeddings", false, true);
+  cfg.max_position_embeddings = f.positive_or("max_position_embeddings", 0);
+  cfg.dtype = parse_dtype(f);
+  for (const char* b : {"use_bias", "mlp_bias", "attention_bias"})
+    if (f.boolean_or(b, false)) f.fail("field '" + std::string(b) + "' = true is not supported");
+  if (f.find("moe_latent_size")) f.fail("field 'moe_latent_size' (latent expert projections) is not supported");
+
+  cfg.num_attention_heads = f.positive("num_attention_heads");
+  cfg.num_key_value_heads = f.positive_or("num_key_value_heads", cfg.num_attention_heads);
+  if (cfg.num_attention_heads % cfg.num_key_value_heads != 0)
+    f.fail("field 'num_attention_heads' (" + std::to_string(cfg.num_attention_heads) +
+           ") must be a multiple of 'num_key_value_heads' (" + std::to_string(cfg.num_key_value_heads) + ")");
+  cfg.head_dim = f.find("head_dim") ? f.positive("head_dim") : cfg.hidden_size / cfg.num_attention_heads;
+  if (cfg.head_dim <= 0) f.fail("no 'head_dim' and 'hidden_size' is smaller than 'num_attention_heads'");
+  cfg.partial_rotary_factor = 0;  // attention without RoPE
+
+  cfg.mlp_act = f.string_or("mlp_hidden_act", "relu2");
+  if (cfg.mlp_act != "relu2") f.fail("field 'mlp_hidden_act': '" + cfg.mlp_act + "' is not supported (relu2 only)");
+  if (const std::string act = f.string_or("mamba_hidden_act", "silu"); act != "silu")
+    f.fail("field 'mamba_hidden_act': '" + act + "' is not supported (silu only)");
+  cfg.intermediate_size = f.non_negative_or("intermediate_size", 0);
+  cfg.linear_num_value_heads = f.positive("mamba_num_heads");
+  cfg.linear_value_head_dim = f.positive("mamba_head_dim");
+  cfg.linear_key_head_dim = f.positive(first_present(f, {"ssm_state_size", "mamba_d_state"}));
+  cfg.linear_num_key_heads = f.positive(first_present(f, {"n_groups", "mamba_n_groups"}));
+  cfg.linear_conv_kernel_dim = f.positive(first_present(f, {"conv_kernel", "mamba_d_conv"}));
+  cfg.conv_bias = f.boolean_or(first_present(f, {"use_conv_bias", "mamba_conv_bias"}), true);
+  cfg.time_step_min = f.number_or(first_present(f, {"time_step_min", "mamba_dt_min"}), 0.001);
+  if (cfg.linear_num_value_heads % cfg.linear_num_key_heads != 0)
+    f.fail("field 'mamba_num_heads' (" + std::to_string(cfg.linear_num_value_heads) +
+           ") must be a multiple of 'n_groups' (" + std::to_string(cfg.linear_num_key_heads) + ")");
+
+  const bool any_moe = std::find(cfg.moe_blocks.begin(), cfg.moe_blocks.end(), 1) != cfg.moe_blocks.end();
+  if (any_moe) {
+    parse_grouped_moe(f, cfg, {"n_routed_experts"}, {"num_experts_per_tok"}, {"norm_topk_prob"}, {"n_group"});
+    cfg.shared_expert_intermediate_size =
+        f.non_negative_or("n_shared_experts", 1) > 0 ? f.non_negative_or("moe_shared_expert_intermediate_size", 0) : 0;
+  }
+  for (int64_t i = 0; i < cfg.num_hidden_layers; ++i)
+    if (cfg.layer_types[static_cast<size_t>(i)] == LayerKind::Ffn && !cfg.moe_blocks[static_cast<size_t>(i)] &&
+        cfg.intermediate_size <= 0)
+      f.fail("field 'intermediate_size' must be a positive integer (block " + std::to_string(i) + " is an MLP)");
+  cfg.eos_token_ids = f.token_ids("eos_token_id");
+  cfg.bos_token_id = f.token_id("bos_token_id");
+  cfg.pad_token_id = f.token_id("pad_token_id");
+}
+
+}  // namespace config_detail
 
 }  // namespace hypic
