@@ -95,6 +95,9 @@ struct HttpServer::Impl {
 #endif
   int bound_port = -1, segment_port = -1;
   std::atomic<bool> stopped{false};
+  // /v1/models' `created`: when this server began serving the model, the same in every listing
+  // (it was the time of each request, so two listings a second apart differed).
+  const int64_t model_created = static_cast<int64_t>(std::time(nullptr));
 
   Impl(LoadedModel& m, ServerOptions o) : lm(m), opt(std::move(o)) {
     spdlog::default_logger_raw();  // create the logger registry before any handler thread exists
@@ -498,7 +501,7 @@ struct HttpServer::Impl {
                     json{{"object", "list"},
                          {"data", json::array({json{{"id", facts.name},
                                                     {"object", "model"},
-                                                    {"created", now_unix()},
+                                                    {"created", model_created},
                                                     {"owned_by", "hypic"},
                                                     {"max_model_len", facts.context}}})}});
       } else if (path == "/health") {

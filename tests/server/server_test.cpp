@@ -1160,7 +1160,8 @@ TEST(Server, HeadIsGetWithoutTheBody) {
 }
 
 // A Range header (here many overlapping ranges) is ignored: the full response, once, not a
-// multipart copy many times its size.
+// multipart copy many times its size. (The listing is the same in every response: the model's
+// `created` is the server's start, not the request's second.)
 TEST(Server, RangeHeadersIgnored) {
   TestServer s;
   auto c = s.client();
