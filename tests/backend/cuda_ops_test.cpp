@@ -19,6 +19,8 @@
 
 #include "backend/backend.h"
 #if HYPIC_HAVE_CUDA
+#include <cuda_runtime.h>
+
 #include "backend/cuda/cuda_backend.h"
 #endif
 
@@ -290,6 +292,65 @@ TEST_F(CudaOps, AttentionSpansMatchOneCallPerSpan) {
   } catch (const std::exception& e) {
     EXPECT_NE(std::string(e.what()).find("attention_spans"), std::string::npos) << e.what();
   }
+}
+
+// Hopper's warpgroup-MMA flash kernel (D = Dv in {128, 256}, no key split) against the mma.sync
+// kernel on the same GPU (both round q, k, v, p to bf16: they differ by the order of f32 sums,
+// ~1e-3) and against the CPU (2e-2): ragged row blocks, q_offset, kv_len short of the rows' reach,
+// GQA, and rows with positions of their own (a composition's spans, blocks not packed).
+TEST_F(CudaOps, FlashAttentionWgmmaMatchesMmaKernel) {
+#if HYPIC_HAVE_CUDA
+  cudaDeviceProp prop{};
+  ASSERT_EQ(cudaGetDeviceProperties(&prop, 0), cudaSuccess);
+  if (prop.major != 9) GTEST_SKIP() << "wgmma needs a Hopper GPU (sm_90), this one is sm_" << prop.major << prop.minor;
+  ASSERT_TRUE(cuda::wgmma_available()) << "the sm_90a image was not loaded on an sm_90 GPU";
+  struct Case {
+    int64_t T, S, kv_len, q_offset, Hq, Hkv, D;
+    std::vector<Backend::RowSpan> spans;  // non-empty: attention_spans
+  };
+  std::vector<Backend::RowSpan> seams;
+  for (int64_t i = 0; i < 16; ++i) seams.push_back({500 * i + 3 * i, 64});
+  const std::vector<Case> cases = {{300, 500, 470, 170, 16, 2, 256, {}},
+                                   {1000, 1000, 1000, 0, 8, 2, 128, {}},
+                                   {777, 2000, 2000, 1223, 16, 4, 256, {}},
+                                   {129, 300, 250, 100, 32, 32, 128, {}},
+                                   {0, 0, 0, 0, 16, 2, 256, seams}};
+  cuda::set_flash_pack(0);
+  for (const Case& c : cases) {
+    int64_t T = c.T, S = c.S;
+    if (!c.spans.empty()) {
+      T = 0;
+      for (const auto& sp : c.spans) T += sp.rows, S = std::max(S, sp.pos0 + sp.rows);
+    }
+    Tensor q = randn({T, c.Hq, c.D}, rng), k = randn({S, c.Hkv, c.D}, rng), v = randn({S, c.Hkv, c.D}, rng);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(c.D));
+    Tensor oc = cpu->alloc(DType::F32, {T, c.Hq, c.D});
+    Tensor og[2] = {poisoned(DType::F32, {T, c.Hq, c.D}), poisoned(DType::F32, {T, c.Hq, c.D})};
+    if (c.spans.empty())
+      cpu->attention(q, k, v, c.kv_len, c.q_offset, scale, oc);
+    else
+      cpu->attention_spans(q, k, v, c.spans, scale, oc);
+    Tensor qd = dev(q), kd = dev(k), vd = dev(v);
+    for (int on : {0, 1}) {
+      cuda::set_flash_wgmma(on);
+      const int64_t before = cuda::flash_wgmma_launches();
+      if (c.spans.empty())
+        gpu->attention(qd, kd, vd, c.kv_len, c.q_offset, scale, og[on]);
+      else
+        gpu->attention_spans(qd, kd, vd, c.spans, scale, og[on]);
+      EXPECT_EQ(cuda::flash_wgmma_launches() - before, on) << "T=" << T << " wgmma " << on;
+    }
+    Tensor mma = gpu->to_host(og[0]);
+    const double to_mma = err(og[1], mma), to_cpu = err(og[1], oc);
+    EXPECT_LE(to_mma, 5e-3) << "T=" << T << " D=" << c.D;
+    EXPECT_LE(to_cpu, 2e-2) << "T=" << T << " D=" << c.D;
+    EXPECT_LE(err(og[0], oc), 2e-2) << "T=" << T << " D=" << c.D;
+    std::printf("wgmma flash T=%lld D=%lld Hq=%lld: rel. error to mma.sync %.2e, to cpu %.2e\n",
+                static_cast<long long>(T), static_cast<long long>(c.D), static_cast<long long>(c.Hq), to_mma, to_cpu);
+  }
+  cuda::set_flash_wgmma(-1);
+  cuda::set_flash_pack(-1);
+#endif
 }
 
 TEST_F(CudaOps, CausalConvAndGates) {
@@ -629,6 +690,55 @@ TEST_F(CudaOps, MoeExperts) {
       }
 #if HYPIC_HAVE_CUDA
   cuda::set_moe_grouped(true);
+#endif
+}
+
+// The grouped MoE GEMM on Hopper's warpgroup MMA against the mma.sync kernel (same bf16 operands,
+// another order of f32 sums) and the CPU, at sizes where every expert has several 128-slot tiles
+// and a partial one, K a multiple of the 64-column stages and not, N short of a block's columns.
+TEST_F(CudaOps, MoeGroupedGemmWgmmaMatchesMmaKernel) {
+#if HYPIC_HAVE_CUDA
+  cudaDeviceProp prop{};
+  ASSERT_EQ(cudaGetDeviceProperties(&prop, 0), cudaSuccess);
+  if (prop.major != 9) GTEST_SKIP() << "wgmma needs a Hopper GPU (sm_90), this one is sm_" << prop.major << prop.minor;
+  ASSERT_TRUE(cuda::wgmma_available());
+  struct Case {
+    int64_t T, E, H, I;
+    int top_k;
+  };
+  for (Case c : {Case{3000, 16, 256, 128, 4}, Case{1500, 8, 200, 40, 2}, Case{2500, 32, 512, 96, 8}}) {
+    Tensor x = randn({c.T, c.H}, rng), logits = randn({c.T, c.E}, rng, 2.f);
+    Tensor gu = as(randn({c.E * 2 * c.I, c.H}, rng, 0.2f), DType::BF16);
+    Tensor dn = as(randn({c.E * c.H, c.I}, rng, 0.2f), DType::BF16);
+    ExpertWeights ec, eg;
+    Tensor gug = dev(gu), dng = dev(dn);
+    for (int64_t e = 0; e < c.E; ++e) {
+      ec.gate.push_back(gu.slice_rows(2 * e * c.I, 2 * e * c.I + c.I));
+      ec.up.push_back(gu.slice_rows(2 * e * c.I + c.I, 2 * (e + 1) * c.I));
+      ec.down.push_back(dn.slice_rows(e * c.H, (e + 1) * c.H));
+      eg.gate.push_back(gug.slice_rows(2 * e * c.I, 2 * e * c.I + c.I));
+      eg.up.push_back(gug.slice_rows(2 * e * c.I + c.I, 2 * (e + 1) * c.I));
+      eg.down.push_back(dng.slice_rows(e * c.H, (e + 1) * c.H));
+    }
+    Tensor oc = cpu->alloc(DType::F32, {c.T, c.H});
+    cpu->moe_experts(x, logits, c.top_k, true, ec, oc);
+    Tensor xd = dev(x), ld = dev(logits);
+    Tensor og[2] = {poisoned(DType::F32, {c.T, c.H}), poisoned(DType::F32, {c.T, c.H})};
+    for (int on : {0, 1}) {
+      cuda::set_moe_wgmma(on);
+      const int64_t before = cuda::moe_wgmma_launches();
+      gpu->moe_experts(xd, ld, c.top_k, true, eg, og[on]);
+      EXPECT_EQ(cuda::moe_wgmma_launches() - before, 2 * on) << "T=" << c.T << " wgmma " << on;  // gate+up, down
+    }
+    cuda::set_moe_wgmma(-1);
+    Tensor mma = gpu->to_host(og[0]);
+    const double to_mma = err(og[1], mma), to_cpu = err(og[1], oc);
+    EXPECT_LE(to_mma, 2e-3) << "T=" << c.T << " H=" << c.H << " I=" << c.I;
+    EXPECT_LE(to_cpu, 1e-2) << "T=" << c.T;
+    std::printf("wgmma moe T=%lld E=%lld H=%lld I=%lld: rel. error to mma.sync %.2e, to cpu %.2e\n",
+                static_cast<long long>(c.T), static_cast<long long>(c.E), static_cast<long long>(c.H),
+                static_cast<long long>(c.I), to_mma, to_cpu);
+  }
 #endif
 }
 

@@ -33,6 +33,17 @@ void set_moe_grouped(bool on);
 // -1 the rule (rows with positions of their own: a composition), 0 never, 1 whenever the group
 // divides 128; for tests and A/B runs (HYPIC_FLASH_PACK sets it for a process).
 void set_flash_pack(int mode);
+// Prefill attention on Hopper's warpgroup MMA where it serves the call (flash_attention_wgmma.cu):
+// -1 the default (on; HYPIC_FLASH_WGMMA=0 turns it off for a process), 0 off, 1 on.
+void set_flash_wgmma(int mode);
+// Launches of the warpgroup-MMA kernels so far in this process (tests: which kernel ran).
+int64_t flash_wgmma_launches();
+int64_t moe_wgmma_launches();
+// The grouped MoE GEMM (bf16 weights) on Hopper's warpgroup MMA (moe_gemm.cu): -1 the default (on;
+// HYPIC_MOE_WGMMA=0 turns it off for a process), 0 off (the mma.sync kernel), 1 on.
+void set_moe_wgmma(int mode);
+// Whether the loaded kernels have the sm_90a (wgmma) code: true on Hopper GPUs.
+bool wgmma_available();
 
 class CudaBackend : public Backend {
  public:

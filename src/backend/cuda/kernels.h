@@ -88,6 +88,9 @@ void launch_moe_combine(cudaStream_t s, const float* y, const int32_t* pos, cons
 // E + 1 ints). a is 16-bit in the weights' dtype: gate_up, x [T, K] (rows by order / top_k), y the
 // 16-bit silu(gate) * up [slots, N] in sorted order; else a [slots, K] sorted, y f32 [slots, N].
 // K and N multiples of 8; grid sized by moe_gemm_max_tiles.
+// bf16 weights on Hopper run the warpgroup-MMA variant; tests: -1 default, 0 off, 1 on.
+void set_moe_wgmma(int mode);
+int64_t moe_wgmma_launches();  // tests: which kernel ran
 int64_t moe_gemm_max_tiles(int64_t slots, int64_t E);
 void launch_moe_tiles(cudaStream_t s, const int32_t* counts, int64_t E, int32_t* tile_start);
 void launch_moe_gemm(cudaStream_t s, DType wdt, bool gate_up, const void* a, const int32_t* order,
@@ -170,6 +173,16 @@ void set_flash_pack(int mode);
 void launch_flash_attention(cudaStream_t s, const FlashPlan& plan, const float* q, const void* k, const void* v,
                             bool kv16, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv, int64_t kv_len,
                             int64_t q_offset, const int64_t* qpos, float scale, float* out, float* part);
+// The same on Hopper's warpgroup MMA (flash_attention_wgmma.cu) where it serves the call: D = Dv
+// in {128, 256}, bf16 k/v, no key split or packing, the sm_90a image loaded; launch_flash_attention
+// sends such calls there itself. Tests: set_flash_wgmma -1 the default (HYPIC_FLASH_WGMMA=0 turns
+// it off), 0 off, 1 on.
+void set_flash_wgmma(int mode);
+int64_t flash_wgmma_launches();  // tests: which kernel ran
+bool flash_attention_wgmma_serves(const FlashPlan& plan, bool kv16, int64_t D, int64_t Dv, const float* q);
+void launch_flash_attention_wgmma(cudaStream_t s, const float* q, const void* k, const void* v, int64_t T, int64_t Hq,
+                                  int64_t Hkv, int64_t D, int64_t kv_len, int64_t q_offset, const int64_t* qpos,
+                                  float scale, float* out);
 // Merges `splits` partial (max, sum, accumulator) triples per (row, head) into out [T, Hq, Dv]
 // (part as launch_attention and launch_flash_attention write it).
 void launch_attention_merge(cudaStream_t s, const float* part, int64_t T, int64_t Hq, int64_t Dv, int splits,

@@ -13,6 +13,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstdlib>
 #include <stdexcept>
 #include <type_traits>
 
@@ -20,6 +21,7 @@
 #include "backend/cuda/kernels.h"
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/mma.cuh"
+#include "backend/cuda/wgmma.cuh"
 
 namespace hypic::cuda {
 
@@ -182,10 +184,177 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
 }
 
+// The same on Hopper's warpgroup MMA (bf16 weights): a stage is one 128B-swizzled atom column
+// (64 of K) of the 128 A rows and of the 128 weight rows (wgmma.cuh), each warpgroup multiplies
+// its 64 rows by all 128 columns (m64n128k16, both operands K-major in shared memory, nothing
+// through registers but the accumulators), S stages of K tiles with S - 2 loading ahead. The gate/up epilogue
+// needs no staging: a thread's gate column c and up column c + 64 are in its own accumulators.
+constexpr uint32_t kWgTile = kBM * 128;  // bytes of 128 rows x 64 bf16
+// Three stages, two blocks a multiprocessor. Tried: six stages (four tiles ahead), one block a
+// multiprocessor: gate+up 188 -> 215 ms a 35B-A3B 32k forward, slower.
+constexpr int kWgStages = 3;
+template <int S>
+constexpr size_t wg_smem() {
+  return S * 2 * kWgTile + 1024;
+}
+static_assert(kBM == kBN && kBK == 64, "a stage's A and B tiles are one atom column each");
+
+template <bool GATE_UP, int S>
+__global__ void __launch_bounds__(kThreads, S <= 3 ? 2 : 1)
+    k_moe_gemm_wg(const __nv_bfloat16* __restrict__ a, const int32_t* __restrict__ order,
+                  const int32_t* __restrict__ offsets, const int32_t* __restrict__ counts,
+                  const int32_t* __restrict__ tile_start, int E, const void* const* __restrict__ w0,
+                  const void* const* __restrict__ w1, int top_k, int64_t K, int64_t N, void* __restrict__ yp) {
+#if HYPIC_WGMMA
+  pdl_entry();
+  using Wt = __nv_bfloat16;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* const base =
+      reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  __shared__ int32_t arow[kBM];
+  __shared__ int s_e;
+  const int b = blockIdx.x, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t4 = lane % 4, wgi = warp / 4;
+  if (tid == 0) {
+    int e = -1;
+    if (b < tile_start[E]) {
+      int lo = 0, hi = E - 1;
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (tile_start[mid] <= b)
+          lo = mid;
+        else
+          hi = mid - 1;
+      }
+      e = lo;
+    }
+    s_e = e;
+  }
+  __syncthreads();
+  const int e = s_e;
+  if (e < 0) return;
+  const int m0 = (b - tile_start[e]) * kBM, off = offsets[e];
+  const int mrows = min(kBM, counts[e] - m0);
+  if (tid < kBM) arow[tid] = tid < mrows ? (GATE_UP ? order[off + m0 + tid] / top_k : off + m0 + tid) : -1;
+  const int64_t n0 = static_cast<int64_t>(blockIdx.y) * (GATE_UP ? kBN / 2 : kBN);
+  const Wt* W0 = static_cast<const Wt*>(w0[e]);
+  const Wt* W1 = GATE_UP ? static_cast<const Wt*>(w1[e]) : W0;
+  const int nk = static_cast<int>((K + kBK - 1) / kBK);
+  __syncthreads();
+
+  auto load = [&](int it, int st) {
+    if (it < nk) {
+      const int64_t kc = static_cast<int64_t>(it) * kBK;
+      unsigned char* As = base + st * 2 * kWgTile;
+      unsigned char* Bs = As + kWgTile;
+#pragma unroll
+      for (int c = tid; c < kBM * 8; c += kThreads) {
+        const int r = c / 8, ch = c % 8;
+        const int row = arow[r];
+        const bool ok = row >= 0 && kc + 8 * ch < K;
+        cp_async16(As + wg::swz(r, ch), ok ? a + row * K + kc + 8 * ch : a, ok);
+      }
+#pragma unroll
+      for (int c = tid; c < kBN * 8; c += kThreads) {
+        const int r = c / 8, ch = c % 8;
+        const int64_t n = n0 + (GATE_UP ? r % (kBN / 2) : r);
+        const Wt* src = GATE_UP && r >= kBN / 2 ? W1 : W0;
+        const bool ok = n < N && kc + 8 * ch < K;
+        cp_async16(Bs + wg::swz(r, ch), ok ? src + n * K + kc + 8 * ch : src, ok);
+      }
+    }
+    cp_async_commit();
+  };
+
+  float acc[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+    // S - 2 tiles ahead: the stage refilled at iteration it held tile it - 2, whose products every
+    // warpgroup has waited for (wait<1> below) before this iteration's barrier.
+#pragma unroll
+  for (int st = 0; st < S - 2; ++st) load(st, st);
+  for (int it = 0; it < nk; ++it) {
+    cp_async_wait_group<S - 3>();
+    wg::fence_proxy_async();
+    __syncthreads();  // tile it landed; every warpgroup is done with the products of tile it - 2
+    load(it + S - 2, (it + S - 2) % S);
+    const unsigned char* As = base + (it % S) * 2 * kWgTile;
+    const unsigned char* Bs = As + kWgTile;
+    wg::fence();
+#pragma unroll
+    for (int kk = 0; kk < kBK / 16; ++kk)
+      wg::ss_m64n128k16(acc, wg::desc(As + wgi * 64 * 128 + kk * 32, 16, 1024), wg::desc(Bs + kk * 32, 16, 1024), 1);
+    wg::commit();
+    wg::wait<1>();  // the products of tile it - 1 are done: its stage may be refilled after the next barrier
+  }
+  wg::wait<0>();
+  wg::fence_operand(acc);
+  // acc[4j + e]: row 64 wgi + 16 (warp % 4) + g (+8 for e >= 2), column 8j + 2 t4 + (e & 1).
+  const int r0 = wgi * 64 + (warp % 4) * 16 + g;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = r0 + 8 * half;
+    if (r >= mrows) continue;
+    if constexpr (GATE_UP) {
+      Wt* h = static_cast<Wt*>(yp) + static_cast<int64_t>(off + m0 + r) * N;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int64_t c = n0 + 8 * j + 2 * t4;
+        if (c >= N) continue;  // N % 8 == 0: a pair is all in or all out
+        const float v0 = silu(acc[4 * j + 2 * half]) * acc[4 * (j + 8) + 2 * half];
+        const float v1 = silu(acc[4 * j + 2 * half + 1]) * acc[4 * (j + 8) + 2 * half + 1];
+        *reinterpret_cast<uint32_t*>(h + c) = pack2(v0, v1);
+      }
+    } else {
+      float* y = static_cast<float*>(yp) + static_cast<int64_t>(off + m0 + r) * N;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const int64_t c = n0 + 8 * j + 2 * t4;
+        if (c < N) *reinterpret_cast<float2*>(y + c) = make_float2(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+      }
+    }
+  }
+#endif
+}
+
+int64_t wg_launches = 0;  // moe_wgmma_launches
+int wg_set = -1;          // set_moe_wgmma: -1 default (HYPIC_MOE_WGMMA, else on), 0 off, 1 on
+bool use_wgmma() {
+  static const int env = [] {
+    const char* v = std::getenv("HYPIC_MOE_WGMMA");
+    return v ? std::atoi(v) : -1;
+  }();
+  const int mode = wg_set != -1 ? wg_set : env;
+  return mode != 0 && wgmma_available();
+}
+
+template <bool GATE_UP, int S>
+void run_wg(cudaStream_t s, dim3 grid, const __nv_bfloat16* a, const int32_t* order, const int32_t* offsets,
+            const int32_t* counts, const int32_t* tile_start, int E, const void* const* w0, const void* const* w1,
+            int top_k, int64_t K, int64_t N, void* y) {
+  static const bool sized = [] {
+    CUDA_CHECK(cudaFuncSetAttribute(k_moe_gemm_wg<GATE_UP, S>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    static_cast<int>(wg_smem<S>())));
+    return true;
+  }();
+  (void)sized;
+  launch(s, grid, kThreads, wg_smem<S>(), k_moe_gemm_wg<GATE_UP, S>, a, order, offsets, counts, tile_start, E, w0, w1,
+         top_k, K, N, y);
+  CUDA_LAUNCH_CHECK("k_moe_gemm_wg");
+}
+
 template <typename Wt, bool GATE_UP>
 void run(cudaStream_t s, dim3 grid, const void* a, const int32_t* order, const int32_t* offsets, const int32_t* counts,
          const int32_t* tile_start, int E, const void* const* w0, const void* const* w1, int top_k, int64_t K,
          int64_t N, void* y) {
+  if constexpr (std::is_same_v<Wt, __nv_bfloat16>) {
+    if (use_wgmma()) {
+      ++wg_launches;
+      run_wg<GATE_UP, kWgStages>(s, grid, static_cast<const Wt*>(a), order, offsets, counts, tile_start, E, w0, w1,
+                                 top_k, K, N, y);
+      return;
+    }
+  }
   static const bool sized = [] {
     CUDA_CHECK(cudaFuncSetAttribute(k_moe_gemm<Wt, GATE_UP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     static_cast<int>(kSmem)));
@@ -198,6 +367,14 @@ void run(cudaStream_t s, dim3 grid, const void* a, const int32_t* order, const i
 }
 
 }  // namespace
+
+void set_moe_wgmma(int mode) {
+  wg_set = mode;
+}
+
+int64_t moe_wgmma_launches() {
+  return wg_launches;
+}
 
 int64_t moe_gemm_max_tiles(int64_t slots, int64_t E) {
   return (slots + kBM - 1) / kBM + E;
