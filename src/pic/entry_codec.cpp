@@ -5,6 +5,7 @@
 
 #include <bit>
 #include <cstring>
+#include <iterator>
 
 #include "backend/backend.h"
 
@@ -15,23 +16,24 @@ static_assert(std::endian::native == std::endian::little, "the entry format is l
 namespace {
 
 constexpr char kMagic[8] = {'H', 'Y', 'P', 'I', 'C', 'S', 'E', 'G'};
-constexpr int kFields = 9;  // T, S, conv_tail, k, v, then a compact body's recurrence inputs
+constexpr int kFields = 9;  // LayerSummary::tensors()
+static_assert(std::size(kStateTensorNames) == kFields);
+constexpr size_t kMaxName = 64;
 constexpr uint32_t kMaxLayers = 1u << 16;
 constexpr uint8_t kMaxDims = 8;
 constexpr int64_t kMaxDim = int64_t{1} << 40;
 constexpr int kDTypes = static_cast<int>(DType::U8) + 1;
 
-const char* field_name(int f) {
-  static const char* names[kFields] = {"T", "S", "conv_tail", "k", "v", "body_k", "body_v", "body_g", "body_beta"};
-  return names[f];
-}
-
 Tensor& field_of(LayerSummary& l, int f) {
-  Tensor* t[kFields] = {&l.T, &l.S, &l.conv_tail, &l.k, &l.v, &l.body.k, &l.body.v, &l.body.g, &l.body.beta};
-  return *t[f];
+  return *l.tensors()[static_cast<size_t>(f)];
 }
 const Tensor& field_of(const LayerSummary& l, int f) {
-  return field_of(const_cast<LayerSummary&>(l), f);
+  return *l.tensors()[static_cast<size_t>(f)];
+}
+int field_named(std::string_view name) {
+  for (int f = 0; f < kFields; ++f)
+    if (name == kStateTensorNames[f]) return f;
+  return -1;
 }
 
 class Hasher {
@@ -122,7 +124,7 @@ size_t encoded_entry_size(const SegmentEntry& e) {
   for (const auto& l : e.layers)
     for (int f = 0; f < kFields; ++f) {
       const Tensor& t = field_of(l, f);
-      if (t.defined()) n += 4 + 4 + 8 * t.shape().size() + 8 + t.nbytes();
+      if (t.defined()) n += 4 + 1 + std::strlen(kStateTensorNames[f]) + 3 + 8 * t.shape().size() + 8 + t.nbytes();
     }
   return n + 8;
 }
@@ -148,9 +150,11 @@ void encode_entry(const SegmentEntry& e, Backend& be, ByteSink& out) {
       if (!t.defined()) continue;
       Tensor host = be.to_host(t);
       w.put(static_cast<uint32_t>(li));
-      const uint8_t b[4] = {static_cast<uint8_t>(f), static_cast<uint8_t>(host.dtype()),
-                            static_cast<uint8_t>(host.shape().size()), 0};
-      w.put(b, 4);
+      const size_t len = std::strlen(kStateTensorNames[f]);
+      w.put(static_cast<uint8_t>(len));
+      w.put(kStateTensorNames[f], len);
+      const uint8_t b[3] = {static_cast<uint8_t>(host.dtype()), static_cast<uint8_t>(host.shape().size()), 0};
+      w.put(b, 3);
       for (int64_t d : host.shape()) w.put(d);
       w.put(static_cast<uint64_t>(host.nbytes()));
       w.put(host.raw(), host.nbytes());
@@ -192,22 +196,32 @@ std::shared_ptr<SegmentEntry> decode_entry(ByteSource& in) {
   e->layers.resize(n_layers);
   for (uint32_t i = 0; i < n_tensors; ++i) {
     const auto layer = r.get<uint32_t>("tensor layer");
-    uint8_t b[4];
-    r.read(b, 4, "tensor header");
     const std::string where = "tensor " + std::to_string(i);
     if (layer >= n_layers) throw EntryFormatError(where + ": layer " + std::to_string(layer) + " out of range");
-    if (b[0] >= kFields) throw EntryFormatError(where + ": bad field " + std::to_string(b[0]));
-    if (b[1] >= kDTypes) throw EntryFormatError(where + ": bad dtype " + std::to_string(b[1]));
-    if (b[2] > kMaxDims) throw EntryFormatError(where + ": bad rank " + std::to_string(b[2]));
-    if (b[3] != 0) throw EntryFormatError(where + ": reserved byte is not zero");
-    Shape shape(b[2]);
+    const auto len = r.get<uint8_t>("tensor name length");
+    if (len == 0 || len > kMaxName) throw EntryFormatError(where + ": bad name length " + std::to_string(len));
+    char name_buf[kMaxName];
+    r.read(name_buf, len, "tensor name");
+    const std::string_view name(name_buf, len);
+    const int field = field_named(name);
+    if (field < 0) {
+      std::string shown;
+      for (char ch : name) shown += ch >= 0x20 && ch < 0x7f ? ch : '?';
+      throw EntryFormatError(where + ": unknown state tensor '" + shown + "' (written by a newer hypic?)");
+    }
+    uint8_t b[3];
+    r.read(b, 3, "tensor header");
+    if (b[0] >= kDTypes) throw EntryFormatError(where + ": bad dtype " + std::to_string(b[0]));
+    if (b[1] > kMaxDims) throw EntryFormatError(where + ": bad rank " + std::to_string(b[1]));
+    if (b[2] != 0) throw EntryFormatError(where + ": reserved byte is not zero");
+    Shape shape(b[1]);
     uint64_t numel = 1;
     for (auto& d : shape) {
       d = r.get<int64_t>("tensor shape");
       if (d < 0 || d > kMaxDim || __builtin_mul_overflow(numel, static_cast<uint64_t>(d), &numel))
         throw EntryFormatError(where + ": bad shape");
     }
-    const DType dt = static_cast<DType>(b[1]);
+    const DType dt = static_cast<DType>(b[0]);
     const auto nbytes = r.get<uint64_t>("tensor size");
     uint64_t expect;
     if (__builtin_mul_overflow(numel, uint64_t{dtype_size(dt)}, &expect) || nbytes != expect)
@@ -215,9 +229,9 @@ std::shared_ptr<SegmentEntry> decode_entry(ByteSource& in) {
                              shape_str(shape));
     if (nbytes > r.remaining())
       throw EntryFormatError("truncated: " + where + " needs " + std::to_string(nbytes) + " bytes");
-    Tensor& dst = field_of(e->layers[layer], b[0]);
+    Tensor& dst = field_of(e->layers[layer], field);
     if (dst.defined())
-      throw EntryFormatError(where + ": layer " + std::to_string(layer) + " field " + field_name(b[0]) +
+      throw EntryFormatError(where + ": layer " + std::to_string(layer) + " tensor " + kStateTensorNames[field] +
                              " given twice");
     Tensor host = Tensor::uninitialized(dt, shape);  // read in full below
     r.read(host.raw(), nbytes, "tensor data");

@@ -2,19 +2,21 @@
 // format of entries sent between hypic processes (cluster/), one codec for both, so an entry that
 // arrives over the network is checked exactly as a file is (magic, version, bounds, checksum).
 //
-// Layout (little-endian; v1):
+// Layout (little-endian; v2):
 //   "HYPICSEG"            8 bytes magic
-//   u32 version           = 1
+//   u32 version           = 2
 //   u32 reserved          = 0
 //   u64 model_fingerprint
 //   i32 seam, i32 tail
 //   u32 n_ids, i32 ids[n_ids]
 //   u32 n_layers, u32 n_tensors
-//   n_tensors records:    u32 layer, u8 field (0 T, 1 S, 2 conv_tail, 3 k, 4 v; a compact body:
-//                         5 body_k, 6 body_v, 7 body_g, 8 body_beta), u8 dtype,
-//                         u8 ndim, u8 reserved, i64 shape[ndim], u64 nbytes, raw data[nbytes]
+//   n_tensors records:    u32 layer, u8 name_len, char name[name_len] (the state tensor's name:
+//                         T, S, conv_tail, k, v; a compact body: body.k, body.v, body.g, body.beta),
+//                         u8 dtype, u8 ndim, u8 reserved, i64 shape[ndim], u64 nbytes, raw data[nbytes]
 //   u64 xxh64 (seed 0) of every byte above
-// The bytes must end exactly after the checksum.
+// The bytes must end exactly after the checksum. Tensors are named, not numbered, so that a layer
+// kind can add state of its own without renumbering the others' (v1, numbered fields, is refused:
+// its entries are recomputed); a name this build does not know is refused by name.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -48,7 +50,10 @@ class ByteSource {
   virtual void read(void* dst, size_t n) = 0;
 };
 
-inline constexpr uint32_t kEntryFormatVersion = 1;
+inline constexpr uint32_t kEntryFormatVersion = 2;
+// The state tensors an entry may hold, by name (LayerSummary::tensors() order).
+inline constexpr const char* kStateTensorNames[] = {"T",      "S",         "conv_tail", "body.k", "body.v",
+                                                    "body.g", "body.beta", "k",         "v"};
 
 // Bytes encode_entry writes for e.
 size_t encoded_entry_size(const SegmentEntry& e);

@@ -39,7 +39,8 @@ struct LayerSummary {
   RecurrenceInputs body;
   // Full layers: K, V [L, Hkv, D] at positions 0..L-1.
   Tensor k, v;
-  // Every tensor field, defined or not (one list for byte counts, copies and rounding).
+  // Every tensor field, defined or not (one list for byte counts, copies and rounding); the entry
+  // format stores them by the names in kStateTensorNames (entry_codec.h), in this order.
   std::array<Tensor*, 9> tensors() { return {&T, &S, &conv_tail, &body.k, &body.v, &body.g, &body.beta, &k, &v}; }
   std::array<const Tensor*, 9> tensors() const {
     return {&T, &S, &conv_tail, &body.k, &body.v, &body.g, &body.beta, &k, &v};

@@ -41,7 +41,6 @@ struct SegmentStoreStats {
 class SegmentStore {
  public:
   static constexpr size_t kUnlimited = std::numeric_limits<size_t>::max();
-  static constexpr uint32_t kVersion = 1;  // = kEntryFormatVersion
 
   // Creates `dir` if needed and scans it. Never throws for an unusable directory: that is logged
   // and every later write fails (counted) while requests go on without the disk tier.

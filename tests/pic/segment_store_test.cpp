@@ -7,6 +7,7 @@
 #include <spdlog/sinks/ringbuffer_sink.h>
 #include <spdlog/spdlog.h>
 #include <sys/stat.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <atomic>
@@ -20,6 +21,7 @@
 #include "engine/loader.h"
 #include "engine/sampler.h"
 #include "pic/composer.h"
+#include "pic/entry_codec.h"
 
 namespace fs = std::filesystem;
 using namespace hypic;
@@ -284,7 +286,7 @@ INSTANTIATE_TEST_SUITE_P(Kinds, StoreDamage,
                                            Damage{"FlippedChecksum", "checksum",
                                                   [](std::vector<char>& b) { b[b.size() - 1] ^= 0x20; }},
                                            Damage{"BadMagic", "magic", [](std::vector<char>& b) { b[0] = 'X'; }},
-                                           Damage{"WrongVersion", "version 2", [](std::vector<char>& b) { b[8] = 2; }},
+                                           Damage{"WrongVersion", "version 1", [](std::vector<char>& b) { b[8] = 1; }},
                                            Damage{"HugeLayerCount", "implausible layer count",
                                                   [](std::vector<char>& b) {
                                                     // Layer count field set absurdly high: rejected before any
@@ -413,6 +415,40 @@ TEST_F(Store, CompactEntryRoundTripsAndIsChecked) {
   EXPECT_EQ(eng2.find(ids, 8), nullptr);
   EXPECT_EQ(eng2.cache().stats().corrupt_files, 1u);
   EXPECT_TRUE(log.has({"body v", "expected f32"})) << log.dump();
+}
+
+// Format v2 names each tensor: every name round-trips, a name this build does not know (a newer
+// layer kind's state) is refused by name even under a valid checksum, and a v1 entry by its version.
+TEST_F(Store, StateTensorsAreStoredByName) {
+  PicEngine eng(model(), kMem);
+  auto e = eng.build_entry(segs_[1], 8);
+  const std::string bytes = encode_entry(*e, be());
+  EXPECT_EQ(bytes.size(), encoded_entry_size(*e));
+  expect_same_entry(be(), *e, *decode_entry(bytes));
+  const std::string tail = std::string(1, '\x09') + "conv_tail";  // length byte, name
+  const size_t at = bytes.find(tail);
+  ASSERT_NE(at, std::string::npos) << "no conv_tail record";
+  auto resealed = [](std::string b) {  // a valid checksum over the edited bytes
+    const uint64_t sum = XXH64(b.data(), b.size() - 8, 0);
+    std::memcpy(b.data() + b.size() - 8, &sum, 8);
+    return b;
+  };
+  std::string renamed = bytes;
+  renamed[at + 1 + 6] = 'X';  // conv_tXil (the name starts after its length byte)
+  try {
+    decode_entry(resealed(renamed));
+    ADD_FAILURE() << "an unknown state tensor was accepted";
+  } catch (const EntryFormatError& err) {
+    EXPECT_NE(std::string(err.what()).find("unknown state tensor 'conv_tXil'"), std::string::npos) << err.what();
+  }
+  std::string v1 = bytes;
+  v1[8] = 1;
+  try {
+    decode_entry(resealed(v1));
+    ADD_FAILURE() << "a v1 entry was accepted";
+  } catch (const EntryFormatError& err) {
+    EXPECT_NE(std::string(err.what()).find("unsupported format version 1"), std::string::npos) << err.what();
+  }
 }
 
 TEST_F(Store, UnwritableDirDoesNotFailRequests) {
