@@ -1,5 +1,6 @@
-// config.json parsing for the Qwen3.5 / Qwen3.5-MoE / Qwen3-Next families and MiniMax, and the
-// dispatch to the parsers that live with their architectures (nemotron_h.cpp, kimi_linear.cpp),
+// config.json parsing for the Qwen3.5 / Qwen3.5-MoE / Qwen3-Next families, the pieces other
+// architectures share, and the dispatch to the parsers that live with their architectures
+// (nemotron_h.cpp, kimi_linear.cpp, minimax.cpp),
 // each in the field names transformers 5 writes and those of the checkpoints on the Hub.
 #include "models/config.h"
 
@@ -159,6 +160,128 @@ void parse_grouped_moe(const Fields& f, ModelConfig& cfg, std::initializer_list<
            std::to_string(cfg.topk_group) + ") do not divide the " + std::to_string(cfg.num_experts) + " experts");
 }
 
+// Fields every softmax-attention architecture with RoPE shares (Qwen's and MiniMax's): sizes,
+// norms, dtype, attention heads and head dim, RoPE.
+void parse_attention_common(const Fields& f, ModelConfig& cfg) {
+  cfg.vocab_size = f.positive("vocab_size");
+  cfg.hidden_size = f.positive("hidden_size");
+  cfg.num_hidden_layers = f.positive("num_hidden_layers");
+  if (cfg.num_hidden_layers > kMaxLayers)
+    f.bad("num_hidden_layers", "at most " + std::to_string(kMaxLayers) + " layers", f.need("num_hidden_layers"));
+  cfg.intermediate_size = f.non_negative_or("intermediate_size", 0);
+  cfg.hidden_act = f.string_or("hidden_act", "silu");
+  cfg.rms_norm_eps = f.number_or("rms_norm_eps", 1e-6);
+  if (!(cfg.rms_norm_eps > 0)) f.bad("rms_norm_eps", "a positive number", f.need("rms_norm_eps"));
+  cfg.tie_word_embeddings = f.boolean_or("tie_word_embeddings", false, /*root_fallback=*/true);
+  cfg.max_position_embeddings = f.positive_or("max_position_embeddings", 0);
+  cfg.dtype = parse_dtype(f);
+
+  cfg.num_attention_heads = f.positive("num_attention_heads");
+  cfg.num_key_value_heads = f.positive_or("num_key_value_heads", cfg.num_attention_heads);
+  if (cfg.num_attention_heads % cfg.num_key_value_heads != 0)
+    f.fail("field 'num_attention_heads' (" + std::to_string(cfg.num_attention_heads) +
+           ") must be a multiple of 'num_key_value_heads' (" + std::to_string(cfg.num_key_value_heads) + ")");
+  if (f.find("head_dim")) {
+    cfg.head_dim = f.positive("head_dim");
+  } else {
+    if (cfg.hidden_size % cfg.num_attention_heads != 0)
+      f.fail("no 'head_dim' and 'hidden_size' (" + std::to_string(cfg.hidden_size) +
+             ") is not a multiple of 'num_attention_heads' (" + std::to_string(cfg.num_attention_heads) + ")");
+    cfg.head_dim = cfg.hidden_size / cfg.num_attention_heads;
+  }
+  cfg.attention_bias = f.boolean_or("attention_bias", false);
+
+  // RoPE: legacy top-level fields first, then rope_scaling, then rope_parameters (transformers 5),
+  // each overriding what came before.
+  cfg.rope_theta = f.number_or("rope_theta", 10000.0);
+  cfg.partial_rotary_factor = f.number_or("partial_rotary_factor", 1.0);
+  if (const json* rs = f.find("rope_scaling")) apply_rope_object(f, "rope_scaling", *rs, cfg);
+  if (const json* rp = f.find("rope_parameters")) apply_rope_object(f, "rope_parameters", *rp, cfg);
+  if (!(cfg.rope_theta > 0))
+    f.fail("field 'rope_theta' must be a positive number, found " + json(cfg.rope_theta).dump());
+  if (!(cfg.partial_rotary_factor > 0 && cfg.partial_rotary_factor <= 1))
+    f.fail("field 'partial_rotary_factor' must be in (0, 1], found " + json(cfg.partial_rotary_factor).dump());
+  {
+    double rd = cfg.head_dim * cfg.partial_rotary_factor;
+    if (rd != std::floor(rd) || cfg.rotary_dim() % 2 != 0 || cfg.rotary_dim() <= 0)
+      f.fail("field 'partial_rotary_factor' (" + json(cfg.partial_rotary_factor).dump() + ") with head_dim " +
+             std::to_string(cfg.head_dim) + " gives rotary dim " + json(rd).dump() +
+             ", which must be a positive even integer");
+  }
+}
+
+void parse_layer_types(const Fields& f, ModelConfig& cfg) {
+  if (const json* lt = f.find("layer_types")) {
+    if (!lt->is_array()) f.bad("layer_types", "a list of strings", *lt);
+    for (size_t i = 0; i < lt->size(); ++i) {
+      const json& s = (*lt)[i];
+      if (s == "linear_attention") {
+        cfg.layer_types.push_back(LayerKind::Linear);
+      } else if (s == "full_attention") {
+        cfg.layer_types.push_back(LayerKind::Full);
+      } else {
+        f.fail("field 'layer_types[" + std::to_string(i) + "]': unknown layer type " + s.dump() +
+               " (expected \"linear_attention\" or \"full_attention\")");
+      }
+    }
+    if (static_cast<int64_t>(cfg.layer_types.size()) != cfg.num_hidden_layers)
+      f.fail("field 'layer_types' has " + std::to_string(cfg.layer_types.size()) +
+             " entries but 'num_hidden_layers' is " + std::to_string(cfg.num_hidden_layers));
+  } else {
+    int64_t interval = f.positive_or("full_attention_interval", 4);
+    for (int64_t i = 0; i < cfg.num_hidden_layers; ++i)
+      cfg.layer_types.push_back((i + 1) % interval == 0 ? LayerKind::Full : LayerKind::Linear);
+  }
+}
+
+void parse_mlp_widths_and_token_ids(const Fields& f, ModelConfig& cfg) {
+  // Every dense layer needs an MLP width.
+  for (int64_t i = 0; i < cfg.num_hidden_layers; ++i) {
+    if (!cfg.layer_is_moe(i) && cfg.intermediate_size <= 0)
+      f.fail("field 'intermediate_size' must be a positive integer (layer " + std::to_string(i) +
+             " has a dense MLP), found " +
+             (f.find("intermediate_size") ? f.find("intermediate_size")->dump() : "none"));
+  }
+  cfg.eos_token_ids = f.token_ids("eos_token_id");
+  cfg.bos_token_id = f.token_id("bos_token_id");
+  cfg.pad_token_id = f.token_id("pad_token_id");
+}
+
+// Qwen3.5, Qwen3.5-MoE and Qwen3-Next (their layers are Model's own).
+void parse_qwen(const Fields& f, ModelConfig& cfg) {
+  parse_attention_common(f, cfg);
+  cfg.linear_num_key_heads = f.positive("linear_num_key_heads");
+  cfg.linear_num_value_heads = f.positive("linear_num_value_heads");
+  cfg.linear_key_head_dim = f.positive("linear_key_head_dim");
+  cfg.linear_value_head_dim = f.positive("linear_value_head_dim");
+  cfg.linear_conv_kernel_dim = f.positive_or("linear_conv_kernel_dim", 4);
+  if (cfg.linear_num_value_heads % cfg.linear_num_key_heads != 0)
+    f.fail("field 'linear_num_value_heads' (" + std::to_string(cfg.linear_num_value_heads) +
+           ") must be a multiple of 'linear_num_key_heads' (" + std::to_string(cfg.linear_num_key_heads) + ")");
+  parse_layer_types(f, cfg);
+
+  // Mixture of experts.
+  cfg.num_experts = f.non_negative_or("num_experts", 0);
+  if (cfg.num_experts > 0) {
+    cfg.num_experts_per_tok = f.positive("num_experts_per_tok");
+    cfg.moe_intermediate_size = f.positive("moe_intermediate_size");
+    cfg.shared_expert_intermediate_size = f.non_negative_or("shared_expert_intermediate_size", 0);
+    cfg.norm_topk_prob = f.boolean_or("norm_topk_prob", true);
+    cfg.decoder_sparse_step = f.positive_or("decoder_sparse_step", 1);
+    cfg.mlp_only_layers = int_list(f, "mlp_only_layers");
+    if (cfg.num_experts_per_tok > cfg.num_experts)
+      f.fail("field 'num_experts_per_tok' (" + std::to_string(cfg.num_experts_per_tok) +
+             ") must not exceed 'num_experts' (" + std::to_string(cfg.num_experts) + ")");
+    for (int64_t l : cfg.mlp_only_layers)
+      if (l < 0 || l >= cfg.num_hidden_layers)
+        f.fail("field 'mlp_only_layers' lists layer " + std::to_string(l) + ", outside [0, " +
+               std::to_string(cfg.num_hidden_layers) + ")");
+  } else if (cfg.arch == Arch::Qwen3_5Moe || cfg.arch == Arch::Qwen3Next) {
+    f.fail("missing field 'num_experts' (" + cfg.architecture + " is a mixture-of-experts model)");
+  }
+  parse_mlp_widths_and_token_ids(f, cfg);
+}
+
 }  // namespace config_detail
 
 using namespace config_detail;
@@ -243,141 +366,11 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
     parse_kimi_linear(f, cfg);
     return cfg;
   }
-  const bool minimax = cfg.arch == Arch::MiniMax;
-
-  cfg.vocab_size = f.positive("vocab_size");
-  cfg.hidden_size = f.positive("hidden_size");
-  cfg.num_hidden_layers = f.positive("num_hidden_layers");
-  if (cfg.num_hidden_layers > kMaxLayers)
-    f.bad("num_hidden_layers", "at most " + std::to_string(kMaxLayers) + " layers", f.need("num_hidden_layers"));
-  cfg.intermediate_size = f.non_negative_or("intermediate_size", 0);
-  cfg.hidden_act = f.string_or("hidden_act", "silu");
-  cfg.rms_norm_eps = f.number_or("rms_norm_eps", 1e-6);
-  if (!(cfg.rms_norm_eps > 0)) f.bad("rms_norm_eps", "a positive number", f.need("rms_norm_eps"));
-  cfg.tie_word_embeddings = f.boolean_or("tie_word_embeddings", false, /*root_fallback=*/true);
-  cfg.max_position_embeddings = f.positive_or("max_position_embeddings", 0);
-  cfg.dtype = parse_dtype(f);
-
-  cfg.num_attention_heads = f.positive("num_attention_heads");
-  cfg.num_key_value_heads = f.positive_or("num_key_value_heads", cfg.num_attention_heads);
-  if (cfg.num_attention_heads % cfg.num_key_value_heads != 0)
-    f.fail("field 'num_attention_heads' (" + std::to_string(cfg.num_attention_heads) +
-           ") must be a multiple of 'num_key_value_heads' (" + std::to_string(cfg.num_key_value_heads) + ")");
-  if (f.find("head_dim")) {
-    cfg.head_dim = f.positive("head_dim");
-  } else {
-    if (cfg.hidden_size % cfg.num_attention_heads != 0)
-      f.fail("no 'head_dim' and 'hidden_size' (" + std::to_string(cfg.hidden_size) +
-             ") is not a multiple of 'num_attention_heads' (" + std::to_string(cfg.num_attention_heads) + ")");
-    cfg.head_dim = cfg.hidden_size / cfg.num_attention_heads;
+  if (cfg.arch == Arch::MiniMax) {
+    parse_minimax(f, cfg);
+    return cfg;
   }
-  cfg.attention_bias = f.boolean_or("attention_bias", false);
-
-  // RoPE: legacy top-level fields first, then rope_scaling, then rope_parameters (transformers 5),
-  // each overriding what came before.
-  cfg.rope_theta = f.number_or("rope_theta", 10000.0);
-  cfg.partial_rotary_factor = f.number_or("partial_rotary_factor", 1.0);
-  if (const json* rs = f.find("rope_scaling")) apply_rope_object(f, "rope_scaling", *rs, cfg);
-  if (const json* rp = f.find("rope_parameters")) apply_rope_object(f, "rope_parameters", *rp, cfg);
-  if (!(cfg.rope_theta > 0))
-    f.fail("field 'rope_theta' must be a positive number, found " + json(cfg.rope_theta).dump());
-  if (!(cfg.partial_rotary_factor > 0 && cfg.partial_rotary_factor <= 1))
-    f.fail("field 'partial_rotary_factor' must be in (0, 1], found " + json(cfg.partial_rotary_factor).dump());
-  {
-    double rd = cfg.head_dim * cfg.partial_rotary_factor;
-    if (rd != std::floor(rd) || cfg.rotary_dim() % 2 != 0 || cfg.rotary_dim() <= 0)
-      f.fail("field 'partial_rotary_factor' (" + json(cfg.partial_rotary_factor).dump() + ") with head_dim " +
-             std::to_string(cfg.head_dim) + " gives rotary dim " + json(rd).dump() +
-             ", which must be a positive even integer");
-  }
-
-  if (minimax) {
-    // Lightning attention: one state [head_dim, head_dim] per attention head, no short conv (the conv
-    // state is a placeholder of one value), RoPE over the whole head (transformers 5.17's MiniMax
-    // rotary embedding ignores partial_rotary_factor; so does this engine).
-    cfg.partial_rotary_factor = 1.0;
-    cfg.linear_num_key_heads = cfg.linear_num_value_heads = cfg.num_attention_heads;
-    cfg.linear_key_head_dim = cfg.linear_value_head_dim = cfg.head_dim;
-    cfg.linear_conv_kernel_dim = 2;
-    cfg.linear_attn_alpha = f.number_or("linear_attn_alpha_factor", 1);
-    cfg.linear_attn_beta = f.number_or("linear_attn_beta_factor", 1);
-    cfg.full_attn_alpha = f.number_or("full_attn_alpha_factor", 1);
-    cfg.full_attn_beta = f.number_or("full_attn_beta_factor", 1);
-    cfg.mlp_alpha = f.number_or("mlp_alpha_factor", 1);
-    cfg.mlp_beta = f.number_or("mlp_beta_factor", 1);
-    if (f.find("sliding_window")) f.fail("field 'sliding_window' (sliding-window attention) is not supported");
-  } else {
-    cfg.linear_num_key_heads = f.positive("linear_num_key_heads");
-    cfg.linear_num_value_heads = f.positive("linear_num_value_heads");
-    cfg.linear_key_head_dim = f.positive("linear_key_head_dim");
-    cfg.linear_value_head_dim = f.positive("linear_value_head_dim");
-    cfg.linear_conv_kernel_dim = f.positive_or("linear_conv_kernel_dim", 4);
-  }
-  if (cfg.linear_num_value_heads % cfg.linear_num_key_heads != 0)
-    f.fail("field 'linear_num_value_heads' (" + std::to_string(cfg.linear_num_value_heads) +
-           ") must be a multiple of 'linear_num_key_heads' (" + std::to_string(cfg.linear_num_key_heads) + ")");
-
-  // Layer schedule.
-  if (const json* lt = f.find("layer_types")) {
-    if (!lt->is_array()) f.bad("layer_types", "a list of strings", *lt);
-    for (size_t i = 0; i < lt->size(); ++i) {
-      const json& s = (*lt)[i];
-      if (s == "linear_attention") {
-        cfg.layer_types.push_back(LayerKind::Linear);
-      } else if (s == "full_attention") {
-        cfg.layer_types.push_back(LayerKind::Full);
-      } else {
-        f.fail("field 'layer_types[" + std::to_string(i) + "]': unknown layer type " + s.dump() +
-               " (expected \"linear_attention\" or \"full_attention\")");
-      }
-    }
-    if (static_cast<int64_t>(cfg.layer_types.size()) != cfg.num_hidden_layers)
-      f.fail("field 'layer_types' has " + std::to_string(cfg.layer_types.size()) +
-             " entries but 'num_hidden_layers' is " + std::to_string(cfg.num_hidden_layers));
-  } else {
-    int64_t interval = f.positive_or("full_attention_interval", 4);
-    for (int64_t i = 0; i < cfg.num_hidden_layers; ++i)
-      cfg.layer_types.push_back((i + 1) % interval == 0 ? LayerKind::Full : LayerKind::Linear);
-  }
-
-  // Mixture of experts.
-  cfg.num_experts = f.non_negative_or(minimax ? "num_local_experts" : "num_experts", 0);
-  if (minimax && cfg.num_experts == 0) f.fail("missing field 'num_local_experts' (every MiniMax layer is an MoE)");
-  if (minimax) {
-    // Every layer routes to num_experts_per_tok of num_local_experts SwiGLU experts of intermediate_size.
-    cfg.num_experts_per_tok = f.positive("num_experts_per_tok");
-    cfg.moe_intermediate_size = f.positive("intermediate_size");
-    if (cfg.num_experts_per_tok > cfg.num_experts)
-      f.fail("field 'num_experts_per_tok' (" + std::to_string(cfg.num_experts_per_tok) +
-             ") must not exceed 'num_local_experts' (" + std::to_string(cfg.num_experts) + ")");
-  } else if (cfg.num_experts > 0) {
-    cfg.num_experts_per_tok = f.positive("num_experts_per_tok");
-    cfg.moe_intermediate_size = f.positive("moe_intermediate_size");
-    cfg.shared_expert_intermediate_size = f.non_negative_or("shared_expert_intermediate_size", 0);
-    cfg.norm_topk_prob = f.boolean_or("norm_topk_prob", true);
-    cfg.decoder_sparse_step = f.positive_or("decoder_sparse_step", 1);
-    cfg.mlp_only_layers = int_list(f, "mlp_only_layers");
-    if (cfg.num_experts_per_tok > cfg.num_experts)
-      f.fail("field 'num_experts_per_tok' (" + std::to_string(cfg.num_experts_per_tok) +
-             ") must not exceed 'num_experts' (" + std::to_string(cfg.num_experts) + ")");
-    for (int64_t l : cfg.mlp_only_layers)
-      if (l < 0 || l >= cfg.num_hidden_layers)
-        f.fail("field 'mlp_only_layers' lists layer " + std::to_string(l) + ", outside [0, " +
-               std::to_string(cfg.num_hidden_layers) + ")");
-  } else if (cfg.arch == Arch::Qwen3_5Moe || cfg.arch == Arch::Qwen3Next) {
-    f.fail("missing field 'num_experts' (" + cfg.architecture + " is a mixture-of-experts model)");
-  }
-  // Every dense layer needs an MLP width.
-  for (int64_t i = 0; i < cfg.num_hidden_layers; ++i) {
-    if (!cfg.layer_is_moe(i) && cfg.intermediate_size <= 0)
-      f.fail("field 'intermediate_size' must be a positive integer (layer " + std::to_string(i) +
-             " has a dense MLP), found " +
-             (f.find("intermediate_size") ? f.find("intermediate_size")->dump() : "none"));
-  }
-
-  cfg.eos_token_ids = f.token_ids("eos_token_id");
-  cfg.bos_token_id = f.token_id("bos_token_id");
-  cfg.pad_token_id = f.token_id("pad_token_id");
+  parse_qwen(f, cfg);
   return cfg;
 }
 

@@ -139,8 +139,17 @@ void parse_grouped_moe(const Fields& f, ModelConfig& cfg, std::initializer_list<
                        std::initializer_list<const char*> per_tok, std::initializer_list<const char*> renorm,
                        std::initializer_list<const char*> group);
 
-// The architectures' own parsers (their files).
+// Shared by the softmax-attention-with-RoPE architectures (config.cpp): sizes, norms, dtype,
+// attention heads, head dim and RoPE; the linear/full schedule (layer_types or
+// full_attention_interval); every dense layer's MLP width, then the special token ids.
+void parse_attention_common(const Fields& f, ModelConfig& cfg);
+void parse_layer_types(const Fields& f, ModelConfig& cfg);
+void parse_mlp_widths_and_token_ids(const Fields& f, ModelConfig& cfg);
+
+// The architectures' own parsers (their files; Qwen's in config.cpp).
+void parse_qwen(const Fields& f, ModelConfig& cfg);
 void parse_nemotron_h(const Fields& f, ModelConfig& cfg);
 void parse_kimi_linear(const Fields& f, ModelConfig& cfg);
+void parse_minimax(const Fields& f, ModelConfig& cfg);
 
 }  // namespace hypic::config_detail

@@ -16,6 +16,7 @@
 
 #include "linear/recurrence.h"
 #include "models/blocks.h"
+#include "models/config_fields.h"
 #include "models/host_layers.h"
 
 namespace hypic {
@@ -216,5 +217,38 @@ class MiniMax : public ArchBlocks {
 std::unique_ptr<ArchBlocks> minimax_blocks(const ModelConfig& c, const LoadWeight& load, Backend& be) {
   return std::make_unique<MiniMax>(c, load, be);
 }
+
+// This architecture's config.json fields (parse_model_config dispatches here).
+namespace config_detail {
+
+void parse_minimax(const Fields& f, ModelConfig& cfg) {
+  parse_attention_common(f, cfg);
+  // Lightning attention: one state [head_dim, head_dim] per attention head, no short conv (the conv
+  // state is a placeholder of one value), RoPE over the whole head (transformers 5.17's MiniMax
+  // rotary embedding ignores partial_rotary_factor; so does this engine).
+  cfg.partial_rotary_factor = 1.0;
+  cfg.linear_num_key_heads = cfg.linear_num_value_heads = cfg.num_attention_heads;
+  cfg.linear_key_head_dim = cfg.linear_value_head_dim = cfg.head_dim;
+  cfg.linear_conv_kernel_dim = 2;
+  cfg.linear_attn_alpha = f.number_or("linear_attn_alpha_factor", 1);
+  cfg.linear_attn_beta = f.number_or("linear_attn_beta_factor", 1);
+  cfg.full_attn_alpha = f.number_or("full_attn_alpha_factor", 1);
+  cfg.full_attn_beta = f.number_or("full_attn_beta_factor", 1);
+  cfg.mlp_alpha = f.number_or("mlp_alpha_factor", 1);
+  cfg.mlp_beta = f.number_or("mlp_beta_factor", 1);
+  if (f.find("sliding_window")) f.fail("field 'sliding_window' (sliding-window attention) is not supported");
+  parse_layer_types(f, cfg);
+  // Every layer routes to num_experts_per_tok of num_local_experts SwiGLU experts of intermediate_size.
+  cfg.num_experts = f.non_negative_or("num_local_experts", 0);
+  if (cfg.num_experts == 0) f.fail("missing field 'num_local_experts' (every MiniMax layer is an MoE)");
+  cfg.num_experts_per_tok = f.positive("num_experts_per_tok");
+  cfg.moe_intermediate_size = f.positive("intermediate_size");
+  if (cfg.num_experts_per_tok > cfg.num_experts)
+    f.fail("field 'num_experts_per_tok' (" + std::to_string(cfg.num_experts_per_tok) +
+           ") must not exceed 'num_local_experts' (" + std::to_string(cfg.num_experts) + ")");
+  parse_mlp_widths_and_token_ids(f, cfg);
+}
+
+}  // namespace config_detail
 
 }  // namespace hypic
