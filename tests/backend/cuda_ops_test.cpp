@@ -294,10 +294,11 @@ TEST_F(CudaOps, AttentionSpansMatchOneCallPerSpan) {
   }
 }
 
-// Hopper's warpgroup-MMA flash kernel (D = Dv in {128, 256}, no key split) against the mma.sync
-// kernel on the same GPU (both round q, k, v, p to bf16: they differ by the order of f32 sums,
-// ~1e-3) and against the CPU (2e-2): ragged row blocks, q_offset, kv_len short of the rows' reach,
-// GQA, and rows with positions of their own (a composition's spans, blocks not packed).
+// Hopper's warpgroup-MMA flash kernel (D = Dv in {128, 256}) against the mma.sync kernel on the
+// same GPU (both round q, k, v, p to bf16: they differ by the order of f32 sums, ~1e-7) and
+// against the CPU (2e-2): ragged row blocks, q_offset, kv_len short of the rows' reach, GQA, rows
+// with positions of their own (a composition's spans), blocks of one head and packed by query
+// group, and keys split across blocks (few rows over many keys).
 TEST_F(CudaOps, FlashAttentionWgmmaMatchesMmaKernel) {
 #if HYPIC_HAVE_CUDA
   cudaDeviceProp prop{};
@@ -308,14 +309,14 @@ TEST_F(CudaOps, FlashAttentionWgmmaMatchesMmaKernel) {
     int64_t T, S, kv_len, q_offset, Hq, Hkv, D;
     std::vector<Backend::RowSpan> spans;  // non-empty: attention_spans
   };
-  std::vector<Backend::RowSpan> seams;
+  std::vector<Backend::RowSpan> seams, sparse;
   for (int64_t i = 0; i < 16; ++i) seams.push_back({500 * i + 3 * i, 64});
-  const std::vector<Case> cases = {{300, 500, 470, 170, 16, 2, 256, {}},
-                                   {1000, 1000, 1000, 0, 8, 2, 128, {}},
-                                   {777, 2000, 2000, 1223, 16, 4, 256, {}},
-                                   {129, 300, 250, 100, 32, 32, 128, {}},
-                                   {0, 0, 0, 0, 16, 2, 256, seams}};
-  cuda::set_flash_pack(0);
+  for (int64_t i = 0; i < 14; ++i) sparse.push_back({700 * i, i ? 8 : 30});  // 8-row seams, then a question
+  sparse.push_back({700 * 14, 50});
+  const std::vector<Case> cases = {{300, 500, 470, 170, 16, 2, 256, {}},    {1000, 1000, 1000, 0, 8, 2, 128, {}},
+                                   {777, 2000, 2000, 1223, 16, 4, 256, {}}, {129, 300, 250, 100, 32, 32, 128, {}},
+                                   {40, 5000, 5000, 4960, 16, 2, 256, {}},  {20, 3000, 2900, 2880, 8, 1, 128, {}},
+                                   {0, 0, 0, 0, 16, 2, 256, seams},         {0, 0, 0, 0, 16, 2, 256, sparse}};
   for (const Case& c : cases) {
     int64_t T = c.T, S = c.S;
     if (!c.spans.empty()) {
@@ -325,28 +326,32 @@ TEST_F(CudaOps, FlashAttentionWgmmaMatchesMmaKernel) {
     Tensor q = randn({T, c.Hq, c.D}, rng), k = randn({S, c.Hkv, c.D}, rng), v = randn({S, c.Hkv, c.D}, rng);
     const float scale = 1.0f / std::sqrt(static_cast<float>(c.D));
     Tensor oc = cpu->alloc(DType::F32, {T, c.Hq, c.D});
-    Tensor og[2] = {poisoned(DType::F32, {T, c.Hq, c.D}), poisoned(DType::F32, {T, c.Hq, c.D})};
     if (c.spans.empty())
       cpu->attention(q, k, v, c.kv_len, c.q_offset, scale, oc);
     else
       cpu->attention_spans(q, k, v, c.spans, scale, oc);
     Tensor qd = dev(q), kd = dev(k), vd = dev(v);
-    for (int on : {0, 1}) {
-      cuda::set_flash_wgmma(on);
-      const int64_t before = cuda::flash_wgmma_launches();
-      if (c.spans.empty())
-        gpu->attention(qd, kd, vd, c.kv_len, c.q_offset, scale, og[on]);
-      else
-        gpu->attention_spans(qd, kd, vd, c.spans, scale, og[on]);
-      EXPECT_EQ(cuda::flash_wgmma_launches() - before, on) << "T=" << T << " wgmma " << on;
+    for (int pack : {0, 1}) {
+      cuda::set_flash_pack(pack);
+      Tensor og[2] = {poisoned(DType::F32, {T, c.Hq, c.D}), poisoned(DType::F32, {T, c.Hq, c.D})};
+      for (int on : {0, 1}) {
+        cuda::set_flash_wgmma(on);
+        const int64_t before = cuda::flash_wgmma_launches();
+        if (c.spans.empty())
+          gpu->attention(qd, kd, vd, c.kv_len, c.q_offset, scale, og[on]);
+        else
+          gpu->attention_spans(qd, kd, vd, c.spans, scale, og[on]);
+        EXPECT_EQ(cuda::flash_wgmma_launches() - before, on) << "T=" << T << " wgmma " << on;
+      }
+      Tensor mma = gpu->to_host(og[0]);
+      const double to_mma = err(og[1], mma), to_cpu = err(og[1], oc);
+      EXPECT_LE(to_mma, 5e-3) << "T=" << T << " D=" << c.D << " pack=" << pack;
+      EXPECT_LE(to_cpu, 2e-2) << "T=" << T << " D=" << c.D << " pack=" << pack;
+      EXPECT_LE(err(og[0], oc), 2e-2) << "T=" << T << " D=" << c.D << " pack=" << pack;
+      std::printf("wgmma flash T=%lld D=%lld Hq=%lld pack=%d: rel. error to mma.sync %.2e, to cpu %.2e\n",
+                  static_cast<long long>(T), static_cast<long long>(c.D), static_cast<long long>(c.Hq), pack, to_mma,
+                  to_cpu);
     }
-    Tensor mma = gpu->to_host(og[0]);
-    const double to_mma = err(og[1], mma), to_cpu = err(og[1], oc);
-    EXPECT_LE(to_mma, 5e-3) << "T=" << T << " D=" << c.D;
-    EXPECT_LE(to_cpu, 2e-2) << "T=" << T << " D=" << c.D;
-    EXPECT_LE(err(og[0], oc), 2e-2) << "T=" << T << " D=" << c.D;
-    std::printf("wgmma flash T=%lld D=%lld Hq=%lld: rel. error to mma.sync %.2e, to cpu %.2e\n",
-                static_cast<long long>(T), static_cast<long long>(c.D), static_cast<long long>(c.Hq), to_mma, to_cpu);
   }
   cuda::set_flash_wgmma(-1);
   cuda::set_flash_pack(-1);

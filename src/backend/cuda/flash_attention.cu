@@ -389,7 +389,7 @@ void launch_flash_attention(cudaStream_t s, const FlashPlan& plan, const float* 
     throw std::invalid_argument("flash attention: packed blocks need the query group to divide " + std::to_string(kBQ) +
                                 " rows");
   if (flash_attention_wgmma_serves(plan, kv16, D, Dv, q))
-    return launch_flash_attention_wgmma(s, q, k, v, T, Hq, Hkv, D, kv_len, q_offset, qpos, scale, out);
+    return launch_flash_attention_wgmma(s, plan, q, k, v, T, Hq, Hkv, D, kv_len, q_offset, qpos, scale, out, part);
   const int64_t m = D > Dv ? D : Dv;
   const int d = static_cast<int>(D), dv = static_cast<int>(Dv);
   if (m <= 64)

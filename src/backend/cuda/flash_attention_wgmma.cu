@@ -6,8 +6,8 @@
 // from registers (the accumulator layout is the A-operand layout) and V as an MN-major operand, so
 // neither K nor V is ever transposed. The next tile streams in with cp.async while this one
 // computes. Masking is the mma.sync kernel's (q_offset + row or the row's own position, kv_len).
-// Serves D = Dv in {128, 256}, bf16 k/v, no key split; the mma.sync kernel serves the rest and is
-// this kernel's reference in the tests.
+// Serves D = Dv in {128, 256} with bf16 k/v, in one-head or packed blocks, with or without a key
+// split; the mma.sync kernel serves the rest and is this kernel's reference in the tests.
 #include <cuda_bf16.h>
 
 #include <cfloat>
@@ -99,11 +99,15 @@ __device__ __forceinline__ void pack_p(const float (&s)[32], uint32_t (&p)[16]) 
 // of this one, its softmax overlapping P V; K a tile ahead of V): 293 against 243 ms of attention
 // a 35B-A3B 32k forward, slower; the two warpgroups of a block already overlap each other's
 // softmax with their products.
-template <int DP>
+// PACK and key splits as in flash_attention.cu: a block's 128 rows are 128 / G query rows times
+// the G query heads of one kv head; blockIdx.z takes the keys [z chunk, (z + 1) chunk) and writes
+// partial (max, sum, accumulator) triples for the merge kernel.
+template <int DP, bool PACK>
 __global__ void __launch_bounds__(kThreads, 1)
     k_flash_wg(const float* __restrict__ q, const __nv_bfloat16* __restrict__ kh, const __nv_bfloat16* __restrict__ vh,
                int64_t T, int64_t Hq, int64_t Hkv, int64_t kv_len, int64_t q_offset, const int64_t* __restrict__ qpos,
-               float scale_log2, float* __restrict__ out) {
+               int64_t chunk, float scale_log2, float* __restrict__ out, float* __restrict__ part_ml,
+               float* __restrict__ part_acc) {
 #if HYPIC_WGMMA
   constexpr int NA = DP / 64;                         // atom columns along the head dim
   constexpr uint32_t QA = kBQ * 128, KA = kBK * 128;  // bytes of one atom column of Q, of K or V
@@ -114,21 +118,29 @@ __global__ void __launch_bounds__(kThreads, 1)
   unsigned char* const KV0 = base + NA * QA;  // stage st: K at KV0 + st * 2 * NA * KA, V after it
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const int wgi = warp / 4;  // warpgroup: rows 64 * wgi ..
+  const int G = static_cast<int>(Hq / Hkv);
+  const int64_t rows = PACK ? kBQ / G : kBQ;  // query rows of this block
   // Heavy (late, causal) row blocks first, so the short ones fill the tail.
-  const int64_t q0 = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x) * kBQ;
-  const int64_t h = blockIdx.y, hk = h / (Hq / Hkv);
+  const int64_t q0 = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x) * rows;
+  const int64_t hk = PACK ? blockIdx.y : blockIdx.y / G;
+  // Tensor-core row p of the block: its query row and head.
+  auto row_of = [&](int p) -> int64_t { return PACK ? q0 + p / G : q0 + p; };
+  auto head_of = [&](int p) -> int64_t { return PACK ? hk * G + p % G : blockIdx.y; };
 
   auto lim = [&](int64_t row) -> int64_t {  // one past the last key `row` sees
     if (row >= T) return qpos ? 0 : min(kv_len, q_offset + row + 1);
     return min(kv_len, (qpos ? qpos[row] : q_offset + row) + 1);
   };
-  const int64_t blk_hi = lim(min(T, q0 + kBQ) - 1);
-  const int64_t wg_first = q0 + 64 * wgi, wg_last = min(T, wg_first + 64) - 1;
-  const int64_t wg_hi = wg_first < T ? lim(wg_last) : 0;
+  // This block's split of the keys: [k_lo, blk_hi).
+  const int64_t k_lo = static_cast<int64_t>(blockIdx.z) * chunk;
+  const int64_t blk_hi = min(lim(min(T, q0 + rows) - 1), k_lo + chunk);
+  const int64_t wg_first = row_of(64 * wgi), wg_end = row_of(64 * wgi + 63);
+  const int64_t wg_hi = wg_first < T ? lim(min(T - 1, wg_end)) : 0;
   // Keys below every row's limit need no mask (positions are nondecreasing; rows past T of a
   // positioned call see nothing, so their warpgroup always masks).
-  const int64_t wg_lo = wg_first < T ? (qpos && wg_first + 63 >= T ? 0 : lim(wg_first)) : 0;
-  const int64_t rowA = q0 + 64 * wgi + 16 * (warp % 4) + g, rowB = rowA + 8;
+  const int64_t wg_lo = wg_first < T ? (qpos && wg_end >= T ? 0 : lim(wg_first)) : 0;
+  const int pA = 64 * wgi + 16 * (warp % 4) + g;
+  const int64_t rowA = row_of(pA), rowB = row_of(pA + 8), hA = head_of(pA), hB = head_of(pA + 8);
   const int64_t limA = lim(rowA), limB = lim(rowB);
 
   // K/V tile at k0 into stage st (rows past kv_len zero-filled).
@@ -146,14 +158,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     cp_async_commit();
   };
-  if (blk_hi > 0) load(0, 0);
+  if (blk_hi > k_lo) load(k_lo, 0);
   // Q's tile, f32 -> bf16, 8 elements (one swizzled chunk) per step.
   for (int e = tid; e < kBQ * DP / 8; e += kThreads) {
     const int r = e / (DP / 8), c = e % (DP / 8);
-    const int64_t row = q0 + r;
+    const int64_t row = row_of(r);
     uint4 pk = make_uint4(0, 0, 0, 0);
     if (row < T) {
-      const float4* src = reinterpret_cast<const float4*>(q + (row * Hq + h) * DP + c * 8);
+      const float4* src = reinterpret_cast<const float4*>(q + (row * Hq + head_of(r)) * DP + c * 8);
       const float4 x0 = src[0], x1 = src[1];
       pk = make_uint4(pack2(x0.x, x0.y), pack2(x0.z, x0.w), pack2(x1.x, x1.y), pack2(x1.z, x1.w));
     }
@@ -171,7 +183,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint32_t p[16];
 
   int it = 0;
-  for (int64_t k0 = 0; k0 < blk_hi; k0 += kBK, ++it) {
+  for (int64_t k0 = k_lo; k0 < blk_hi; k0 += kBK, ++it) {
     cp_async_wait_all();
     wg::fence_proxy_async();
     __syncthreads();  // tile k0 (and Q) landed; every warpgroup is done with the other stage
@@ -223,6 +235,30 @@ __global__ void __launch_bounds__(kThreads, 1)
     lA += __shfl_xor_sync(0xffffffffu, lA, off);
     lB += __shfl_xor_sync(0xffffffffu, lB, off);
   }
+  if (part_ml) {
+    // A split's share, unnormalised; the max in natural-log units as the merge kernel takes it.
+    const float ln2 = 0.6931471805599453f;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int64_t row = half ? rowB : rowA;
+      if (row >= T) continue;
+      const int64_t slot = (row * Hq + (half ? hB : hA)) * gridDim.z + blockIdx.z;
+      const float l = half ? lB : lA;
+      if (t4 == 0) {
+        part_ml[2 * slot] = l > 0.f ? (half ? mB : mA) * ln2 : -FLT_MAX;
+        part_ml[2 * slot + 1] = l;
+      }
+      if (l == 0.f) continue;  // no key of this split: the merge reads no accumulator
+      float* pa = part_acc + slot * DP;
+#pragma unroll
+      for (int n = 0; n < NH; ++n)
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+          *reinterpret_cast<float2*>(pa + n * 128 + 8 * j + 2 * t4) =
+              make_float2(o[n][4 * j + 2 * half], o[n][4 * j + 2 * half + 1]);
+    }
+    return;
+  }
   const float iA = lA > 0.f ? 1.f / lA : 0.f, iB = lB > 0.f ? 1.f / lB : 0.f;
 #pragma unroll
   for (int n = 0; n < NH; ++n)
@@ -230,29 +266,37 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int j = 0; j < 16; ++j) {
       const int c = n * 128 + 8 * j + 2 * t4;
       if (rowA < T)
-        *reinterpret_cast<float2*>(out + (rowA * Hq + h) * DP + c) =
+        *reinterpret_cast<float2*>(out + (rowA * Hq + hA) * DP + c) =
             make_float2(o[n][4 * j] * iA, o[n][4 * j + 1] * iA);
       if (rowB < T)
-        *reinterpret_cast<float2*>(out + (rowB * Hq + h) * DP + c) =
+        *reinterpret_cast<float2*>(out + (rowB * Hq + hB) * DP + c) =
             make_float2(o[n][4 * j + 2] * iB, o[n][4 * j + 3] * iB);
     }
 #endif
 }
 
-template <int DP>
+template <int DP, bool PACK>
 void run(cudaStream_t s, const float* q, const void* k, const void* v, int64_t T, int64_t Hq, int64_t Hkv,
-         int64_t kv_len, int64_t q_offset, const int64_t* qpos, float scale, float* out) {
+         int64_t kv_len, int64_t q_offset, const int64_t* qpos, int splits, float scale, float* out, float* part) {
   constexpr size_t smem = smem_bytes<DP>();
   static const bool sized = [] {
-    CUDA_CHECK(
-        cudaFuncSetAttribute(k_flash_wg<DP>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    CUDA_CHECK(cudaFuncSetAttribute(k_flash_wg<DP, PACK>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    static_cast<int>(smem)));
     return true;
   }();
   (void)sized;
-  dim3 grid(static_cast<unsigned>((T + kBQ - 1) / kBQ), static_cast<unsigned>(Hq));
-  launch(s, grid, kThreads, smem, k_flash_wg<DP>, q, static_cast<const __nv_bfloat16*>(k),
-         static_cast<const __nv_bfloat16*>(v), T, Hq, Hkv, kv_len, q_offset, qpos, scale * 1.4426950408889634f, out);
+  const int64_t rows = PACK ? kBQ / (Hq / Hkv) : kBQ;
+  dim3 grid(static_cast<unsigned>((T + rows - 1) / rows), static_cast<unsigned>(PACK ? Hkv : Hq),
+            static_cast<unsigned>(splits));
+  // Whole tiles per split, so that no tile is seen by two splits.
+  const int64_t chunk = splits > 1 ? ((kv_len + splits - 1) / splits + kBK - 1) / kBK * kBK : kv_len + kBK;
+  float* part_ml = splits > 1 ? part : nullptr;
+  float* part_acc = splits > 1 ? part + 2 * T * Hq * splits : nullptr;
+  launch(s, grid, kThreads, smem, k_flash_wg<DP, PACK>, q, static_cast<const __nv_bfloat16*>(k),
+         static_cast<const __nv_bfloat16*>(v), T, Hq, Hkv, kv_len, q_offset, qpos, chunk, scale * 1.4426950408889634f,
+         out, part_ml, part_acc);
   CUDA_LAUNCH_CHECK("k_flash_wg");
+  if (splits > 1) launch_attention_merge(s, part, T, Hq, DP, splits, out);
 }
 
 int64_t launches = 0;  // flash_wgmma_launches
@@ -288,19 +332,25 @@ bool flash_attention_wgmma_serves(const FlashPlan& plan, bool kv16, int64_t D, i
     return e ? std::atoi(e) : -1;
   }();
   const int mode = wg_set != -1 ? wg_set : env;
-  if (mode == 0 || !kv16 || plan.splits != 1 || plan.pack || D != Dv || (D != 128 && D != 256)) return false;
+  (void)plan;  // every plan: packed blocks and key splits as the mma.sync kernel runs them
+  if (mode == 0 || !kv16 || D != Dv || (D != 128 && D != 256)) return false;
   return reinterpret_cast<uintptr_t>(q) % 16 == 0 && wgmma_available();
 }
 
-void launch_flash_attention_wgmma(cudaStream_t s, const float* q, const void* k, const void* v, int64_t T, int64_t Hq,
-                                  int64_t Hkv, int64_t D, int64_t kv_len, int64_t q_offset, const int64_t* qpos,
-                                  float scale, float* out) {
+void launch_flash_attention_wgmma(cudaStream_t s, const FlashPlan& plan, const float* q, const void* k, const void* v,
+                                  int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t kv_len, int64_t q_offset,
+                                  const int64_t* qpos, float scale, float* out, float* part) {
   if (T == 0) return;
   ++launches;
-  if (D == 256)
-    run<256>(s, q, k, v, T, Hq, Hkv, kv_len, q_offset, qpos, scale, out);
+  const int sp = plan.splits;
+  if (D == 256 && plan.pack)
+    run<256, true>(s, q, k, v, T, Hq, Hkv, kv_len, q_offset, qpos, sp, scale, out, part);
+  else if (D == 256)
+    run<256, false>(s, q, k, v, T, Hq, Hkv, kv_len, q_offset, qpos, sp, scale, out, part);
+  else if (plan.pack)
+    run<128, true>(s, q, k, v, T, Hq, Hkv, kv_len, q_offset, qpos, sp, scale, out, part);
   else
-    run<128>(s, q, k, v, T, Hq, Hkv, kv_len, q_offset, qpos, scale, out);
+    run<128, false>(s, q, k, v, T, Hq, Hkv, kv_len, q_offset, qpos, sp, scale, out, part);
 }
 
 }  // namespace hypic::cuda

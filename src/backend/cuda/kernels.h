@@ -174,15 +174,15 @@ void launch_flash_attention(cudaStream_t s, const FlashPlan& plan, const float* 
                             bool kv16, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv, int64_t kv_len,
                             int64_t q_offset, const int64_t* qpos, float scale, float* out, float* part);
 // The same on Hopper's warpgroup MMA (flash_attention_wgmma.cu) where it serves the call: D = Dv
-// in {128, 256}, bf16 k/v, no key split or packing, the sm_90a image loaded; launch_flash_attention
+// in {128, 256}, bf16 k/v, the sm_90a image loaded (any plan); launch_flash_attention
 // sends such calls there itself. Tests: set_flash_wgmma -1 the default (HYPIC_FLASH_WGMMA=0 turns
 // it off), 0 off, 1 on.
 void set_flash_wgmma(int mode);
 int64_t flash_wgmma_launches();  // tests: which kernel ran
 bool flash_attention_wgmma_serves(const FlashPlan& plan, bool kv16, int64_t D, int64_t Dv, const float* q);
-void launch_flash_attention_wgmma(cudaStream_t s, const float* q, const void* k, const void* v, int64_t T, int64_t Hq,
-                                  int64_t Hkv, int64_t D, int64_t kv_len, int64_t q_offset, const int64_t* qpos,
-                                  float scale, float* out);
+void launch_flash_attention_wgmma(cudaStream_t s, const FlashPlan& plan, const float* q, const void* k, const void* v,
+                                  int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t kv_len, int64_t q_offset,
+                                  const int64_t* qpos, float scale, float* out, float* part);
 // Merges `splits` partial (max, sum, accumulator) triples per (row, head) into out [T, Hq, Dv]
 // (part as launch_attention and launch_flash_attention write it).
 void launch_attention_merge(cudaStream_t s, const float* part, int64_t T, int64_t Hq, int64_t Dv, int splits,
