@@ -301,18 +301,12 @@ void run(cudaStream_t s, const float* q, const void* k, const void* v, int64_t T
     return true;
   }();
   (void)sized;
-  const int64_t rows = PACK ? kBQ / (Hq / Hkv) : kBQ;
-  dim3 grid(static_cast<unsigned>((T + rows - 1) / rows), static_cast<unsigned>(PACK ? Hkv : Hq),
-            static_cast<unsigned>(splits));
-  // Whole tiles per split, so that no tile is seen by two splits.
-  const int64_t chunk = splits > 1 ? ((kv_len + splits - 1) / splits + kBK - 1) / kBK * kBK : kv_len + kBK;
-  float* part_ml = splits > 1 ? part : nullptr;
-  float* part_acc = splits > 1 ? part + 2 * T * Hq * splits : nullptr;
+  const FlashLaunch L = flash_launch_shape(PACK, T, Hq, Hkv, kv_len, splits, part);
   // 16-byte loads of q (and of f32 k, v): head dims multiples of 4 and aligned bases.
   const bool vec4 = D % 4 == 0 && Dv % 4 == 0 && reinterpret_cast<uintptr_t>(q) % 16 == 0 &&
                     reinterpret_cast<uintptr_t>(k) % 16 == 0 && reinterpret_cast<uintptr_t>(v) % 16 == 0;
-  launch(s, grid, kWarps * 32, smem, k_flash<DP, PIPE, PACK>, q, k, v, T, Hq, Hkv, D, Dv, kv_len, q_offset, qpos, chunk,
-         scale * 1.4426950408889634f, vec4, out, part_ml, part_acc);
+  launch(s, L.grid, kWarps * 32, smem, k_flash<DP, PIPE, PACK>, q, k, v, T, Hq, Hkv, D, Dv, kv_len, q_offset, qpos,
+         L.chunk, scale * 1.4426950408889634f, vec4, out, L.part_ml, L.part_acc);
   CUDA_LAUNCH_CHECK("k_flash");
   if (splits > 1) launch_attention_merge(s, part, T, Hq, Dv, splits, out);
 }
@@ -350,6 +344,18 @@ bool flash_attention_kv16(int64_t D, int64_t Dv) {
 
 void set_flash_pack(int mode) {
   pack_set = mode;
+}
+
+FlashLaunch flash_launch_shape(bool pack, int64_t T, int64_t Hq, int64_t Hkv, int64_t kv_len, int splits, float* part) {
+  FlashLaunch L;
+  const int64_t rows = pack ? kBQ / (Hq / Hkv) : kBQ;
+  L.grid = dim3(static_cast<unsigned>((T + rows - 1) / rows), static_cast<unsigned>(pack ? Hkv : Hq),
+                static_cast<unsigned>(splits));
+  // Whole tiles per split, so that no tile is seen by two splits.
+  L.chunk = splits > 1 ? ((kv_len + splits - 1) / splits + kBK - 1) / kBK * kBK : kv_len + kBK;
+  L.part_ml = splits > 1 ? part : nullptr;
+  L.part_acc = splits > 1 ? part + 2 * T * Hq * splits : nullptr;
+  return L;
 }
 
 FlashPlan flash_attention_plan(int64_t T, int64_t Hq, int64_t Hkv, int64_t kv_len, bool scattered, int sms) {

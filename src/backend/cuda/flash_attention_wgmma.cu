@@ -37,6 +37,7 @@ constexpr size_t smem_bytes() {
   return static_cast<size_t>(DP / 64) * 128 * (kBQ + 2 * 2 * kBK) + 1024;
 }
 
+#if HYPIC_WGMMA  // the helpers of the kernel body, which only the sm_90a image has
 // S (keys k0 .. k0 + 63 of rows A and B, raw products) -> P for P V: scaled to the log2 domain,
 // masked past each row's limit (mask: the tile reaches some row's limit), the running max and sum
 // updated, the probabilities left in s, and the factor the accumulators must be rescaled by
@@ -94,6 +95,7 @@ __device__ __forceinline__ void pack_p(const float (&s)[32], uint32_t (&p)[16]) 
 #pragma unroll
   for (int i = 0; i < 16; ++i) p[i] = pack2(s[2 * i], s[2 * i + 1]);
 }
+#endif
 
 // Tried: FlashAttention-3's schedule inside a warpgroup (S of the next key tile issued before P V
 // of this one, its softmax overlapping P V; K a tile ahead of V): 293 against 243 ms of attention
@@ -285,16 +287,11 @@ void run(cudaStream_t s, const float* q, const void* k, const void* v, int64_t T
     return true;
   }();
   (void)sized;
-  const int64_t rows = PACK ? kBQ / (Hq / Hkv) : kBQ;
-  dim3 grid(static_cast<unsigned>((T + rows - 1) / rows), static_cast<unsigned>(PACK ? Hkv : Hq),
-            static_cast<unsigned>(splits));
-  // Whole tiles per split, so that no tile is seen by two splits.
-  const int64_t chunk = splits > 1 ? ((kv_len + splits - 1) / splits + kBK - 1) / kBK * kBK : kv_len + kBK;
-  float* part_ml = splits > 1 ? part : nullptr;
-  float* part_acc = splits > 1 ? part + 2 * T * Hq * splits : nullptr;
-  launch(s, grid, kThreads, smem, k_flash_wg<DP, PACK>, q, static_cast<const __nv_bfloat16*>(k),
-         static_cast<const __nv_bfloat16*>(v), T, Hq, Hkv, kv_len, q_offset, qpos, chunk, scale * 1.4426950408889634f,
-         out, part_ml, part_acc);
+  static_assert(kBQ == 128 && kBK == 64, "the launch shape is flash_attention.cu's");
+  const FlashLaunch L = flash_launch_shape(PACK, T, Hq, Hkv, kv_len, splits, part);
+  launch(s, L.grid, kThreads, smem, k_flash_wg<DP, PACK>, q, static_cast<const __nv_bfloat16*>(k),
+         static_cast<const __nv_bfloat16*>(v), T, Hq, Hkv, kv_len, q_offset, qpos, L.chunk, scale * 1.4426950408889634f,
+         out, L.part_ml, L.part_acc);
   CUDA_LAUNCH_CHECK("k_flash_wg");
   if (splits > 1) launch_attention_merge(s, part, T, Hq, DP, splits, out);
 }

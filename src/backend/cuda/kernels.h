@@ -167,6 +167,17 @@ struct FlashPlan {
   int splits = 1;
 };
 bool flash_attention_kv16(int64_t D, int64_t Dv);
+// The launch shape both flash kernels share: blocks of 128 tensor-core rows (128 / group query rows
+// of a kv head's query heads when packed) x heads x key splits of whole 64-key tiles (`chunk` keys
+// each), and where the partial sums go inside `part` (null without a split).
+struct FlashLaunch {
+  dim3 grid;
+  int64_t chunk;
+  float* part_ml;
+  float* part_acc;
+};
+FlashLaunch flash_launch_shape(bool pack, int64_t T, int64_t Hq, int64_t Hkv, int64_t kv_len, int splits, float* part);
+
 FlashPlan flash_attention_plan(int64_t T, int64_t Hq, int64_t Hkv, int64_t kv_len, bool scattered, int sms);
 // Tests: -1 the rule (the default), 0 never pack, 1 pack whenever the query group divides a block.
 void set_flash_pack(int mode);
