@@ -22,6 +22,7 @@
 #include <cuda_runtime.h>
 
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/kernels.h"
 #endif
 
 using namespace hypic;
@@ -292,6 +293,40 @@ TEST_F(CudaOps, AttentionSpansMatchOneCallPerSpan) {
   } catch (const std::exception& e) {
     EXPECT_NE(std::string(e.what()).find("attention_spans"), std::string::npos) << e.what();
   }
+}
+
+// The flash kernels' launch shape is host arithmetic: checked without a GPU. Every (row, head)
+// belongs to exactly one block, every key to exactly one whole-tile split, and the partial sums
+// sit after the (max, sum) pairs.
+TEST(FlashLaunchShape, CoversEveryRowHeadAndKeyOnce) {
+#if HYPIC_HAVE_CUDA
+  float buf[1];
+  for (bool pack : {false, true})
+    for (int64_t T : {1, 127, 128, 300, 1000})
+      for (int64_t G : {1, 4, 8})
+        for (int splits : {1, 3, 64}) {
+          const int64_t Hkv = 2, Hq = G * Hkv, kv_len = 5000;
+          const auto L = cuda::flash_launch_shape(pack, T, Hq, Hkv, kv_len, splits, buf);
+          const int64_t rows = pack ? 128 / G : 128;
+          EXPECT_EQ(L.grid.x, static_cast<unsigned>((T + rows - 1) / rows));
+          EXPECT_GE(static_cast<int64_t>(L.grid.x) * rows, T);
+          EXPECT_LT((static_cast<int64_t>(L.grid.x) - 1) * rows, T);
+          EXPECT_EQ(L.grid.y, static_cast<unsigned>(pack ? Hkv : Hq));
+          EXPECT_EQ(L.grid.z, static_cast<unsigned>(splits));
+          EXPECT_GE(L.chunk * splits, kv_len);
+          if (splits > 1) {
+            EXPECT_EQ(L.chunk % 64, 0);                               // whole tiles: no tile is seen by two splits
+            EXPECT_LT(L.chunk * (splits - 1), kv_len + 64 * splits);  // no split is all padding beyond a tile each
+            EXPECT_EQ(L.part_ml, buf);
+            EXPECT_EQ(L.part_acc, buf + 2 * T * Hq * splits);
+          } else {
+            EXPECT_EQ(L.part_ml, nullptr);
+            EXPECT_EQ(L.part_acc, nullptr);
+          }
+        }
+#else
+  GTEST_SKIP() << "built without CUDA";
+#endif
 }
 
 // Hopper's warpgroup-MMA flash kernel (D = Dv in {128, 256}) against the mma.sync kernel on the
