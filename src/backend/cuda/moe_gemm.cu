@@ -8,8 +8,10 @@
 // accumulation in m16n8k16 mma.sync, three cp.async stages of 64 columns of K in flight.
 // GATE_UP: a block's columns are 64 of gate then the same 64 of up and it writes
 // silu(gate) * up in 16 bits (the down product's operand); else 128 columns of down, f32, for
-// launch_moe_combine. moe.cu's few-slot kernels and cuBLAS's batched products stay as the
-// reference (MoeExperts in cuda_ops_test runs every path against the CPU).
+// launch_moe_combine. On Hopper, bf16 weights go to k_moe_gemm_wg (the same tiles on wgmma); this
+// kernel serves f16 weights and other GPUs and is its reference. moe.cu's few-slot kernels and
+// cuBLAS's batched products stay as the reference (MoeExperts in cuda_ops_test runs every path
+// against the CPU).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -187,8 +189,9 @@ __global__ void __launch_bounds__(kThreads, 2)
 // The same on Hopper's warpgroup MMA (bf16 weights): a stage is one 128B-swizzled atom column
 // (64 of K) of the 128 A rows and of the 128 weight rows (wgmma.cuh), each warpgroup multiplies
 // its 64 rows by all 128 columns (m64n128k16, both operands K-major in shared memory, nothing
-// through registers but the accumulators), S stages of K tiles with S - 2 loading ahead. The gate/up epilogue
-// needs no staging: a thread's gate column c and up column c + 64 are in its own accumulators.
+// through registers but the accumulators), S stages of K tiles with S - 2 loading ahead. The
+// gate/up epilogue needs no staging: a thread's gate column c and up column c + 64 are in its own
+// accumulators.
 constexpr uint32_t kWgTile = kBM * 128;  // bytes of 128 rows x 64 bf16
 // Three stages, two blocks a multiprocessor. Tried: six stages (four tiles ahead), one block a
 // multiprocessor: gate+up 188 -> 215 ms a 35B-A3B 32k forward, slower.
