@@ -41,7 +41,7 @@ double weight_flops_per_token(const ModelConfig& c) {
                    vd = c.linear_num_value_heads * c.linear_value_head_dim;
       f += H * (2 * kd + 2 * vd + 2 * c.linear_num_value_heads) + vd * H;
       if (nemotron) f -= H * c.linear_num_value_heads;  // one dt projection, no beta
-    } else if (kind == LayerKind::Full) {
+    } else if (kind == LayerKind::Attention) {
       const double qd = c.num_attention_heads * c.head_dim, kvd = c.num_key_value_heads * c.head_dim;
       f += H * ((nemotron ? 1 : 2) * qd + 2 * kvd) + qd * H;
     }
@@ -62,7 +62,7 @@ double mixer_flops_per_token(const ModelConfig& c, double ctx) {
   for (auto k : c.layer_types) {
     if (k == LayerKind::Linear)
       f += 6.0 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim;
-    else if (k == LayerKind::Full)
+    else if (k == LayerKind::Attention)
       f += 4.0 * c.num_attention_heads * c.head_dim * ctx;
   }
   return f;

@@ -258,7 +258,7 @@ void register_info(CLI::App& app) {
                        {"layers", cfg.num_hidden_layers},
                        {"layer_map", map},
                        {"linear_layers", cfg.num_linear_layers()},
-                       {"full_layers", cfg.num_full_layers()},
+                       {"attention_layers", cfg.num_attention_layers()},
                        {"hidden_size", cfg.hidden_size},
                        {"vocab_size", cfg.vocab_size},
                        {"experts", cfg.num_experts},
@@ -281,9 +281,9 @@ void register_info(CLI::App& app) {
         std::cout << j.dump(2) << "\n";
         return;
       }
-      std::printf("model         %s\narchitecture  %s\nlayers        %lld (%lld linear, %lld full)  map %s\n",
+      std::printf("model         %s\narchitecture  %s\nlayers        %lld (%lld linear, %lld attention)  map %s\n",
                   o->model.c_str(), cfg.architecture.c_str(), static_cast<long long>(cfg.num_hidden_layers),
-                  static_cast<long long>(cfg.num_linear_layers()), static_cast<long long>(cfg.num_full_layers()),
+                  static_cast<long long>(cfg.num_linear_layers()), static_cast<long long>(cfg.num_attention_layers()),
                   map.c_str());
       std::printf("hidden        %lld   vocab %lld   experts %lld (top %lld)\n",
                   static_cast<long long>(cfg.hidden_size), static_cast<long long>(cfg.vocab_size),

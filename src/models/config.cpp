@@ -48,8 +48,8 @@ int64_t ModelConfig::num_linear_layers() const {
   return static_cast<int64_t>(std::count(layer_types.begin(), layer_types.end(), LayerKind::Linear));
 }
 
-int64_t ModelConfig::num_full_layers() const {
-  return static_cast<int64_t>(std::count(layer_types.begin(), layer_types.end(), LayerKind::Full));
+int64_t ModelConfig::num_attention_layers() const {
+  return static_cast<int64_t>(std::count(layer_types.begin(), layer_types.end(), LayerKind::Attention));
 }
 
 LayerDesc describe_layer(const ModelConfig& c, int64_t i) {
@@ -67,7 +67,7 @@ LayerDesc describe_layer(const ModelConfig& c, int64_t i) {
                                                              c.linear_num_value_heads * c.linear_value_head_dim;
     d.state_floats = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim +
                      (c.arch == Arch::MiniMax ? 0 : (c.linear_conv_kernel_dim - 1) * conv_ch);
-  } else if (k == LayerKind::Full) {
+  } else if (k == LayerKind::Attention) {
     d.mixer = c.arch == Arch::KimiLinear ? "mla" : "attention";
     d.kv_floats_per_token = 2 * c.num_key_value_heads * c.head_dim;
   } else {
@@ -218,7 +218,7 @@ void parse_layer_types(const Fields& f, ModelConfig& cfg) {
       if (s == "linear_attention") {
         cfg.layer_types.push_back(LayerKind::Linear);
       } else if (s == "full_attention") {
-        cfg.layer_types.push_back(LayerKind::Full);
+        cfg.layer_types.push_back(LayerKind::Attention);
       } else {
         f.fail("field 'layer_types[" + std::to_string(i) + "]': unknown layer type " + s.dump() +
                " (expected \"linear_attention\" or \"full_attention\")");
@@ -230,7 +230,7 @@ void parse_layer_types(const Fields& f, ModelConfig& cfg) {
   } else {
     int64_t interval = f.positive_or("full_attention_interval", 4);
     for (int64_t i = 0; i < cfg.num_hidden_layers; ++i)
-      cfg.layer_types.push_back((i + 1) % interval == 0 ? LayerKind::Full : LayerKind::Linear);
+      cfg.layer_types.push_back((i + 1) % interval == 0 ? LayerKind::Attention : LayerKind::Linear);
   }
 }
 

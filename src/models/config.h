@@ -10,14 +10,16 @@
 namespace hypic {
 
 enum class Arch { Qwen3_5, Qwen3_5Moe, Qwen3Next, NemotronH, MiniMax, KimiLinear };
-// linear_attention (Gated DeltaNet, Mamba2) / full_attention / a block with no token mixer (Nemotron-H's
-// MLP and MoE blocks: one sub-layer per block there, so its feed-forward blocks hold no state).
-enum class LayerKind { Linear, Full, Ffn };
+// A layer's token mixer: linear attention or a state space (config "linear_attention": Gated
+// DeltaNet, Mamba2, lightning, KDA), softmax attention (config "full_attention"; "full" alone names
+// the prefill mode that recomputes everything), or none (Nemotron-H's MLP and MoE blocks: one
+// sub-layer per block there, so its feed-forward blocks hold no state).
+enum class LayerKind { Linear, Attention, Ffn };
 
 const char* arch_name(Arch a);
-// One character per layer in `hypic info` and bench layer maps: L linear, F full attention, - no mixer.
+// One character per layer in `hypic info` and bench layer maps: L linear, A attention, - no mixer.
 inline char layer_map_char(LayerKind k) {
-  return k == LayerKind::Linear ? 'L' : k == LayerKind::Full ? 'F' : '-';
+  return k == LayerKind::Linear ? 'L' : k == LayerKind::Attention ? 'A' : '-';
 }
 
 // The most decoder layers a config may declare: far above any real model (the largest have ~128),
@@ -89,7 +91,7 @@ struct ModelConfig {
 
   bool layer_is_moe(int64_t i) const;
   int64_t num_linear_layers() const;
-  int64_t num_full_layers() const;
+  int64_t num_attention_layers() const;
 };
 
 // One layer as `hypic info` shows it: its token mixer ("linear", "attention", "mla" or "none"), the

@@ -256,7 +256,7 @@ ModelConfig gguf_model_config(const GgufFile& f) {
   c.linear_conv_kernel_dim = positive("ssm.conv_kernel");
   const int64_t every = positive("full_attention_interval");
   for (int64_t i = 0; i < c.num_hidden_layers; ++i)
-    c.layer_types.push_back((i + 1) % every == 0 ? LayerKind::Full : LayerKind::Linear);
+    c.layer_types.push_back((i + 1) % every == 0 ? LayerKind::Attention : LayerKind::Linear);
   if (c.arch == Arch::Qwen3_5Moe) {
     c.num_experts = positive("expert_count");
     c.num_experts_per_tok = positive("expert_used_count");
@@ -534,13 +534,13 @@ void write_gguf_checkpoint(const ModelConfig& cfg, const WeightSource& w, const 
   // Full attention every n-th layer is all llama.cpp's qwen35 metadata can say.
   int64_t every = 0;
   for (size_t i = 0; i < cfg.layer_types.size(); ++i)
-    if (cfg.layer_types[i] == LayerKind::Full) {
+    if (cfg.layer_types[i] == LayerKind::Attention) {
       every = static_cast<int64_t>(i) + 1;
       break;
     }
   if (every == 0) bad("a model without full-attention layers cannot be written as qwen35");
   for (size_t i = 0; i < cfg.layer_types.size(); ++i)
-    if ((cfg.layer_types[i] == LayerKind::Full) != ((static_cast<int64_t>(i) + 1) % every == 0))
+    if ((cfg.layer_types[i] == LayerKind::Attention) != ((static_cast<int64_t>(i) + 1) % every == 0))
       bad("layer " + std::to_string(i) + " breaks the every-" + std::to_string(every) +
           "th full-attention pattern that qwen35's full_attention_interval describes");
 

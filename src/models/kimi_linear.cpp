@@ -335,7 +335,7 @@ void parse_kimi_linear(const Fields& f, ModelConfig& cfg) {
       if (s == "linear_attention")
         cfg.layer_types.push_back(LayerKind::Linear);
       else if (s == "full_attention")
-        cfg.layer_types.push_back(LayerKind::Full);
+        cfg.layer_types.push_back(LayerKind::Attention);
       else
         f.fail("field 'layer_types[" + std::to_string(i) + "]': unknown layer type " + s.dump());
     }
@@ -346,10 +346,11 @@ void parse_kimi_linear(const Fields& f, ModelConfig& cfg) {
     for (const json& v : fl) {
       if (!v.is_number_integer() || v.get<int64_t>() < 1 || v.get<int64_t>() > L)
         f.bad("linear_attn_config.full_attn_layers", "layer numbers in [1, " + std::to_string(L) + "]", fl);
-      cfg.layer_types[static_cast<size_t>(v.get<int64_t>() - 1)] = LayerKind::Full;
+      cfg.layer_types[static_cast<size_t>(v.get<int64_t>() - 1)] = LayerKind::Attention;
     }
   } else {
-    for (int64_t i = 0; i < L; ++i) cfg.layer_types.push_back((i + 1) % 4 == 0 ? LayerKind::Full : LayerKind::Linear);
+    for (int64_t i = 0; i < L; ++i)
+      cfg.layer_types.push_back((i + 1) % 4 == 0 ? LayerKind::Attention : LayerKind::Linear);
   }
 
   // Feed-forward: dense for the first first_k_dense_replace layers (or per mlp_layer_types), MoE after.

@@ -85,7 +85,7 @@ class NemotronH : public ArchBlocks {
         w.D = host_f32(load(m + "D", {nh_}));
         w.dt_bias = host_f32(load(m + "dt_bias", {nh_}));
         w.norm = host_f32(load(m + "norm.weight", {I_}));
-      } else if (b.kind == LayerKind::Full) {
+      } else if (b.kind == LayerKind::Attention) {
         const int64_t q = c.num_attention_heads * c.head_dim, kv = c.num_key_value_heads * c.head_dim;
         b.attn = Attn{dev(m + "q_proj.weight", {q, H_}), dev(m + "k_proj.weight", {kv, H_}),
                       dev(m + "v_proj.weight", {kv, H_}), dev(m + "o_proj.weight", {H_, q})};
@@ -135,7 +135,7 @@ class NemotronH : public ArchBlocks {
     be_.rms_norm(x, b.norm, static_cast<float>(c_.rms_norm_eps), false, xn);
     if (b.kind == LayerKind::Linear)
       mamba(model, b.mamba, xn, spans, mix);
-    else if (b.kind == LayerKind::Full)
+    else if (b.kind == LayerKind::Attention)
       attention(model, b.attn, xn, spans, mix);
     else if (!b.moe)
       ffn_forward(be_, xn, b.mlp, mix);
@@ -286,7 +286,7 @@ void parse_nemotron_h(const Fields& f, ModelConfig& cfg) {
       cfg.layer_types.push_back(LayerKind::Linear);
       cfg.moe_blocks.push_back(0);
     } else if (t == "full_attention" || t == "attention" || t == "*") {
-      cfg.layer_types.push_back(LayerKind::Full);
+      cfg.layer_types.push_back(LayerKind::Attention);
       cfg.moe_blocks.push_back(0);
     } else if (t == "mlp" || t == "-" || t == "moe" || t == "E") {
       cfg.layer_types.push_back(LayerKind::Ffn);

@@ -404,7 +404,7 @@ void Model::reserve(SequenceState& st, int64_t n) const {
   const auto& m = *impl_;
   const int64_t cap = std::max<int64_t>(n, st.capacity * 2);
   for (size_t i = 0; i < m.layers.size(); ++i) {
-    if (m.layers[i].kind != LayerKind::Full) continue;
+    if (m.layers[i].kind != LayerKind::Attention) continue;
     auto& ls = st.layers[i];
     Tensor k = be_.alloc(DType::F32, {cap, m.Hkv, m.D});
     Tensor v = be_.alloc(DType::F32, {cap, m.Hkv, m.D});

@@ -303,7 +303,7 @@ std::shared_ptr<SegmentEntry> PicEngine::step_build(EntryBuild& b, int64_t max_t
         o.T = be.alloc(DType::F32, m.transition_shape());
         be.set_identity(o.T);  // empty body: T = I, S = 0
       }
-    } else if (cfg.layer_types[li] == LayerKind::Full) {
+    } else if (cfg.layer_types[li] == LayerKind::Attention) {
       const auto& ks = ls.k.shape();
       o.k = be.alloc(DType::F32, {b.L, ks[1], ks[2]});
       o.v = be.alloc(DType::F32, {b.L, ks[1], ls.v.dim(2)});
@@ -367,7 +367,7 @@ void PicEngine::init_expected_shapes() {
       expect_.push_back(model_.transition_shape());
       expect_.push_back(sh);
       expect_.push_back(ls.conv.shape());
-    } else if (cfg.layer_types[static_cast<size_t>(l)] == LayerKind::Full) {
+    } else if (cfg.layer_types[static_cast<size_t>(l)] == LayerKind::Attention) {
       expect_.push_back({ls.k.dim(1), ls.k.dim(2)});
       expect_.push_back({ls.v.dim(1), ls.v.dim(2)});
     }

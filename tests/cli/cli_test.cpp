@@ -208,7 +208,7 @@ TEST(Cli, InfoAndTokenize) {
   auto r = run("info --json --model " + model());
   ASSERT_EQ(r.rc, 0) << r.out;
   auto j = nlohmann::json::parse(r.out);
-  EXPECT_EQ(j["layer_map"], "LLLFLLLF");
+  EXPECT_EQ(j["layer_map"], "LLLALLLA");
   EXPECT_GT(j["parameters"].get<int64_t>(), 0);
   ASSERT_EQ(j["layer_list"].size(), 8u);
   EXPECT_EQ(j["layer_list"][0]["family"], "gated_deltanet");

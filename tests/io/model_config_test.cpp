@@ -126,7 +126,7 @@ std::string error_of(const json& j) {
 
 std::vector<LayerKind> kinds(const std::string& pattern) {
   std::vector<LayerKind> v;
-  for (char c : pattern) v.push_back(c == 'F' ? LayerKind::Full : LayerKind::Linear);
+  for (char c : pattern) v.push_back(c == 'A' ? LayerKind::Attention : LayerKind::Linear);
   return v;
 }
 
@@ -157,9 +157,9 @@ TEST(ModelConfig, Qwen3_5ConditionalGenerationNested) {
   EXPECT_EQ(c.linear_key_head_dim, 16);
   EXPECT_EQ(c.linear_value_head_dim, 16);
   EXPECT_EQ(c.linear_conv_kernel_dim, 4);
-  EXPECT_EQ(c.layer_types, kinds("LLLFLLLF"));
+  EXPECT_EQ(c.layer_types, kinds("LLLALLLA"));
   EXPECT_EQ(c.num_linear_layers(), 6);
-  EXPECT_EQ(c.num_full_layers(), 2);
+  EXPECT_EQ(c.num_attention_layers(), 2);
   EXPECT_EQ(c.num_experts, 0);
   for (int i = 0; i < 8; ++i) EXPECT_FALSE(c.layer_is_moe(i));
   EXPECT_EQ(c.eos_token_ids, std::vector<int64_t>{7});
@@ -193,8 +193,8 @@ TEST(ModelConfig, Qwen3_5CausalLMLegacyRope) {
   EXPECT_EQ(c.rotary_dim(), 16);
   EXPECT_EQ(c.dtype, DType::F16);
   EXPECT_FALSE(c.tie_word_embeddings);
-  EXPECT_EQ(c.layer_types, kinds("LFLFLFLF"));
-  EXPECT_EQ(c.num_full_layers(), 4);
+  EXPECT_EQ(c.layer_types, kinds("LALALALA"));
+  EXPECT_EQ(c.num_attention_layers(), 4);
 }
 
 TEST(ModelConfig, LegacyRopeScalingWithMropeIsAccepted) {
@@ -226,7 +226,7 @@ TEST(ModelConfig, Defaults) {
   EXPECT_DOUBLE_EQ(c.partial_rotary_factor, 1.0);
   EXPECT_EQ(c.dtype, DType::BF16);
   EXPECT_EQ(c.linear_conv_kernel_dim, 4);
-  EXPECT_EQ(c.layer_types, kinds("LLLFLLLF"));
+  EXPECT_EQ(c.layer_types, kinds("LLLALLLA"));
   EXPECT_TRUE(c.eos_token_ids.empty());
   EXPECT_FALSE(c.tie_word_embeddings);
 }
@@ -247,7 +247,7 @@ TEST(ModelConfig, Qwen3_5MoeNested) {
   EXPECT_TRUE(c.mlp_only_layers.empty());
   for (int i = 0; i < 8; ++i) EXPECT_TRUE(c.layer_is_moe(i)) << i;
   EXPECT_EQ(c.eos_token_ids, (std::vector<int64_t>{7, 8}));
-  EXPECT_EQ(c.layer_types, kinds("LLLFLLLF"));  // default interval 4
+  EXPECT_EQ(c.layer_types, kinds("LLLALLLA"));  // default interval 4
 }
 
 TEST(ModelConfig, Qwen3NextSparseStepAndMlpOnlyLayers) {
@@ -524,7 +524,7 @@ TEST(ModelConfig, NemotronHBlocks) {
   EXPECT_EQ(c.arch, Arch::NemotronH);
   ASSERT_EQ(c.num_hidden_layers, 4);
   EXPECT_EQ(c.layer_types,
-            (std::vector<LayerKind>{LayerKind::Linear, LayerKind::Ffn, LayerKind::Full, LayerKind::Ffn}));
+            (std::vector<LayerKind>{LayerKind::Linear, LayerKind::Ffn, LayerKind::Attention, LayerKind::Ffn}));
   EXPECT_TRUE(c.layer_is_moe(1));
   EXPECT_FALSE(c.layer_is_moe(3));
   EXPECT_EQ(c.linear_num_key_heads, 2);
@@ -602,7 +602,7 @@ TEST(ModelConfig, MiniMax) {
   const ModelConfig c = parse(minimax());
   EXPECT_EQ(c.arch, Arch::MiniMax);
   EXPECT_EQ(c.layer_types,
-            (std::vector<LayerKind>{LayerKind::Linear, LayerKind::Full, LayerKind::Linear, LayerKind::Full}));
+            (std::vector<LayerKind>{LayerKind::Linear, LayerKind::Attention, LayerKind::Linear, LayerKind::Attention}));
   // Lightning state: one [head_dim, head_dim] per attention head; every layer an MoE of SwiGLU experts.
   EXPECT_EQ(c.linear_num_value_heads, 4);
   EXPECT_EQ(c.linear_key_head_dim, 16);
@@ -666,7 +666,7 @@ TEST(ModelConfig, KimiLinear) {
   const ModelConfig c = parse(kimi_linear());
   EXPECT_EQ(c.arch, Arch::KimiLinear);
   EXPECT_EQ(c.layer_types,
-            (std::vector<LayerKind>{LayerKind::Linear, LayerKind::Full, LayerKind::Linear, LayerKind::Full}));
+            (std::vector<LayerKind>{LayerKind::Linear, LayerKind::Attention, LayerKind::Linear, LayerKind::Attention}));
   EXPECT_FALSE(c.layer_is_moe(0));
   EXPECT_TRUE(c.layer_is_moe(1));
   EXPECT_EQ(c.linear_num_value_heads, 4);

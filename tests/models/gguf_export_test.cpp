@@ -200,7 +200,7 @@ TEST(GgufExport, RefusesWhatTheFormatCannotHold) {
             }).find("cannot write matrices as f16"),
             std::string::npos);
   ModelConfig odd = dir.config;
-  odd.layer_types[0] = LayerKind::Full;  // breaks the every-n-th pattern
+  odd.layer_types[0] = LayerKind::Attention;  // breaks the every-n-th pattern
   EXPECT_NE(err([&] {
               write_gguf_checkpoint(odd, *src, nullptr, DType::BF16, tmp_path("odd.gguf"));
             }).find("full_attention_interval"),
