@@ -225,7 +225,7 @@ TEST(Cli, InfoAndTokenize) {
     auto oj = nlohmann::json::parse(o.out);
     EXPECT_EQ(oj["layer_list"][0]["family"], family) << dir;
     if (std::string(dir) == "nemotron_h") {
-      EXPECT_EQ(oj["layer_map"], "L-FL-LLF--");
+      EXPECT_EQ(oj["layer_map"], "L-AL-LLA--");
       EXPECT_EQ(oj["layer_list"][1]["mixer"], "none");
       EXPECT_EQ(oj["layer_list"][1]["ffn"], "moe");
       EXPECT_EQ(oj["layer_list"][0]["ffn"], "none");
