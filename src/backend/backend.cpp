@@ -148,9 +148,34 @@ void Backend::copy_rows(std::span<const RowCopy> pieces, int rot_dim, double the
   }
 }
 
+void Backend::moe_experts_add(const Tensor& xn, const Tensor& router_logits, int top_k, bool norm_topk,
+                              const ExpertWeights& experts, const Tensor& shared, const Tensor& shared_gate,
+                              Tensor& x) {
+  checks::check_moe_shared(shared, shared_gate, x, device().kind);
+  Tensor mix = alloc_uninit(DType::F32, x.shape());
+  moe_experts(xn, router_logits, top_k, norm_topk, experts, mix);
+  if (shared.defined()) {
+    Tensor sh = alloc_uninit(DType::F32, shared.shape());
+    sigmoid_mul(shared, shared_gate, sh);  // the gate [T, 1] broadcasts over the row
+    add(mix, sh, mix);
+  }
+  add(x, mix, x);
+}
+
 void Backend::causal_conv1d_silu_spans(const Tensor& x, const Tensor& w, std::span<const ConvSpan> spans, Tensor& state,
-                                       Tensor& out) {
-  checks::check_conv1d_spans(x, w, spans, state, out, device().kind);
+                                       std::span<Tensor> out_cols) {
+  checks::check_conv1d_spans(x, w, spans, state, out_cols, device().kind);
+  if (out_cols.size() > 1) {  // the result whole, then its column blocks
+    Tensor whole = alloc_uninit(DType::F32, {x.dim(0), x.dim(1)});
+    causal_conv1d_silu_spans(x, w, spans, state, whole);
+    int64_t c0 = 0;
+    for (Tensor& o : out_cols) {
+      copy_cols(whole, c0, o);
+      c0 += o.dim(1);
+    }
+    return;
+  }
+  Tensor& out = out_cols[0];
   int64_t r0 = 0;
   for (const auto& sp : spans) {
     if (sp.rows > 0) {

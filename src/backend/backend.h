@@ -188,8 +188,14 @@ class Backend {
     int64_t rows = 0;
     const Tensor* after = nullptr;  // [K-1, C] like state
   };
+  // out is the result's columns in blocks, each a [T, C_i] tensor of its own with sum C_i = C: a GDN
+  // conv writes q, k and v straight into their tensors (no copy splits them afterwards).
   virtual void causal_conv1d_silu_spans(const Tensor& x, const Tensor& w, std::span<const ConvSpan> spans,
-                                        Tensor& state, Tensor& out);
+                                        Tensor& state, std::span<Tensor> out);
+  void causal_conv1d_silu_spans(const Tensor& x, const Tensor& w, std::span<const ConvSpan> spans, Tensor& state,
+                                Tensor& out) {
+    causal_conv1d_silu_spans(x, w, spans, state, std::span<Tensor>(&out, 1));
+  }
   // Qwen3.5/Qwen3-Next gates: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b).
   virtual void gdn_gates(const Tensor& a, const Tensor& b, const Tensor& A_log, const Tensor& dt_bias, Tensor& g,
                          Tensor& beta) = 0;
@@ -263,6 +269,13 @@ class Backend {
   // weighted sum into out[T, H] (overwritten).
   virtual void moe_experts(const Tensor& x, const Tensor& router_logits, int top_k, bool norm_topk,
                            const ExpertWeights& experts, Tensor& out) = 0;
+  // The end of a MoE block and its residual add in one op: x += moe_experts(xn, ...) +
+  // sigmoid(shared_gate) * shared, where shared [T, H] is the shared expert's output and
+  // shared_gate [T, 1] its gate logit (both undefined: no shared expert). The GPU folds it all into
+  // the experts' weighted sum; the base runs moe_experts, sigmoid_mul and add in that order.
+  virtual void moe_experts_add(const Tensor& xn, const Tensor& router_logits, int top_k, bool norm_topk,
+                               const ExpertWeights& experts, const Tensor& shared, const Tensor& shared_gate,
+                               Tensor& x);
 };
 
 // Creates a backend by name: "cpu" (threads <= 0: all cores), "cuda" or "cuda:N" (GPU N; threads

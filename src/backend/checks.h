@@ -84,8 +84,9 @@ void check_rope(const Tensor& x, size_t positions, int rot_dim, double theta, De
 void check_attention(const Tensor& q, const Tensor& k, const Tensor& v, int64_t kv_len, int64_t q_offset,
                      const Tensor& out, DeviceKind dev);
 void check_conv1d(const Tensor& x, const Tensor& w, const Tensor& state, const Tensor& out, DeviceKind dev);
+// out: the result's column blocks (one [T, C] tensor, or [T, C_i] with sum C_i = C).
 void check_conv1d_spans(const Tensor& x, const Tensor& w, std::span<const Backend::ConvSpan> spans, const Tensor& state,
-                        const Tensor& out, DeviceKind dev);
+                        std::span<const Tensor> out, DeviceKind dev);
 void check_copy_rows(std::span<const Backend::RowCopy> pieces, int rot_dim, double theta, DeviceKind dev);
 void check_gdn_gates(const Tensor& a, const Tensor& b, const Tensor& A_log, const Tensor& dt_bias, const Tensor& g,
                      const Tensor& beta, DeviceKind dev);
@@ -105,5 +106,7 @@ void check_sample_rows(const Tensor& x, const Tensor& params, const Tensor& mask
 // Returns the experts' intermediate size.
 int64_t check_moe(const Tensor& x, const Tensor& router_logits, int top_k, const ExpertWeights& experts,
                   const Tensor& out, DeviceKind dev);
+// moe_experts_add's shared expert output [T, H] and gate logit [T, 1] (both or neither defined).
+void check_moe_shared(const Tensor& shared, const Tensor& shared_gate, const Tensor& x, DeviceKind dev);
 
 }  // namespace hypic::checks

@@ -126,29 +126,52 @@ void check_attention(const Tensor& q, const Tensor& k, const Tensor& v, int64_t 
   if (overlaps(out, q) || overlaps(out, k) || overlaps(out, v)) fail(op, "out overlaps an input");
 }
 
-void check_conv1d(const Tensor& x, const Tensor& w, const Tensor& state, const Tensor& out, DeviceKind dev) {
-  const char* op = "causal_conv1d_silu";
+namespace {
+// x, w and state of a conv; returns C.
+int64_t check_conv1d_inputs(const char* op, const Tensor& x, const Tensor& w, const Tensor& state, DeviceKind dev) {
   need_f32(op, "x", x, dev);
   need_float(op, "w", w, dev);
   need_f32(op, "state", state, dev);
-  need_f32(op, "out", out, dev);
   need_ndim(op, "x", x, 2);
-  const int64_t T = x.dim(0), C = x.dim(1);
+  const int64_t C = x.dim(1);
   // w: [C, K] (or torch's [C, 1, K]).
   if (!(w.ndim() == 2 || (w.ndim() == 3 && w.dim(1) == 1))) fail(op, "w " + w.str() + ": expected [C, K] or [C, 1, K]");
   const int64_t K = w.dim(-1);
   if (w.dim(0) != C) fail(op, "w " + w.str() + " and x " + x.str() + ": channel counts differ");
   if (K < 1) fail(op, "w " + w.str() + ": kernel size must be >= 1");
   need_shape(op, "state", state, {K - 1, C});
-  need_shape(op, "out", out, {T, C});
-  if (overlaps(out, x) || overlaps(out, state) || overlaps(out, w) || overlaps(state, x))
-    fail(op, "out, x and state must not overlap");
+  if (overlaps(state, x)) fail(op, "x and state must not overlap");
+  return C;
+}
+}  // namespace
+
+void check_conv1d(const Tensor& x, const Tensor& w, const Tensor& state, const Tensor& out, DeviceKind dev) {
+  const char* op = "causal_conv1d_silu";
+  check_conv1d_inputs(op, x, w, state, dev);
+  need_f32(op, "out", out, dev);
+  need_shape(op, "out", out, {x.dim(0), x.dim(1)});
+  if (overlaps(out, x) || overlaps(out, state) || overlaps(out, w)) fail(op, "out, x and state must not overlap");
 }
 
 void check_conv1d_spans(const Tensor& x, const Tensor& w, std::span<const Backend::ConvSpan> spans, const Tensor& state,
-                        const Tensor& out, DeviceKind dev) {
+                        std::span<const Tensor> out_cols, DeviceKind dev) {
   const char* op = "causal_conv1d_silu_spans";
-  check_conv1d(x, w, state, out, dev);
+  const int64_t C = check_conv1d_inputs(op, x, w, state, dev);
+  if (out_cols.empty()) fail(op, "no output");
+  int64_t cols = 0;
+  for (size_t i = 0; i < out_cols.size(); ++i) {
+    const Tensor& o = out_cols[i];
+    const std::string name = out_cols.size() == 1 ? std::string("out") : "out block " + std::to_string(i);
+    need_f32(op, name.c_str(), o, dev);
+    need_ndim(op, name.c_str(), o, 2);
+    if (o.dim(0) != x.dim(0)) fail(op, name + " " + o.str() + " and x " + x.str() + ": row counts differ");
+    if (overlaps(o, x) || overlaps(o, state) || overlaps(o, w)) fail(op, name + ", x and state must not overlap");
+    for (size_t j = 0; j < i; ++j)
+      if (overlaps(o, out_cols[j])) fail(op, name + " overlaps block " + std::to_string(j));
+    cols += o.dim(1);
+  }
+  if (cols != C)
+    fail(op, "out covers " + std::to_string(cols) + " columns, x " + x.str() + " has " + std::to_string(C));
   int64_t rows = 0;
   for (const auto& sp : spans) {
     if (sp.rows < 0) fail(op, "a span of " + std::to_string(sp.rows) + " rows");
@@ -156,7 +179,9 @@ void check_conv1d_spans(const Tensor& x, const Tensor& w, std::span<const Backen
     if (sp.after) {
       need_f32(op, "after", *sp.after, dev);
       need_shape(op, "after", *sp.after, state.shape());
-      if (overlaps(*sp.after, state) || overlaps(*sp.after, out)) fail(op, "after overlaps state or out");
+      if (overlaps(*sp.after, state)) fail(op, "after overlaps state");
+      for (const Tensor& o : out_cols)
+        if (overlaps(*sp.after, o)) fail(op, "after overlaps out");
     }
   }
   if (rows != x.dim(0))
@@ -275,6 +300,17 @@ void check_set_identity(const Tensor& t, DeviceKind dev) {
   need_f32(op, "t", t, dev);
   need_ndim(op, "t", t, 3);
   if (t.dim(2) != t.dim(1)) fail(op, "t " + t.str() + ": matrices must be square");
+}
+
+void check_moe_shared(const Tensor& shared, const Tensor& shared_gate, const Tensor& x, DeviceKind dev) {
+  const char* op = "moe_experts_add";
+  if (shared.defined() != shared_gate.defined()) fail(op, "shared and shared_gate must be given together");
+  if (!shared.defined()) return;
+  need_f32(op, "shared", shared, dev);
+  need_f32(op, "shared_gate", shared_gate, dev);
+  need_shape(op, "shared", shared, x.shape());
+  need_shape(op, "shared_gate", shared_gate, {x.dim(0), 1});
+  if (overlaps(shared, x) || overlaps(shared_gate, x)) fail(op, "shared and shared_gate must not overlap x");
 }
 
 int64_t check_moe(const Tensor& x, const Tensor& router_logits, int top_k, const ExpertWeights& experts,

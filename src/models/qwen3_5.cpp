@@ -142,12 +142,12 @@ struct MlpWeights {
   Tensor gate, up, down;
 };
 
-// out = down(silu(gate(x)) * up(x)).
-static void swiglu_forward(Backend& be, const Tensor& x, const MlpWeights& w, Tensor& out) {
+// out = down(silu(gate(x)) * up(x)) (out += that when accumulate: the residual add in the product).
+static void swiglu_forward(Backend& be, const Tensor& x, const MlpWeights& w, Tensor& out, bool accumulate = false) {
   const int64_t T = x.dim(0), I = w.gate.dim(0);
   Tensor h = be.alloc_uninit(DType::F32, {T, I});
   be.matmul_swiglu(x, w.gate, w.up, h);
-  be.matmul(h, w.down, out);
+  be.matmul(h, w.down, out, accumulate);
 }
 struct MoeWeights {
   Tensor router;  // [E, H]
@@ -491,7 +491,6 @@ void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> s
     Tensor b = be_.alloc_uninit(DType::F32, {T, m.Hv});
     Tensor a = be_.alloc_uninit(DType::F32, {T, m.Hv});
     be_.matmul_many(xn, {g.in_qkv, g.in_z, g.in_b, g.in_a}, {qkv, z, b, a});
-    Tensor conv_out = be_.alloc_uninit(DType::F32, {T, m.C});
     Tensor q = be_.alloc_uninit(DType::F32, {T, m.Hk, m.dk});
     Tensor k = be_.alloc_uninit(DType::F32, {T, m.Hk, m.dk});
     Tensor v = be_.alloc_uninit(DType::F32, {T, m.Hv, m.dv});
@@ -499,18 +498,8 @@ void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> s
     Tensor beta = be_.alloc_uninit(DType::F32, {T, m.Hv});
     Tensor o = be_.alloc_uninit(DType::F32, {T, m.Hv, m.dv});
     be_.gdn_gates(a, b, g.A_log, g.dt_bias, gdec, beta);
-    // q, k and v are column blocks of the conv output, split once for all rows: 3 copies per
-    // layer instead of 3 per sequence.
-    auto split = [&](int64_t r0, int64_t r1) {
-      Tensor co = conv_out.slice_rows(r0, r1);
-      Tensor q2 = q.slice_rows(r0, r1).reshape({r1 - r0, m.Hk * m.dk}),
-             k2 = k.slice_rows(r0, r1).reshape({r1 - r0, m.Hk * m.dk}),
-             v2 = v.slice_rows(r0, r1).reshape({r1 - r0, m.Hv * m.dv});
-      be_.copy_cols(co, 0, q2);
-      be_.copy_cols(co, m.Hk * m.dk, k2);
-      be_.copy_cols(co, 2 * m.Hk * m.dk, v2);
-    };
     if (step) {
+      Tensor conv_out = be_.alloc_uninit(DType::F32, {T, m.C});
       be_.causal_conv1d_silu_step(qkv, g.conv, step->states.slice_rows(0, T), conv_out);
       if (T == 1) {
         // One row: the column blocks are contiguous, so views replace the three copies.
@@ -519,8 +508,11 @@ void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> s
         q = row.slice_rows(0, nk).reshape({1, m.Hk, m.dk});
         k = row.slice_rows(nk, 2 * nk).reshape({1, m.Hk, m.dk});
         v = row.slice_rows(2 * nk, m.C).reshape({1, m.Hv, m.dv});
-      } else {
-        split(0, T);
+      } else {  // q, k and v are column blocks of the conv output: 3 copies for the whole batch
+        Tensor q2 = q.reshape({T, m.Hk * m.dk}), k2 = k.reshape({T, m.Hk * m.dk}), v2 = v.reshape({T, m.Hv * m.dv});
+        be_.copy_cols(conv_out, 0, q2);
+        be_.copy_cols(conv_out, m.Hk * m.dk, k2);
+        be_.copy_cols(conv_out, 2 * m.Hk * m.dk, v2);
       }
       be_.gated_delta_rule_step(q, k, v, gdec, beta, true, step->states.slice_rows(T, 2 * T), o);
     } else {
@@ -534,8 +526,11 @@ void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> s
       int64_t c0 = 0, r0 = 0;
       auto flush = [&] {
         if (!cs.empty()) {
-          Tensor co = conv_out.slice_rows(c0, r0);
-          be_.causal_conv1d_silu_spans(qkv.slice_rows(c0, r0), g.conv, cs, cur->conv, co);
+          // q, k and v straight from the conv (column blocks of its result): no split copies.
+          Tensor qkv_out[3] = {q.slice_rows(c0, r0).reshape({r0 - c0, m.Hk * m.dk}),
+                               k.slice_rows(c0, r0).reshape({r0 - c0, m.Hk * m.dk}),
+                               v.slice_rows(c0, r0).reshape({r0 - c0, m.Hv * m.dv})};
+          be_.causal_conv1d_silu_spans(qkv.slice_rows(c0, r0), g.conv, cs, cur->conv, qkv_out);
         }
         cs.clear();
         c0 = r0;
@@ -553,7 +548,6 @@ void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> s
         }
       }
       flush();
-      split(0, T);
     }
     // The recurrences. Consecutive spans of one state whose `after` work is composition (a PIC
     // request's seams and cached bodies) form one chain: one call for all its segments (one launch
@@ -692,24 +686,23 @@ void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> s
   }
   be_.add_rms_norm(x, mix, L.post_norm, eps, true, xn);
   if (!L.moe) {
-    swiglu_forward(be_, xn, L.mlp, mix);
+    swiglu_forward(be_, xn, L.mlp, x, /*accumulate=*/true);
   } else {
     auto& mo = L.moew;
     Tensor logits = be_.alloc_uninit(DType::F32, {T, cfg_.num_experts});
     Tensor sg = mo.has_shared ? be_.alloc_uninit(DType::F32, {T, 1}) : Tensor();
-    if (mo.has_shared)
-      be_.matmul_many(xn, {mo.router, mo.shared_gate}, {logits, sg});
-    else
-      be_.matmul(xn, mo.router, logits);
-    be_.moe_experts(xn, logits, static_cast<int>(cfg_.num_experts_per_tok), cfg_.norm_topk_prob, mo.experts, mix);
+    Tensor sh;
     if (mo.has_shared) {
-      Tensor sh = be_.alloc_uninit(DType::F32, {T, m.H});
+      be_.matmul_many(xn, {mo.router, mo.shared_gate}, {logits, sg});
+      sh = be_.alloc_uninit(DType::F32, {T, m.H});
       swiglu_forward(be_, xn, mo.shared, sh);
-      be_.sigmoid_mul(sh, sg, sh);  // gate [T, 1] broadcasts over the row
-      be_.add(mix, sh, mix);
+    } else {
+      be_.matmul(xn, mo.router, logits);
     }
+    // The routed experts, the gated shared expert and the residual add: one pass on the GPU.
+    be_.moe_experts_add(xn, logits, static_cast<int>(cfg_.num_experts_per_tok), cfg_.norm_topk_prob, mo.experts, sh, sg,
+                        x);
   }
-  be_.add(x, mix, x);
 }
 
 void Model::replay(const RecurrenceInputs& in, Tensor& ssm) {

@@ -515,6 +515,29 @@ TEST_F(CpuOps, CausalConvSpansRestartFromEachTail) {
   const std::vector<Backend::ConvSpan> short_spans = {{3, nullptr}};
   EXPECT_EQ(error_of([&] { be->causal_conv1d_silu_spans(x, w, short_spans, state, out); }),
             "causal_conv1d_silu_spans: spans cover 3 rows, x f32[7, 11] has 7");
+  // The result in column blocks (q, k and v of a GDN conv): the same columns, each in its tensor.
+  Tensor state2 = st0.clone();
+  std::vector<Tensor> blocks = {be->alloc(DType::F32, {7, 3}), be->alloc(DType::F32, {7, 6}),
+                                be->alloc(DType::F32, {7, 2})};
+  be->causal_conv1d_silu_spans(x, w, spans, state2, blocks);
+  EXPECT_EQ(vals(state2), end_state);
+  Tensor again = be->alloc(DType::F32, {7, C});
+  Tensor st_again = st0.clone();
+  be->causal_conv1d_silu_spans(x, w, spans, st_again, again);
+  const Vec av = vals(again);
+  int64_t c0 = 0;
+  for (const Tensor& b : blocks) {
+    const Vec bv = vals(b);
+    for (int64_t t = 0; t < 7; ++t)
+      for (int64_t c = 0; c < b.dim(1); ++c) ASSERT_EQ(bv[t * b.dim(1) + c], av[t * C + c0 + c]) << t << "," << c0 + c;
+    c0 += b.dim(1);
+  }
+  std::vector<Tensor> narrow = {be->alloc(DType::F32, {7, 3}), be->alloc(DType::F32, {7, 6})};
+  EXPECT_EQ(error_of([&] { be->causal_conv1d_silu_spans(x, w, spans, state2, narrow); }),
+            "causal_conv1d_silu_spans: out covers 9 columns, x f32[7, 11] has 11");
+  std::vector<Tensor> aliased = {blocks[0], blocks[0], blocks[2]};
+  EXPECT_EQ(error_of([&] { be->causal_conv1d_silu_spans(x, w, spans, state2, aliased); }),
+            "causal_conv1d_silu_spans: out block 1 overlaps block 0");
 }
 
 // Row copies: plain pieces land where they belong, rotated pieces are rope_neox by the shift.
@@ -746,6 +769,15 @@ TEST_F(CpuOps, MoeExpertsWithTies) {
       be->moe_experts(x0, l0, top_k, norm, ex, o0);
       Vec o0v = vals(o0), ov = vals(out);
       for (int64_t c = 0; c < H; ++c) EXPECT_NEAR(o0v[c], ov[H + c], 1e-5);
+      // The block's end in one op: x += routed + sigmoid(gate) * shared.
+      Tensor sh = randn({T, H}, 90), sg = randn({T, 1}, 91), xr = randn({T, H}, 92);
+      const Vec xr0 = vals(xr), shv = vals(sh), sgv = vals(sg);
+      be->moe_experts_add(x, logits, top_k, norm, ex, sh, sg, xr);
+      Vec want(static_cast<size_t>(T * H));
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t c = 0; c < H; ++c)
+          want[t * H + c] = xr0[t * H + c] + ov[t * H + c] + shv[t * H + c] / (1 + std::exp(-sgv[t]));
+      EXPECT_LE(rel_l2(xr, want), 1e-6) << dtype_name(dt) << " norm=" << norm;
     }
   ExpertWeights few;
   few.gate.resize(2), few.up.resize(2), few.down.resize(2);
@@ -754,6 +786,11 @@ TEST_F(CpuOps, MoeExpertsWithTies) {
             "moe_experts: expected 7 experts in gate/up/down, got 2/2/2");
   EXPECT_EQ(error_of([&] { be->moe_experts(x, logits, 8, true, few, out); }),
             "moe_experts: top_k 8 out of range for 7 experts");
+  Tensor sh = randn({T, H}, 93), sg_bad = randn({T, 2}, 94);
+  EXPECT_EQ(error_of([&] { be->moe_experts_add(x, logits, 2, true, few, sh, Tensor(), out); }),
+            "moe_experts_add: shared and shared_gate must be given together");
+  EXPECT_EQ(error_of([&] { be->moe_experts_add(x, logits, 2, true, few, sh, sg_bad, out); }),
+            "moe_experts_add: shared_gate f32[13, 2]: expected shape [13, 1]");
 }
 
 // ---- decode-step tables and token selection ------------------------------------------------------

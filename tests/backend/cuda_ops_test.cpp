@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <stdexcept>
@@ -151,25 +152,29 @@ TEST_F(CudaOps, EmbeddingNormsAndElementwise) {
   gpu->embedding(dev(table), ids, eg);
   EXPECT_EQ(err(eg, ec), 0.0);
 
-  Tensor x = randn({R, D}, rng, 3.f), z = randn({R, D}, rng), w = as(randn({D}, rng, 0.3f), DType::BF16);
-  for (bool opw : {false, true}) {
-    Tensor oc = cpu->alloc(DType::F32, {R, D}), og = poisoned(DType::F32, {R, D});
-    cpu->rms_norm(x, w, 1e-6f, opw, oc);
-    gpu->rms_norm(dev(x), dev(w), 1e-6f, opw, og);
-    EXPECT_LE(err(og, oc), 1e-5) << "one_plus_w=" << opw;
-  }
-  {
-    Tensor oc = cpu->alloc(DType::F32, {R, D}), og = poisoned(DType::F32, {R, D});
+  // Norms: a block per row (D 200), a warp per row (128, 256 and 512: a head's channels).
+  for (int64_t Dn : {D, int64_t(128), int64_t(256), int64_t(512)}) {
+    Tensor x = randn({R, Dn}, rng, 3.f), z = randn({R, Dn}, rng), w = as(randn({Dn}, rng, 0.3f), DType::BF16);
+    for (bool opw : {false, true}) {
+      Tensor oc = cpu->alloc(DType::F32, {R, Dn}), og = poisoned(DType::F32, {R, Dn});
+      cpu->rms_norm(x, w, 1e-6f, opw, oc);
+      gpu->rms_norm(dev(x), dev(w), 1e-6f, opw, og);
+      EXPECT_LE(err(og, oc), 1e-5) << "one_plus_w=" << opw << " D=" << Dn;
+    }
+    Tensor oc = cpu->alloc(DType::F32, {R, Dn}), og = poisoned(DType::F32, {R, Dn});
     cpu->rms_norm_gated(x, z, w, 1e-6f, oc);
     gpu->rms_norm_gated(dev(x), dev(z), dev(w), 1e-6f, og);
-    EXPECT_LE(err(og, oc), 1e-5);
-    // In place, as the model calls it.
-    Tensor xg = dev(x);
+    EXPECT_LE(err(og, oc), 1e-5) << "gated D=" << Dn;
+    // In place, as the model calls them.
+    Tensor xg = dev(x), xz = dev(x);
     gpu->rms_norm(xg, dev(w), 1e-6f, true, xg);
-    Tensor oc2 = cpu->alloc(DType::F32, {R, D});
+    gpu->rms_norm_gated(xz, dev(z), dev(w), 1e-6f, xz);
+    Tensor oc2 = cpu->alloc(DType::F32, {R, Dn});
     cpu->rms_norm(x, w, 1e-6f, true, oc2);
-    EXPECT_LE(err(xg, oc2), 1e-5);
+    EXPECT_LE(err(xg, oc2), 1e-5) << "in place D=" << Dn;
+    EXPECT_LE(err(xz, oc), 1e-5) << "gated in place D=" << Dn;
   }
+  Tensor x = randn({R, D}, rng, 3.f), z = randn({R, D}, rng);
   Tensor gx = dev(x), gz = dev(z);
   for (int op = 0; op < 3; ++op) {
     Tensor oc = cpu->alloc(DType::F32, {R, D}), og = poisoned(DType::F32, {R, D});
@@ -450,6 +455,27 @@ TEST_F(CudaOps, CausalConvSpansMatchOneCallPerSpan) {
         EXPECT_LE(err(og, oc), 1e-6) << "T=" << T;
       }
       EXPECT_EQ(err(stg, stc), 0.0) << "state, T=" << T;
+      // The result in three column blocks (q, k, v of a GDN conv): the same values, each block in
+      // its tensor, from the same kernel.
+      const int64_t c0 = C / 4 - C / 4 % 4 + 4, c1 = c0;  // C 96: 24 | 24 | 48; C 70: 20 | 20 | 30
+      Tensor stb = dev(st);
+      auto block = [&](int64_t w) { return T ? poisoned(DType::F32, {T, w}) : gpu->alloc(DType::F32, {0, w}); };
+      std::vector<Tensor> blocks = {block(c0), block(c1), block(C - c0 - c1)};
+      gpu->causal_conv1d_silu_spans(dev(x), dev(w), sg, stb, blocks);
+      EXPECT_EQ(err(stb, stc), 0.0) << "split state, T=" << T;
+      if (T) {
+        const Tensor whole_h = gpu->to_host(og);
+        const float* whole = whole_h.data<float>();
+        int64_t b0 = 0;
+        for (const Tensor& b : blocks) {
+          const Tensor bh = gpu->to_host(b);
+          const float* bv = bh.data<float>();
+          for (int64_t t = 0; t < T; ++t)
+            for (int64_t c = 0; c < b.dim(1); ++c)
+              ASSERT_EQ(bv[t * b.dim(1) + c], whole[t * C + b0 + c]) << "C=" << C << " T=" << T << " col " << b0 + c;
+          b0 += b.dim(1);
+        }
+      }
     }
     // Spans that do not cover x are refused by name.
     Tensor x = dev(randn({4, C}, rng)), w = dev(randn({C, K}, rng)), st = gpu->alloc(DType::F32, {K - 1, C});
@@ -726,10 +752,67 @@ TEST_F(CudaOps, MoeExperts) {
           gpu->moe_experts(dev(x), dev(logits), top_k, norm, eg, og);
           const double tol = wd == DType::F32 || T * top_k <= 256 ? 1e-5 : 1e-2;  // few slots: f32 activations
           EXPECT_LE(err(og, oc), tol) << "T=" << T << " " << dtype_name(wd) << (grouped ? " grouped" : " cublas");
+          // The block's end in one op (shared expert and residual folded into the combine): bit for
+          // bit the separate ops' result (the base class runs them), and the CPU's within tol.
+          Tensor sh = randn({T, H}, rng), sg = randn({T, 1}, rng, 2.f), x0 = randn({T, H}, rng);
+          for (bool with_shared : {true, false}) {
+            const Tensor shc = with_shared ? sh : Tensor(), sgc = with_shared ? sg : Tensor();
+            const Tensor shg = with_shared ? dev(sh) : Tensor(), sgg = with_shared ? dev(sg) : Tensor();
+            Tensor xc = x0.clone(), xf = dev(x0), xs = dev(x0);
+            cpu->moe_experts_add(x, logits, top_k, norm, ec, shc, sgc, xc);
+            gpu->moe_experts_add(dev(x), dev(logits), top_k, norm, eg, shg, sgg, xf);
+            gpu->Backend::moe_experts_add(dev(x), dev(logits), top_k, norm, eg, shg, sgg, xs);
+            EXPECT_EQ(err(xf, gpu->to_host(xs)), 0.0) << "T=" << T << " shared " << with_shared;
+            EXPECT_LE(err(xf, xc), tol) << "T=" << T << " shared " << with_shared;
+          }
         }
       }
 #if HYPIC_HAVE_CUDA
   cuda::set_moe_grouped(true);
+#endif
+}
+
+// A decode step's routing in one launch (k_route_few) gives what the three kernels give: the same
+// experts, weights, ranks, counts and order, ties included (256 experts, top 8, as Qwen3.5-35B-A3B).
+TEST_F(CudaOps, MoeRouteOrderInOneLaunchMatchesThreeKernels) {
+#if HYPIC_HAVE_CUDA
+  const int64_t E = 256;
+  const int top_k = 8;
+  for (int64_t T : {1, 3, 32})
+    for (bool norm : {true, false}) {
+      Tensor lh = randn({T, E}, rng, 2.f);
+      for (int64_t e = 0; e < 12; ++e) lh.data<float>()[e * 3] = 20.f;  // token 0: a tie across the top-k boundary
+      Tensor logits = dev(lh);
+      const int64_t n = T * top_k;
+      Tensor a[6], b[6];  // sel, w, rank, counts, order, pos
+      for (Tensor* t : {a, b}) {
+        t[0] = gpu->alloc(DType::I32, {n}), t[1] = gpu->alloc(DType::F32, {n}), t[2] = gpu->alloc(DType::I32, {n});
+        t[3] = gpu->alloc(DType::I32, {E}), t[4] = gpu->alloc(DType::I32, {n}), t[5] = gpu->alloc(DType::I32, {n});
+      }
+      Tensor offs_a = gpu->alloc(DType::I32, {E}), offs_b = gpu->alloc(DType::I32, {E});
+      gpu->synchronize();
+      cuda::launch_moe_route(nullptr, logits.data<float>(), T, E, top_k, norm, a[0].data<int32_t>(), a[1].data<float>(),
+                             a[2].data<int32_t>(), a[3].data<int32_t>());
+      cuda::launch_moe_order(nullptr, a[0].data<int32_t>(), a[2].data<int32_t>(), a[3].data<int32_t>(), E, n,
+                             a[4].data<int32_t>(), offs_a.data<int32_t>(), a[5].data<int32_t>());
+      cuda::launch_moe_route_order(nullptr, logits.data<float>(), T, E, top_k, norm, b[0].data<int32_t>(),
+                                   b[1].data<float>(), b[2].data<int32_t>(), b[3].data<int32_t>(), b[4].data<int32_t>(),
+                                   offs_b.data<int32_t>(), b[5].data<int32_t>());
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const char* names[6] = {"sel", "weights", "rank", "counts", "order", "pos"};
+      for (int i = 0; i < 6; ++i) {
+        Tensor ha = gpu->to_host(a[i]), hb = gpu->to_host(b[i]);
+        ASSERT_EQ(std::memcmp(ha.raw(), hb.raw(), ha.nbytes()), 0) << names[i] << " T=" << T;
+      }
+      Tensor ho = gpu->to_host(offs_a), hp = gpu->to_host(offs_b);
+      EXPECT_EQ(std::memcmp(ho.raw(), hp.raw(), ho.nbytes()), 0) << "offsets T=" << T;
+      Tensor sel = gpu->to_host(a[0]);
+      if (T == 1) {  // the tie: the lower expert indices win
+        for (int j = 0; j < top_k; ++j) EXPECT_EQ(sel.data<int32_t>()[j], 3 * j) << j;
+      }
+    }
+#else
+  GTEST_SKIP() << "built without CUDA";
 #endif
 }
 

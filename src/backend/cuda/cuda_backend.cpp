@@ -990,10 +990,18 @@ void CudaBackend::causal_conv1d_silu(const Tensor& x, const Tensor& w, Tensor& s
 }
 
 void CudaBackend::causal_conv1d_silu_spans(const Tensor& x, const Tensor& w, std::span<const ConvSpan> spans,
-                                           Tensor& state, Tensor& out) {
+                                           Tensor& state, std::span<Tensor> out_cols) {
   OpScope scope_(*impl_, "causal_conv1d_silu");
-  check_conv1d_spans(x, w, spans, state, out, kDev);
+  check_conv1d_spans(x, w, spans, state, out_cols, kDev);
   const int64_t C = x.dim(1), K = w.dim(-1);
+  if (out_cols.size() > 3) return Backend::causal_conv1d_silu_spans(x, w, spans, state, out_cols);
+  cuda::ColSplit out = cuda::ColSplit::whole(out_cols[0].data<float>(), C);
+  if (out_cols.size() > 1) {
+    out.end0 = out_cols[0].dim(1);
+    out.p1 = out_cols[1].data<float>();
+    out.end1 = out.end0 + out_cols[1].dim(1);
+    out.p2 = out_cols.size() > 2 ? out_cols[2].data<float>() : out.p1;  // two blocks: the third is empty
+  }
   // Groups of rows that continue one another; each span with an `after` ends one, and the next
   // starts from that tensor.
   std::vector<cuda::ConvGroup> groups;
@@ -1010,13 +1018,12 @@ void CudaBackend::causal_conv1d_silu_spans(const Tensor& x, const Tensor& w, std
   }
   if (rows > 0) groups.push_back({row0, rows, start});
   if (groups.size() == 1 && groups[0].row0 == 0) {  // one continued conv (a prefill span): the tiled kernel
-    launch_conv1d_rows(impl_->stream, x.data<float>(), w.raw(), w.dtype(), groups[0].start, out.data<float>(), x.dim(0),
-                       C, K);
+    launch_conv1d_rows(impl_->stream, x.data<float>(), w.raw(), w.dtype(), groups[0].start, out, x.dim(0), C, K);
   } else if (!groups.empty()) {
     Tensor d = upload(groups.data(), DType::U8, static_cast<int64_t>(groups.size() * sizeof(cuda::ConvGroup)));
     launch_conv1d_spans(impl_->stream, x.data<float>(), w.raw(), w.dtype(),
-                        reinterpret_cast<const cuda::ConvGroup*>(d.raw()), static_cast<int>(groups.size()),
-                        out.data<float>(), x.dim(0), C, K);
+                        reinterpret_cast<const cuda::ConvGroup*>(d.raw()), static_cast<int>(groups.size()), out,
+                        x.dim(0), C, K);
   }
   // The state after the last span: its `after`, or the last K-1 inputs of the open group.
   if (rows > 0)
@@ -1197,27 +1204,47 @@ void CudaBackend::set_identity(Tensor& t) {
 void CudaBackend::moe_experts(const Tensor& x, const Tensor& router_logits, int top_k, bool norm_topk,
                               const ExpertWeights& experts, Tensor& out) {
   OpScope scope_(*impl_, "moe_experts");
+  run_moe(x, router_logits, top_k, norm_topk, experts, out, nullptr, nullptr, false);
+}
+
+void CudaBackend::moe_experts_add(const Tensor& xn, const Tensor& router_logits, int top_k, bool norm_topk,
+                                  const ExpertWeights& experts, const Tensor& shared, const Tensor& shared_gate,
+                                  Tensor& x) {
+  OpScope scope_(*impl_, "moe_experts");
+  check_moe_shared(shared, shared_gate, x, kDev);
+  run_moe(xn, router_logits, top_k, norm_topk, experts, x, shared.defined() ? shared.data<float>() : nullptr,
+          shared.defined() ? shared_gate.data<float>() : nullptr, true);
+}
+
+void CudaBackend::run_moe(const Tensor& x, const Tensor& router_logits, int top_k, bool norm_topk,
+                          const ExpertWeights& experts, Tensor& out, const float* shared, const float* shared_gate,
+                          bool residual) {
+  const cuda::MoeTail tail{shared, shared_gate, residual};
   const int64_t I = check_moe(x, router_logits, top_k, experts, out, kDev);
   const int64_t T = x.dim(0), H = x.dim(1), E = router_logits.dim(1);
   auto& m = *impl_;
   if (T == 0) return;
   Tensor sel = alloc_uninit(DType::I32, {T * top_k}), dw = alloc_uninit(DType::F32, {T * top_k}),
          rank = alloc_uninit(DType::I32, {T * top_k}), counts = alloc_uninit(DType::I32, {E});
-  launch_moe_route(m.stream, router_logits.data<float>(), T, E, top_k, norm_topk, sel.data<int32_t>(), dw.data<float>(),
-                   rank.data<int32_t>(), counts.data<int32_t>());
-  // Few slots (decode): every slot reads its expert's rows directly, no counts come back to the host.
+  // Few slots (decode): every slot reads its expert's rows directly, no counts come back to the host;
+  // routing and the slots' order by expert in one launch.
   if (T * top_k <= kMoeGemvMaxSlots) {
     if (const void* const* tab = expert_table(experts, H, I)) {
       const int64_t n = T * top_k;
       Tensor order = alloc_uninit(DType::I32, {n}), hs = alloc_uninit(DType::F32, {n, I}),
              ys = alloc_uninit(DType::F32, {n, H});
-      launch_moe_order(m.stream, sel.data<int32_t>(), rank.data<int32_t>(), counts.data<int32_t>(), E, n,
-                       order.data<int32_t>());
+      launch_moe_route_order(m.stream, router_logits.data<float>(), T, E, top_k, norm_topk, sel.data<int32_t>(),
+                             dw.data<float>(), rank.data<int32_t>(), counts.data<int32_t>(), order.data<int32_t>());
       launch_moe_gemv(m.stream, experts.gate[0].dtype(), tab, tab + E, tab + 2 * E, x.data<float>(),
                       sel.data<int32_t>(), order.data<int32_t>(), n, top_k, H, I, hs.data<float>(), ys.data<float>());
-      launch_moe_combine(m.stream, ys.data<float>(), nullptr, dw.data<float>(), T, top_k, H, out.data<float>());
+      launch_moe_combine(m.stream, ys.data<float>(), nullptr, dw.data<float>(), T, top_k, H, out.data<float>(), tail);
       return;
     }
+  }
+  {
+    PhaseScope ph(m, "moe_experts/route");
+    launch_moe_route(m.stream, router_logits.data<float>(), T, E, top_k, norm_topk, sel.data<int32_t>(),
+                     dw.data<float>(), rank.data<int32_t>(), counts.data<int32_t>());
   }
   // Up to a few thousand slots (a PIC composition's rows, larger decode batches): the grouped
   // tensor-core kernels, sized on the device, so nothing comes back to the host.
@@ -1239,7 +1266,7 @@ void CudaBackend::moe_experts(const Tensor& x, const Tensor& router_logits, int 
                          counts.data<int32_t>(), tab + 2 * E, nullptr, E, top_k, I, H, ys.data<float>());
       ph.emplace(m, "moe_experts/combine");
       launch_moe_combine(m.stream, ys.data<float>(), pos.data<int32_t>(), dw.data<float>(), T, top_k, H,
-                         out.data<float>());
+                         out.data<float>(), tail);
       return;
     }
   }
@@ -1255,11 +1282,12 @@ void CudaBackend::moe_experts(const Tensor& x, const Tensor& router_logits, int 
       Tensor order = alloc_uninit(DType::I32, {n}), offs = alloc_uninit(DType::I32, {E}),
              pos = alloc_uninit(DType::I32, {n}), tiles = alloc_uninit(DType::I32, {E + 1}),
              x16 = alloc_uninit(wd, {T, H}), hs = alloc_uninit(wd, {n, I}), ys = alloc_uninit(DType::F32, {n, H});
+      std::optional<PhaseScope> ph(std::in_place, m, "moe_experts/order+convert");
       launch_moe_order(m.stream, sel.data<int32_t>(), rank.data<int32_t>(), counts.data<int32_t>(), E, n,
                        order.data<int32_t>(), offs.data<int32_t>(), pos.data<int32_t>());
       launch_moe_tiles(m.stream, counts.data<int32_t>(), E, tiles.data<int32_t>());
       launch_convert_f32(m.stream, x.data<float>(), wd, x16.raw(), T * H);
-      std::optional<PhaseScope> ph(std::in_place, m, "moe_experts/gemm gate+up");
+      ph.emplace(m, "moe_experts/gemm gate+up");
       launch_moe_gemm(m.stream, wd, true, x16.raw(), order.data<int32_t>(), offs.data<int32_t>(),
                       counts.data<int32_t>(), tiles.data<int32_t>(), E, n, tab, tab + E, top_k, H, I, hs.raw());
       ph.emplace(m, "moe_experts/gemm down");
@@ -1267,7 +1295,7 @@ void CudaBackend::moe_experts(const Tensor& x, const Tensor& router_logits, int 
                       counts.data<int32_t>(), tiles.data<int32_t>(), E, n, tab + 2 * E, nullptr, top_k, I, H, ys.raw());
       ph.emplace(m, "moe_experts/combine");
       launch_moe_combine(m.stream, ys.data<float>(), pos.data<int32_t>(), dw.data<float>(), T, top_k, H,
-                         out.data<float>());
+                         out.data<float>(), tail);
       return;
     }
   }
@@ -1311,8 +1339,8 @@ void CudaBackend::moe_experts(const Tensor& x, const Tensor& router_logits, int 
   ph.emplace(m, "moe_experts/down");
   batched_matmul(gs, pick(experts.down), maxn, ds);
   ph.emplace(m, "moe_experts/combine");
-  launch_moe_combine(m.stream, ds.data<float>(), dpos.data<int32_t>(), dw.data<float>(), T, top_k, H,
-                     out.data<float>());
+  launch_moe_combine(m.stream, ds.data<float>(), dpos.data<int32_t>(), dw.data<float>(), T, top_k, H, out.data<float>(),
+                     tail);
 }
 
 // The device pointer table of a MoE layer's experts, or null where the few-slot kernels cannot

@@ -105,8 +105,9 @@ class CudaBackend : public Backend {
                        Tensor& out) override;
 
   void causal_conv1d_silu(const Tensor& x, const Tensor& w, Tensor& state, Tensor& out) override;
+  using Backend::causal_conv1d_silu_spans;
   void causal_conv1d_silu_spans(const Tensor& x, const Tensor& w, std::span<const ConvSpan> spans, Tensor& state,
-                                Tensor& out) override;
+                                std::span<Tensor> out) override;
   void gdn_gates(const Tensor& a, const Tensor& b, const Tensor& A_log, const Tensor& dt_bias, Tensor& g,
                  Tensor& beta) override;
   void gated_delta_rule(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
@@ -126,6 +127,9 @@ class CudaBackend : public Backend {
 
   void moe_experts(const Tensor& x, const Tensor& router_logits, int top_k, bool norm_topk,
                    const ExpertWeights& experts, Tensor& out) override;
+  void moe_experts_add(const Tensor& xn, const Tensor& router_logits, int top_k, bool norm_topk,
+                       const ExpertWeights& experts, const Tensor& shared, const Tensor& shared_gate,
+                       Tensor& x) override;
 
   // Bytes held by the caching allocator (in use + cached) and the peak in use since start.
   size_t reserved_bytes() const;
@@ -142,6 +146,9 @@ class CudaBackend : public Backend {
   Tensor upload(const void* host, DType dt, int64_t n);  // small host array -> device tensor
   const float* inv_freq(int rot_dim, double theta);
   const void* const* expert_table(const ExpertWeights& experts, int64_t H, int64_t I);
+  // moe_experts, and moe_experts_add with its tail (shared expert, residual) in the combine.
+  void run_moe(const Tensor& x, const Tensor& router_logits, int top_k, bool norm_topk, const ExpertWeights& experts,
+               Tensor& out, const float* shared, const float* shared_gate, bool residual);
   void batched_matmul(const Tensor& x, const std::vector<const Tensor*>& w, int64_t M, Tensor& y);
   // cuBLAS products over x rounded to 16 bits once (matmul, matmul_many).
   struct HalfX {

@@ -182,6 +182,62 @@ __global__ void k_rms_norm_gated(const float* x, const float* z, const void* w, 
   for (int64_t i = threadIdx.x; i < D; i += blockDim.x) o[i] = ldw(w, wdt, i) * (xr[i] * inv) * silu(zr[i]);
 }
 
+// Short rows (a head's 128 or 256 channels: the gated output norm of GDN, q/k norms): one warp per
+// row with float4 loads and a shuffle sum, 8 rows a block. One block per row gave ~1M blocks of 64
+// threads and two barriers each (35B-A3B 32k prefill: the gated norm at ~1/3 of the memory's rate).
+// D == 128 * N4; z (gated form) may be null.
+template <int N4>
+__global__ void __launch_bounds__(256) k_rms_norm_warp(const float* x, const float* z, const void* w, DType wdt,
+                                                       float eps, bool one_plus_w, float* out, int64_t R) {
+  pdl_entry();
+  constexpr int D = 128 * N4;
+  const int64_t r = blockIdx.x * 8 + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (r >= R) return;
+  const float4* xr = reinterpret_cast<const float4*>(x + r * D);
+  float4 v[N4];
+  float ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < N4; ++j) {
+    v[j] = xr[lane + 32 * j];
+    ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+  }
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  const float inv = 1.0f / sqrtf(ss / static_cast<float>(D) + eps);
+  float4* orow = reinterpret_cast<float4*>(out + r * D);
+#pragma unroll
+  for (int j = 0; j < N4; ++j) {
+    const int c = 4 * (lane + 32 * j);
+    float wv[4] = {ldw(w, wdt, c), ldw(w, wdt, c + 1), ldw(w, wdt, c + 2), ldw(w, wdt, c + 3)};
+    float o[4] = {v[j].x * inv, v[j].y * inv, v[j].z * inv, v[j].w * inv};
+    if (z) {
+      const float4 zv = reinterpret_cast<const float4*>(z + r * D)[lane + 32 * j];
+      const float zz[4] = {zv.x, zv.y, zv.z, zv.w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) o[k] = wv[k] * o[k] * silu(zz[k]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) o[k] = o[k] * (one_plus_w ? 1.0f + wv[k] : wv[k]);
+    }
+    orow[lane + 32 * j] = make_float4(o[0], o[1], o[2], o[3]);
+  }
+}
+
+// Launches k_rms_norm_warp where D and the pointers allow it; false otherwise.
+bool launch_rms_norm_warp(cudaStream_t s, const float* x, const float* z, const void* w, DType wdt, float eps,
+                          bool one_plus_w, float* out, int64_t R, int64_t D) {
+  if (!(D == 128 || D == 256 || D == 512) || !aligned16(x) || !aligned16(out) || (z && !aligned16(z))) return false;
+  const unsigned blocks = static_cast<unsigned>((R + 7) / 8);
+  if (D == 128)
+    launch(s, blocks, 256, 0, k_rms_norm_warp<1>, x, z, w, wdt, eps, one_plus_w, out, R);
+  else if (D == 256)
+    launch(s, blocks, 256, 0, k_rms_norm_warp<2>, x, z, w, wdt, eps, one_plus_w, out, R);
+  else
+    launch(s, blocks, 256, 0, k_rms_norm_warp<4>, x, z, w, wdt, eps, one_plus_w, out, R);
+  CUDA_LAUNCH_CHECK("k_rms_norm_warp");
+  return true;
+}
+
 __global__ void k_binary(BinOp op, const float* a, const float* b, float* out, int64_t n) {
   pdl_entry();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
@@ -247,8 +303,8 @@ __global__ void k_gdn_gates(const float* a, const float* b, const void* A_log, D
 }
 
 // out[t, c] = silu(sum_j w[c, j] * xx(t + j)), xx = state rows (K-1, oldest first) then x rows.
-__global__ void k_conv1d(const float* x, const void* w, DType wdt, const float* state, float* out, int64_t T, int64_t C,
-                         int64_t K) {
+__global__ void k_conv1d(const float* x, const void* w, DType wdt, const float* state, ColSplit out, int64_t T,
+                         int64_t C, int64_t K) {
   pdl_entry();
   const int64_t n = T * C, P = K - 1;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
@@ -259,7 +315,7 @@ __global__ void k_conv1d(const float* x, const void* w, DType wdt, const float* 
       const float xv = r < P ? state[r * C + c] : x[(r - P) * C + c];
       acc += ldw(w, wdt, c * K + j) * xv;
     }
-    out[i] = silu(acc);
+    *out.at(t, c) = silu(acc);
   }
 }
 
@@ -269,7 +325,7 @@ __global__ void k_conv1d(const float* x, const void* w, DType wdt, const float* 
 constexpr int kConvRows = 16;
 template <int K>
 __global__ void k_conv1d_tiled(const float* __restrict__ x, const void* __restrict__ w, DType wdt,
-                               const float* __restrict__ state, float* __restrict__ out, int64_t T, int64_t C) {
+                               const float* __restrict__ state, ColSplit out, int64_t T, int64_t C) {
   pdl_entry();
   const int64_t c = 4 * (blockIdx.x * int64_t(blockDim.x) + threadIdx.x);
   if (c >= C) return;
@@ -300,7 +356,7 @@ __global__ void k_conv1d_tiled(const float* __restrict__ x, const void* __restri
       a.z += wv[j].z * win[j].z;
       a.w += wv[j].w * win[j].w;
     }
-    *reinterpret_cast<float4*>(out + t * C + c) = make_float4(silu(a.x), silu(a.y), silu(a.z), silu(a.w));
+    *reinterpret_cast<float4*>(out.at(t, c)) = make_float4(silu(a.x), silu(a.y), silu(a.z), silu(a.w));
 #pragma unroll
     for (int j = 0; j < K - 1; ++j) win[j] = win[j + 1];
   }
@@ -322,7 +378,7 @@ __device__ __forceinline__ int last_starting_by(int n, int64_t t, F start) {
 }
 
 // The same over groups of rows, each from its own K-1 earlier inputs (a PIC composition's seams).
-__global__ void k_conv1d_spans(const float* x, const void* w, DType wdt, const ConvGroup* G, int ng, float* out,
+__global__ void k_conv1d_spans(const float* x, const void* w, DType wdt, const ConvGroup* G, int ng, ColSplit out,
                                int64_t T, int64_t C, int64_t K) {
   pdl_entry();
   const int64_t n = T * C, P = K - 1;
@@ -335,7 +391,7 @@ __global__ void k_conv1d_spans(const float* x, const void* w, DType wdt, const C
       const float xv = r < P ? g.start[r * C + c] : x[(g.row0 + r - P) * C + c];
       acc += ldw(w, wdt, c * K + j) * xv;
     }
-    out[i] = silu(acc);
+    *out.at(t, c) = silu(acc);
   }
 }
 
@@ -476,16 +532,23 @@ __global__ void k_gather_rows_half(const float* x, const int32_t* idx, H16* out,
   }
 }
 
-__global__ void k_moe_combine(const float* y, const int32_t* pos, const float* w, int top_k, int64_t H, float* out) {
+// With a tail, the rest of the MoE block in the same pass, in moe_experts_add's order of f32
+// operations (the routed sum, + shared * sigmoid(gate), then the residual add), so the result is
+// the same as the three separate kernels'.
+__global__ void k_moe_combine(const float* y, const int32_t* pos, const float* w, int top_k, int64_t H, float* out,
+                              MoeTail tail) {
   pdl_entry();
   const int64_t t = blockIdx.x;
+  const float sg = tail.shared ? sigmoid(tail.shared_gate[t]) : 0.f;
   for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
     float acc = 0.f;
     for (int j = 0; j < top_k; ++j) {
       const int64_t row = pos ? pos[t * top_k + j] : t * top_k + j;
       acc += w[t * top_k + j] * y[row * H + c];
     }
-    out[t * H + c] = acc;
+    // Rounded as the separate kernels round (no fused multiply-add).
+    if (tail.shared) acc = __fadd_rn(acc, __fmul_rn(tail.shared[t * H + c], sg));
+    out[t * H + c] = tail.residual ? __fadd_rn(out[t * H + c], acc) : acc;
   }
 }
 
@@ -540,6 +603,7 @@ void launch_embedding(cudaStream_t s, const void* table, DType dt, const int32_t
 void launch_rms_norm(cudaStream_t s, const float* x, const void* w, DType wdt, float eps, bool one_plus_w, float* out,
                      int64_t R, int64_t D) {
   if (R == 0) return;
+  if (launch_rms_norm_warp(s, x, nullptr, w, wdt, eps, one_plus_w, out, R, D)) return;
   launch(s, static_cast<unsigned>(R), row_threads(D), 0, k_rms_norm, x, w, wdt, eps, one_plus_w, out, D);
   CUDA_LAUNCH_CHECK("k_rms_norm");
 }
@@ -554,6 +618,7 @@ void launch_add_rms_norm(cudaStream_t s, float* x, const float* d, const void* w
 void launch_rms_norm_gated(cudaStream_t s, const float* x, const float* z, const void* w, DType wdt, float eps,
                            float* out, int64_t R, int64_t D) {
   if (R == 0) return;
+  if (launch_rms_norm_warp(s, x, z, w, wdt, eps, false, out, R, D)) return;
   launch(s, static_cast<unsigned>(R), row_threads(D), 0, k_rms_norm_gated, x, z, w, wdt, eps, out, D);
   CUDA_LAUNCH_CHECK("k_rms_norm_gated");
 }
@@ -608,11 +673,16 @@ void launch_gdn_gates(cudaStream_t s, const float* a, const float* b, const void
   CUDA_LAUNCH_CHECK("k_gdn_gates");
 }
 
-void launch_conv1d_rows(cudaStream_t s, const float* x, const void* w, DType wdt, const float* start, float* out,
-                        int64_t T, int64_t C, int64_t K) {
+bool ColSplit::vec4_ok() const {
+  const bool one = end0 == C;
+  return end0 % 4 == 0 && end1 % 4 == 0 && C % 4 == 0 && aligned16(p0) && (one || (aligned16(p1) && aligned16(p2)));
+}
+
+void launch_conv1d_rows(cudaStream_t s, const float* x, const void* w, DType wdt, const float* start,
+                        const ColSplit& out, int64_t T, int64_t C, int64_t K) {
   if (T == 0 || C == 0) return;
   const float* state = start;
-  const bool tiled = C % 4 == 0 && K >= 2 && K <= 4 && aligned16(x) && aligned16(out) && aligned16(state);
+  const bool tiled = C % 4 == 0 && K >= 2 && K <= 4 && aligned16(x) && out.vec4_ok() && aligned16(state);
   if (tiled) {
     const dim3 grid(static_cast<unsigned>((C / 4 + kThreads - 1) / kThreads),
                     static_cast<unsigned>((T + kConvRows - 1) / kConvRows));
@@ -632,7 +702,7 @@ void launch_conv1d_rows(cudaStream_t s, const float* x, const void* w, DType wdt
 void launch_causal_conv1d_silu(cudaStream_t s, const float* x, const void* w, DType wdt, float* state, float* out,
                                int64_t T, int64_t C, int64_t K) {
   if (T == 0 || C == 0) return;
-  launch_conv1d_rows(s, x, w, wdt, state, out, T, C, K);
+  launch_conv1d_rows(s, x, w, wdt, state, ColSplit::whole(out, C), T, C, K);
   if (K > 1) {
     launch(s, blocks_for(C), kThreads, 0, k_conv1d_state, x, static_cast<const float*>(state), state, T, C, K);
     CUDA_LAUNCH_CHECK("k_conv1d_state");
@@ -640,7 +710,7 @@ void launch_causal_conv1d_silu(cudaStream_t s, const float* x, const void* w, DT
 }
 
 void launch_conv1d_spans(cudaStream_t s, const float* x, const void* w, DType wdt, const ConvGroup* groups,
-                         int n_groups, float* out, int64_t T, int64_t C, int64_t K) {
+                         int n_groups, const ColSplit& out, int64_t T, int64_t C, int64_t K) {
   if (T == 0 || C == 0 || n_groups == 0) return;
   launch(s, blocks_for(T * C), kThreads, 0, k_conv1d_spans, x, w, wdt, groups, n_groups, out, T, C, K);
   CUDA_LAUNCH_CHECK("k_conv1d_spans");
@@ -709,9 +779,9 @@ void launch_gather_rows_half(cudaStream_t s, const float* x, const int32_t* idx,
 }
 
 void launch_moe_combine(cudaStream_t s, const float* y, const int32_t* pos, const float* w, int64_t T, int top_k,
-                        int64_t H, float* out) {
+                        int64_t H, float* out, const MoeTail& tail) {
   if (T == 0) return;
-  launch(s, static_cast<unsigned>(T), row_threads(H), 0, k_moe_combine, y, pos, w, top_k, H, out);
+  launch(s, static_cast<unsigned>(T), row_threads(H), 0, k_moe_combine, y, pos, w, top_k, H, out, tail);
   CUDA_LAUNCH_CHECK("k_moe_combine");
 }
 

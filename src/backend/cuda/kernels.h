@@ -36,9 +36,26 @@ void launch_rope_neox(cudaStream_t s, float* x, int64_t T, int64_t H, int64_t D,
                       const float* inv_freq, int half);
 void launch_gdn_gates(cudaStream_t s, const float* a, const float* b, const void* A_log, DType adt, const void* dt_bias,
                       DType bdt, float* g, float* beta, int64_t T, int64_t H);
+// Where column c of a conv's [T, C] result goes: up to three column blocks [0, end0), [end0, end1),
+// [end1, C), each a [T, width] tensor of its own (q, k and v of a GDN conv: no copy splits them).
+// One block: p0 with end0 = end1 = C.
+struct ColSplit {
+  float *p0 = nullptr, *p1 = nullptr, *p2 = nullptr;
+  int64_t end0 = 0, end1 = 0, C = 0;
+  static ColSplit whole(float* out, int64_t C) { return {out, nullptr, nullptr, C, C, C}; }
+#ifdef __CUDACC__
+  __device__ __forceinline__ float* at(int64_t t, int64_t c) const {
+    if (c < end0) return p0 + t * end0 + c;
+    if (c < end1) return p1 + t * (end1 - end0) + (c - end0);
+    return p2 + t * (C - end1) + (c - end1);
+  }
+#endif
+  // Every block's rows 16-byte aligned and 4-column groups inside one block (the tiled kernel).
+  bool vec4_ok() const;
+};
 // The outputs only, from the K-1 rows at start (4 channels x 16 rows a thread where C % 4 == 0).
-void launch_conv1d_rows(cudaStream_t s, const float* x, const void* w, DType wdt, const float* start, float* out,
-                        int64_t T, int64_t C, int64_t K);
+void launch_conv1d_rows(cudaStream_t s, const float* x, const void* w, DType wdt, const float* start,
+                        const ColSplit& out, int64_t T, int64_t C, int64_t K);
 void launch_causal_conv1d_silu(cudaStream_t s, const float* x, const void* w, DType wdt, float* state, float* out,
                                int64_t T, int64_t C, int64_t K);
 // Spans of rows of one conv (causal_conv1d_silu_spans): rows [row0, row0 + rows) of x start from
@@ -48,7 +65,7 @@ struct ConvGroup {
   const float* start = nullptr;
 };
 void launch_conv1d_spans(cudaStream_t s, const float* x, const void* w, DType wdt, const ConvGroup* groups,
-                         int n_groups, float* out, int64_t T, int64_t C, int64_t K);
+                         int n_groups, const ColSplit& out, int64_t T, int64_t C, int64_t K);
 // state <- the last K-1 inputs of (start ++ x[0..T)) (start may be state itself).
 void launch_conv1d_state(cudaStream_t s, const float* x, const float* start, float* state, int64_t T, int64_t C,
                          int64_t K);
@@ -75,13 +92,23 @@ void launch_gather_rows_half(cudaStream_t s, const float* x, const int32_t* idx,
 // among its expert's slots in token order, counts [E].
 void launch_moe_route(cudaStream_t s, const float* logits, int64_t T, int64_t E, int top_k, bool norm, int32_t* sel,
                       float* wsel, int32_t* rank, int32_t* counts);
+// launch_moe_route then launch_moe_order (gemv.cu) in one: one launch for a decode step's few slots.
+void launch_moe_route_order(cudaStream_t s, const float* logits, int64_t T, int64_t E, int top_k, bool norm,
+                            int32_t* sel, float* wsel, int32_t* rank, int32_t* counts, int32_t* order,
+                            int32_t* offsets = nullptr, int32_t* pos = nullptr);
 // rows[batch_of[e] * maxn + rank] = token of each slot (rows pre-filled with -1), pos[slot] = that row.
 void launch_moe_index(cudaStream_t s, const int32_t* sel, const int32_t* rank, const int32_t* batch_of, int64_t T,
                       int top_k, int64_t maxn, int32_t* rows, int32_t* pos);
 // MoE un-permute: out[t, :] = sum_j w[t*k + j] * y[pos[t*k + j], :] (one block per token: no races);
-// pos null means y is indexed by slot.
+// pos null means y is indexed by slot. A tail adds shared[t, :] * sigmoid(shared_gate[t]) where
+// shared is set, and adds the result to out instead of overwriting it where residual is.
+struct MoeTail {
+  const float* shared = nullptr;
+  const float* shared_gate = nullptr;
+  bool residual = false;
+};
 void launch_moe_combine(cudaStream_t s, const float* y, const int32_t* pos, const float* w, int64_t T, int top_k,
-                        int64_t H, float* out);
+                        int64_t H, float* out, const MoeTail& tail = {});
 
 // MoE for more slots than that (prefill): a grouped GEMM over the slots sorted by expert
 // (moe_gemm.cu), 128 x 128 tiles mapped to experts on the device by tile_start (launch_moe_tiles,

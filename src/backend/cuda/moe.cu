@@ -19,12 +19,9 @@ namespace {
 
 constexpr int kMaxPer = 32;  // experts per lane: E <= 1024
 
-// One warp per token.
-__global__ void k_route(const float* logits, int64_t T, int E, int top_k, bool norm, int32_t* sel, float* wsel) {
-  pdl_entry();
-  const int64_t t = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (t >= T) return;
+// Token t's experts by one warp: softmax, top-k, weights (renormalised when norm).
+__device__ void route_token(const float* logits, int64_t t, int lane, int E, int top_k, bool norm, int32_t* sel,
+                            float* wsel) {
   const float* row = logits + t * E;
   float p[kMaxPer];
   float mx = -FLT_MAX;
@@ -73,29 +70,101 @@ __global__ void k_route(const float* logits, int64_t T, int E, int top_k, bool n
     for (int j = 0; j < top_k; ++j) wsel[t * top_k + j] /= picked;
 }
 
-// One block per expert: ranks of its slots in slot (token) order, and its count.
-__global__ void k_rank(const int32_t* sel, int64_t n, int32_t* rank, int32_t* counts) {
+// One warp per token.
+__global__ void k_route(const float* logits, int64_t T, int E, int top_k, bool norm, int32_t* sel, float* wsel) {
+  pdl_entry();
+  const int64_t t = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32;
+  if (t >= T) return;
+  route_token(logits, t, threadIdx.x % 32, E, top_k, norm, sel, wsel);
+}
+
+// Routing, ranks, counts and the slots' order by expert for a few slots (n <= kRouteFewSlots: a
+// decode step) in one block instead of three kernels (k_route, k_rank, k_moe_order): the same
+// values, since a slot's rank is the number of earlier slots of its expert either way.
+constexpr int kRouteFewSlots = 256;
+// 512 threads: route_token's 32 values a lane need more than the 64 registers of 1024 threads.
+__global__ void __launch_bounds__(512)
+    k_route_few(const float* logits, int64_t T, int E, int top_k, bool norm, int32_t* sel, float* wsel, int32_t* rank,
+                int32_t* counts, int32_t* order, int32_t* offsets, int32_t* pos) {
+  pdl_entry();
+  __shared__ int32_t s_sel[kRouteFewSlots], s_rank[kRouteFewSlots];
+  __shared__ int32_t s_cnt[1024], s_off[1024];
+  const int n = static_cast<int>(T) * top_k, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int64_t t = warp; t < T; t += blockDim.x / 32) route_token(logits, t, lane, E, top_k, norm, sel, wsel);
+  for (int e = threadIdx.x; e < E; e += blockDim.x) s_cnt[e] = 0;
+  __syncthreads();  // sel is visible to the whole block from here
+  for (int i = threadIdx.x; i < n; i += blockDim.x) s_sel[i] = sel[i];
+  __syncthreads();
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const int e = s_sel[i];
+    int r = 0;
+    for (int j = 0; j < i; ++j) r += s_sel[j] == e;
+    rank[i] = s_rank[i] = r;
+    atomicAdd(&s_cnt[e], 1);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int32_t acc = 0;
+    for (int e = 0; e < E; ++e) s_off[e] = acc, acc += s_cnt[e];
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    counts[e] = s_cnt[e];
+    if (offsets) offsets[e] = s_off[e];
+  }
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const int32_t p = s_off[s_sel[i]] + s_rank[i];
+    order[p] = i;
+    if (pos) pos[i] = p;
+  }
+}
+
+// One block per expert: ranks of its slots in slot (token) order, and its count. The slots go in
+// tiles of 8 per thread (8192 a block-wide step, two 16-byte loads a thread): a prefill call's
+// 65k slots take 8 steps of two barriers, where one slot a thread took 256 steps of three.
+constexpr int kRankThreads = 1024, kRankPer = 8;
+__global__ void __launch_bounds__(kRankThreads) k_rank(const int32_t* sel, int64_t n, int32_t* rank, int32_t* counts) {
   pdl_entry();
   const int e = blockIdx.x;
   __shared__ int warp_tot[32];
-  __shared__ int base;
-  if (threadIdx.x == 0) base = 0;
-  const int lane = threadIdx.x % 32, w = threadIdx.x / 32, nw = blockDim.x / 32;
-  for (int64_t i0 = 0; i0 < n; i0 += blockDim.x) {
+  const int lane = threadIdx.x % 32, w = threadIdx.x / 32;
+  int base = 0;
+  for (int64_t t0 = 0; t0 < n; t0 += int64_t(kRankThreads) * kRankPer) {
+    const int64_t i0 = t0 + int64_t(threadIdx.x) * kRankPer;
+    int v[kRankPer];
+    if (i0 + kRankPer <= n && (reinterpret_cast<uintptr_t>(sel) & 15u) == 0) {
+      const int4 a = *reinterpret_cast<const int4*>(sel + i0), b = *reinterpret_cast<const int4*>(sel + i0 + 4);
+      v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+    } else {
+#pragma unroll
+      for (int k = 0; k < kRankPer; ++k) v[k] = i0 + k < n ? sel[i0 + k] : -1;
+    }
+    int c = 0;
+#pragma unroll
+    for (int k = 0; k < kRankPer; ++k) c += v[k] == e;
+    int incl = c;  // inclusive scan over the block: within the warp, then over the warps' totals
+    for (int o = 1; o < 32; o <<= 1) {
+      const int u = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += u;
+    }
+    if (lane == 31) warp_tot[w] = incl;
     __syncthreads();
-    const int64_t i = i0 + threadIdx.x;
-    const bool f = i < n && sel[i] == e;
-    const unsigned m = __ballot_sync(0xffffffffu, f);
-    if (lane == 0) warp_tot[w] = __popc(m);
+    if (w == 0) {
+      int t = warp_tot[lane];
+      for (int o = 1; o < 32; o <<= 1) {
+        const int u = __shfl_up_sync(0xffffffffu, t, o);
+        if (lane >= o) t += u;
+      }
+      warp_tot[lane] = t;
+    }
     __syncthreads();
-    int before = base;
-    for (int k = 0; k < w; ++k) before += warp_tot[k];
-    if (f) rank[i] = before + __popc(m & ((1u << lane) - 1));
-    __syncthreads();
-    if (threadIdx.x == 0)
-      for (int k = 0; k < nw; ++k) base += warp_tot[k];
+    int r = base + (w ? warp_tot[w - 1] : 0) + incl - c;
+#pragma unroll
+    for (int k = 0; k < kRankPer; ++k)
+      if (v[k] == e) rank[i0 + k] = r++;
+    base += warp_tot[31];
+    __syncthreads();  // warp_tot is rewritten by the next step
   }
-  __syncthreads();
   if (threadIdx.x == 0) counts[e] = base;
 }
 
@@ -278,8 +347,24 @@ void launch_moe_route(cudaStream_t s, const float* logits, int64_t T, int64_t E,
   launch(s, static_cast<unsigned>((T + 7) / 8), 256, 0, k_route, logits, T, static_cast<int>(E), top_k, norm, sel,
          wsel);
   CUDA_LAUNCH_CHECK("k_route");
-  launch(s, static_cast<unsigned>(E), 256, 0, k_rank, sel, T * top_k, rank, counts);
+  launch(s, static_cast<unsigned>(E), kRankThreads, 0, k_rank, sel, T * top_k, rank, counts);
   CUDA_LAUNCH_CHECK("k_rank");
+}
+
+void launch_moe_route_order(cudaStream_t s, const float* logits, int64_t T, int64_t E, int top_k, bool norm,
+                            int32_t* sel, float* wsel, int32_t* rank, int32_t* counts, int32_t* order, int32_t* offsets,
+                            int32_t* pos) {
+  if (E > 32 * kMaxPer)
+    throw std::invalid_argument("moe_experts: at most 1024 experts on cuda, got " + std::to_string(E));
+  if (T == 0) return;
+  if (T * top_k > kRouteFewSlots) {
+    launch_moe_route(s, logits, T, E, top_k, norm, sel, wsel, rank, counts);
+    launch_moe_order(s, sel, rank, counts, E, T * top_k, order, offsets, pos);
+    return;
+  }
+  launch(s, 1, 512, 0, k_route_few, logits, T, static_cast<int>(E), top_k, norm, sel, wsel, rank, counts, order,
+         offsets, pos);
+  CUDA_LAUNCH_CHECK("k_route_few");
 }
 
 void launch_moe_index(cudaStream_t s, const int32_t* sel, const int32_t* rank, const int32_t* batch_of, int64_t T,
