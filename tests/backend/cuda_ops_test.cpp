@@ -153,7 +153,7 @@ TEST_F(CudaOps, EmbeddingNormsAndElementwise) {
   EXPECT_EQ(err(eg, ec), 0.0);
 
   // Norms: a block per row (D 200), a warp per row (128, 256 and 512: a head's channels).
-  for (int64_t Dn : {D, int64_t(128), int64_t(256), int64_t(512)}) {
+  for (int64_t Dn : {D, int64_t(128), int64_t(256), int64_t(512), int64_t(2048), int64_t(4096)}) {
     Tensor x = randn({R, Dn}, rng, 3.f), z = randn({R, Dn}, rng), w = as(randn({Dn}, rng, 0.3f), DType::BF16);
     for (bool opw : {false, true}) {
       Tensor oc = cpu->alloc(DType::F32, {R, Dn}), og = poisoned(DType::F32, {R, Dn});
@@ -1131,15 +1131,16 @@ TEST_F(CudaOps, MatmulManyAndAddRmsNorm) {
       }
     gpu->set_precise(false);
   });
-  for (int64_t R : {1, 3, 17}) {
-    const int64_t D = 1000;
-    Tensor x = randn({R, D}, rng), d = randn({R, D}, rng), w = as(randn({D}, rng, 0.1f), DType::BF16);
-    Tensor xc = x.clone(), xg = dev(x), oc = cpu->alloc(DType::F32, {R, D}), og = poisoned(DType::F32, {R, D});
-    cpu->add_rms_norm(xc, d, w, 1e-6f, true, oc);
-    gpu->add_rms_norm(xg, dev(d), dev(w), 1e-6f, true, og);
-    EXPECT_LE(err(xg, xc), 1e-6) << "R=" << R;
-    EXPECT_LE(err(og, oc), 1e-5) << "R=" << R;
-  }
+  // D 1000: the generic kernel; 2048 and 4096 (hidden sizes): a row's values held in registers.
+  for (int64_t D : {1000, 2048, 4096})
+    for (int64_t R : {1, 3, 17}) {
+      Tensor x = randn({R, D}, rng), d = randn({R, D}, rng), w = as(randn({D}, rng, 0.1f), DType::BF16);
+      Tensor xc = x.clone(), xg = dev(x), oc = cpu->alloc(DType::F32, {R, D}), og = poisoned(DType::F32, {R, D});
+      cpu->add_rms_norm(xc, d, w, 1e-6f, true, oc);
+      gpu->add_rms_norm(xg, dev(d), dev(w), 1e-6f, true, og);
+      EXPECT_LE(err(xg, xc), 1e-6) << "R=" << R << " D=" << D;
+      EXPECT_LE(err(og, oc), 1e-5) << "R=" << R << " D=" << D;
+    }
 }
 
 // The first half of a SwiGLU MLP in one launch (decode-sized x, each weight dtype, a partial last

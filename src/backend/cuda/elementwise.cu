@@ -223,6 +223,56 @@ __global__ void __launch_bounds__(256) k_rms_norm_warp(const float* x, const flo
   }
 }
 
+// Hidden-size rows (D == 1024 * N4: 2048, 4096): 256 threads a row, each holding N4 float4 in
+// registers, so x is read once (the generic kernel reads it twice with 1024 threads of 2 floats).
+// With d: x += d first and x is written back (add_rms_norm).
+template <int N4>
+__global__ void __launch_bounds__(256)
+    k_rms_norm_row(float* x, const float* d, const void* w, DType wdt, float eps, bool one_plus_w, float* out) {
+  pdl_entry();
+  constexpr int D = 1024 * N4;
+  float4* xr = reinterpret_cast<float4*>(x + blockIdx.x * int64_t(D));
+  float4 v[N4];
+  float ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < N4; ++j) {
+    const int i = threadIdx.x + 256 * j;
+    v[j] = xr[i];
+    if (d) {
+      const float4 dv = reinterpret_cast<const float4*>(d + blockIdx.x * int64_t(D))[i];
+      v[j] = make_float4(v[j].x + dv.x, v[j].y + dv.y, v[j].z + dv.z, v[j].w + dv.w);
+      xr[i] = v[j];
+    }
+    ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+  }
+  ss = block_sum(ss);
+  const float inv = 1.0f / sqrtf(ss / static_cast<float>(D) + eps);
+  float4* orow = reinterpret_cast<float4*>(out + blockIdx.x * int64_t(D));
+#pragma unroll
+  for (int j = 0; j < N4; ++j) {
+    const int i = threadIdx.x + 256 * j, c = 4 * i;
+    float wv[4] = {ldw(w, wdt, c), ldw(w, wdt, c + 1), ldw(w, wdt, c + 2), ldw(w, wdt, c + 3)};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) wv[k] = one_plus_w ? 1.0f + wv[k] : wv[k];
+    orow[i] = make_float4(v[j].x * inv * wv[0], v[j].y * inv * wv[1], v[j].z * inv * wv[2], v[j].w * inv * wv[3]);
+  }
+}
+
+// Launches k_rms_norm_row where D and the pointers allow it; false otherwise.
+bool launch_rms_norm_row(cudaStream_t s, float* x, const float* d, const void* w, DType wdt, float eps, bool one_plus_w,
+                         float* out, int64_t R, int64_t D) {
+  if (!(D == 1024 || D == 2048 || D == 4096) || !aligned16(x) || !aligned16(out) || (d && !aligned16(d))) return false;
+  const unsigned blocks = static_cast<unsigned>(R);
+  if (D == 1024)
+    launch(s, blocks, 256, 0, k_rms_norm_row<1>, x, d, w, wdt, eps, one_plus_w, out);
+  else if (D == 2048)
+    launch(s, blocks, 256, 0, k_rms_norm_row<2>, x, d, w, wdt, eps, one_plus_w, out);
+  else
+    launch(s, blocks, 256, 0, k_rms_norm_row<4>, x, d, w, wdt, eps, one_plus_w, out);
+  CUDA_LAUNCH_CHECK("k_rms_norm_row");
+  return true;
+}
+
 // Launches k_rms_norm_warp where D and the pointers allow it; false otherwise.
 bool launch_rms_norm_warp(cudaStream_t s, const float* x, const float* z, const void* w, DType wdt, float eps,
                           bool one_plus_w, float* out, int64_t R, int64_t D) {
@@ -604,6 +654,8 @@ void launch_rms_norm(cudaStream_t s, const float* x, const void* w, DType wdt, f
                      int64_t R, int64_t D) {
   if (R == 0) return;
   if (launch_rms_norm_warp(s, x, nullptr, w, wdt, eps, one_plus_w, out, R, D)) return;
+  // x is only read (d null): the const_cast never writes through it.
+  if (launch_rms_norm_row(s, const_cast<float*>(x), nullptr, w, wdt, eps, one_plus_w, out, R, D)) return;
   launch(s, static_cast<unsigned>(R), row_threads(D), 0, k_rms_norm, x, w, wdt, eps, one_plus_w, out, D);
   CUDA_LAUNCH_CHECK("k_rms_norm");
 }
@@ -611,6 +663,7 @@ void launch_rms_norm(cudaStream_t s, const float* x, const void* w, DType wdt, f
 void launch_add_rms_norm(cudaStream_t s, float* x, const float* d, const void* w, DType wdt, float eps, bool one_plus_w,
                          float* out, int64_t R, int64_t D) {
   if (R == 0) return;
+  if (launch_rms_norm_row(s, x, d, w, wdt, eps, one_plus_w, out, R, D)) return;
   launch(s, static_cast<unsigned>(R), row_threads(D), 0, k_add_rms_norm, x, d, w, wdt, eps, one_plus_w, out, D);
   CUDA_LAUNCH_CHECK("k_add_rms_norm");
 }

@@ -230,7 +230,8 @@ __global__ void __launch_bounds__(kThreads)
   if (lane == 0) ys[static_cast<int64_t>(slot) * H + n] = acc;
 }
 
-// order[offset of expert e + rank] = slot: one block, an exclusive scan of the counts (E <= 1024).
+// order[offset of expert e + rank] = slot: each block scans the counts (E <= 1024) and places its
+// share of the slots (a prefill call's 65k slots took ~0.12 ms on one block).
 __global__ void k_moe_order(const int32_t* sel, const int32_t* rank, const int32_t* counts, int E, int64_t n,
                             int32_t* order, int32_t* offsets, int32_t* pos) {
   pdl_entry();
@@ -243,9 +244,9 @@ __global__ void k_moe_order(const int32_t* sel, const int32_t* rank, const int32
     }
   }
   __syncthreads();
-  if (offsets)
+  if (offsets && blockIdx.x == 0)
     for (int e = threadIdx.x; e < E; e += blockDim.x) offsets[e] = off[e];
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int32_t p = off[sel[i]] + rank[i];
     order[p] = static_cast<int32_t>(i);
     if (pos) pos[i] = p;
@@ -424,7 +425,8 @@ void launch_gemv_swiglu(cudaStream_t s, const void* gate, const void* up, DType 
 void launch_moe_order(cudaStream_t s, const int32_t* sel, const int32_t* rank, const int32_t* counts, int64_t E,
                       int64_t n, int32_t* order, int32_t* offsets, int32_t* pos) {
   if (n == 0) return;
-  launch(s, 1, 1024, 0, k_moe_order, sel, rank, counts, static_cast<int>(E), n, order, offsets, pos);
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((n + 1023) / 1024, 132));
+  launch(s, blocks, 1024, 0, k_moe_order, sel, rank, counts, static_cast<int>(E), n, order, offsets, pos);
   CUDA_LAUNCH_CHECK("k_moe_order");
 }
 
