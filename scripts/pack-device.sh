@@ -15,10 +15,14 @@ grep -qx '/.device/' .git/info/exclude 2>/dev/null || echo '/.device/' >> .git/i
 
 bins=("$build/hypic")
 # The load generator (cpp-httplib is compiled into it), for `hypic serve --backend cuda` runs there.
-# PACK_TOOLS=0 leaves them out (the carried tree has a 64 MiB limit).
-if [ "${PACK_TOOLS:-1}" = 1 ]; then
-  for t in hypic_loadtest hypic_rag_trace; do [ -x "$build/tools/loadtest/$t" ] && bins+=("$build/tools/loadtest/$t"); done
-fi
+# PACK_TOOLS=0 leaves them out (the carried tree has a 64 MiB limit); PACK_TOOLS=hypic_rag_trace
+# (a list of names) packs only those.
+case "${PACK_TOOLS:-1}" in
+  0) tools=() ;;
+  1) tools=(hypic_loadtest hypic_rag_trace) ;;
+  *) read -r -a tools <<< "$PACK_TOOLS" ;;
+esac
+for t in "${tools[@]}"; do [ -x "$build/tools/loadtest/$t" ] && bins+=("$build/tools/loadtest/$t"); done
 # PACK_TESTS=0 leaves the GPU test binaries out (a benchmark-only call with the load tools);
 # PACK_TESTS=ops (or model) packs only cuda_ops_test (cuda_model_test).
 case "${PACK_TESTS:-1}" in
