@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -773,44 +774,68 @@ TEST_F(CudaOps, MoeExperts) {
 }
 
 // A decode step's routing in one launch (k_route_few) gives what the three kernels give: the same
-// experts, weights, ranks, counts and order, ties included (256 experts, top 8, as Qwen3.5-35B-A3B).
+// experts, weights, ranks, counts and order, ties included (256 experts, top 8, as Qwen3.5-35B-A3B;
+// and expert counts for each width of the per-lane kernels: 8, 100, 512, 1000). Both match a plain
+// softmax + top-k on the host.
 TEST_F(CudaOps, MoeRouteOrderInOneLaunchMatchesThreeKernels) {
 #if HYPIC_HAVE_CUDA
-  const int64_t E = 256;
-  const int top_k = 8;
-  for (int64_t T : {1, 3, 32})
-    for (bool norm : {true, false}) {
-      Tensor lh = randn({T, E}, rng, 2.f);
-      for (int64_t e = 0; e < 12; ++e) lh.data<float>()[e * 3] = 20.f;  // token 0: a tie across the top-k boundary
-      Tensor logits = dev(lh);
-      const int64_t n = T * top_k;
-      Tensor a[6], b[6];  // sel, w, rank, counts, order, pos
-      for (Tensor* t : {a, b}) {
-        t[0] = gpu->alloc(DType::I32, {n}), t[1] = gpu->alloc(DType::F32, {n}), t[2] = gpu->alloc(DType::I32, {n});
-        t[3] = gpu->alloc(DType::I32, {E}), t[4] = gpu->alloc(DType::I32, {n}), t[5] = gpu->alloc(DType::I32, {n});
+  for (const auto& [E, top_k] : std::vector<std::pair<int64_t, int>>{{256, 8}, {8, 2}, {100, 8}, {512, 10}, {1000, 8}})
+    for (int64_t T : {1, 3, 32})
+      for (bool norm : {true, false}) {
+        Tensor lh = randn({T, E}, rng, 2.f);
+        for (int64_t e = 0; e < std::min<int64_t>(12, E / 3); ++e)
+          lh.data<float>()[e * 3] = 20.f;  // token 0: a tie across the top-k boundary
+        Tensor logits = dev(lh);
+        const int64_t n = T * top_k;
+        Tensor a[6], b[6];  // sel, w, rank, counts, order, pos
+        for (Tensor* t : {a, b}) {
+          t[0] = gpu->alloc(DType::I32, {n}), t[1] = gpu->alloc(DType::F32, {n}), t[2] = gpu->alloc(DType::I32, {n});
+          t[3] = gpu->alloc(DType::I32, {E}), t[4] = gpu->alloc(DType::I32, {n}), t[5] = gpu->alloc(DType::I32, {n});
+        }
+        Tensor offs_a = gpu->alloc(DType::I32, {E}), offs_b = gpu->alloc(DType::I32, {E});
+        gpu->synchronize();
+        cuda::launch_moe_route(nullptr, logits.data<float>(), T, E, top_k, norm, a[0].data<int32_t>(),
+                               a[1].data<float>(), a[2].data<int32_t>(), a[3].data<int32_t>());
+        cuda::launch_moe_order(nullptr, a[0].data<int32_t>(), a[2].data<int32_t>(), a[3].data<int32_t>(), E, n,
+                               a[4].data<int32_t>(), offs_a.data<int32_t>(), a[5].data<int32_t>());
+        cuda::launch_moe_route_order(nullptr, logits.data<float>(), T, E, top_k, norm, b[0].data<int32_t>(),
+                                     b[1].data<float>(), b[2].data<int32_t>(), b[3].data<int32_t>(),
+                                     b[4].data<int32_t>(), offs_b.data<int32_t>(), b[5].data<int32_t>());
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        const char* names[6] = {"sel", "weights", "rank", "counts", "order", "pos"};
+        for (int i = 0; i < 6; ++i) {
+          Tensor ha = gpu->to_host(a[i]), hb = gpu->to_host(b[i]);
+          ASSERT_EQ(std::memcmp(ha.raw(), hb.raw(), ha.nbytes()), 0) << names[i] << " T=" << T;
+        }
+        Tensor ho = gpu->to_host(offs_a), hp = gpu->to_host(offs_b);
+        EXPECT_EQ(std::memcmp(ho.raw(), hp.raw(), ho.nbytes()), 0) << "offsets T=" << T;
+        Tensor sel = gpu->to_host(a[0]), wt = gpu->to_host(a[1]);
+        if (E == 256 && T == 1) {  // the tie: the lower expert indices win
+          for (int j = 0; j < top_k; ++j) EXPECT_EQ(sel.data<int32_t>()[j], 3 * j) << j;
+        }
+        for (int64_t t = 0; t < T; ++t) {  // the host's softmax + top-k (stable: lower index first)
+          const float* l = lh.data<float>() + t * E;
+          const double mx = *std::max_element(l, l + E);
+          std::vector<double> pr(E);
+          double sum = 0;
+          for (int64_t e = 0; e < E; ++e) sum += pr[e] = std::exp(l[e] - mx);
+          std::vector<int> idx(E);
+          std::iota(idx.begin(), idx.end(), 0);
+          std::stable_sort(idx.begin(), idx.end(), [&](int i, int j) { return pr[i] > pr[j]; });
+          double picked = 0;
+          for (int j = 0; j < top_k; ++j) picked += pr[idx[j]] / sum;
+          for (int j = 0; j < top_k; ++j) {
+            EXPECT_EQ(sel.data<int32_t>()[t * top_k + j], idx[j])
+                << "E=" << E << " T=" << T << " t=" << t << " j=" << j;
+            const double want = pr[idx[j]] / sum / (norm ? picked : 1.0);
+            EXPECT_NEAR(wt.data<float>()[t * top_k + j], want, 1e-5 * want + 1e-7) << "E=" << E << " j=" << j;
+          }
+        }
+        Tensor cnt = gpu->to_host(a[3]);
+        int64_t total = 0;
+        for (int64_t e = 0; e < E; ++e) total += cnt.data<int32_t>()[e];
+        EXPECT_EQ(total, n) << "E=" << E << " T=" << T;
       }
-      Tensor offs_a = gpu->alloc(DType::I32, {E}), offs_b = gpu->alloc(DType::I32, {E});
-      gpu->synchronize();
-      cuda::launch_moe_route(nullptr, logits.data<float>(), T, E, top_k, norm, a[0].data<int32_t>(), a[1].data<float>(),
-                             a[2].data<int32_t>(), a[3].data<int32_t>());
-      cuda::launch_moe_order(nullptr, a[0].data<int32_t>(), a[2].data<int32_t>(), a[3].data<int32_t>(), E, n,
-                             a[4].data<int32_t>(), offs_a.data<int32_t>(), a[5].data<int32_t>());
-      cuda::launch_moe_route_order(nullptr, logits.data<float>(), T, E, top_k, norm, b[0].data<int32_t>(),
-                                   b[1].data<float>(), b[2].data<int32_t>(), b[3].data<int32_t>(), b[4].data<int32_t>(),
-                                   offs_b.data<int32_t>(), b[5].data<int32_t>());
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      const char* names[6] = {"sel", "weights", "rank", "counts", "order", "pos"};
-      for (int i = 0; i < 6; ++i) {
-        Tensor ha = gpu->to_host(a[i]), hb = gpu->to_host(b[i]);
-        ASSERT_EQ(std::memcmp(ha.raw(), hb.raw(), ha.nbytes()), 0) << names[i] << " T=" << T;
-      }
-      Tensor ho = gpu->to_host(offs_a), hp = gpu->to_host(offs_b);
-      EXPECT_EQ(std::memcmp(ho.raw(), hp.raw(), ho.nbytes()), 0) << "offsets T=" << T;
-      Tensor sel = gpu->to_host(a[0]);
-      if (T == 1) {  // the tie: the lower expert indices win
-        for (int j = 0; j < top_k; ++j) EXPECT_EQ(sel.data<int32_t>()[j], 3 * j) << j;
-      }
-    }
 #else
   GTEST_SKIP() << "built without CUDA";
 #endif

@@ -6,6 +6,7 @@
 // each, and a second kernel merges the splits' (max, sum, accumulator) triples.
 #include <algorithm>
 #include <cfloat>
+#include <cstdlib>
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/kernels.h"
@@ -129,18 +130,21 @@ __global__ void __launch_bounds__(kWarps * 32)
   merge_warps(&sm[0], &sl[0], 1, &sacc[0][0], kMaxD, t, h, Hq, Dv, sp, out, part_ml, part_acc);
 }
 
-// The splits' triples of one (row, head) merged by a block: each thread scans a share of the splits
-// for the max and the sum (block reductions), the scales exp(m_s - M) go to shared memory, then each
-// output element sums its splits with no condition on a global load in the way. One thread walking
-// every split's (max, sum) before each load took ~87 us at 256 splits (a decode step's attention
-// layer: ten of them were 0.9 ms of a 35B-A3B step). Splits with no keys (sum 0) write no
-// accumulator: their scale is 0 and they are skipped.
+// The splits' triples of one (row, head) merged, 32 output elements a block (grid z): each block
+// reduces the splits' max and sum (block reductions; the scales exp(m_s - M) go to shared memory),
+// then its eight warps each sum every eighth split for the 32 elements (a lane an element: 128-byte
+// rows) and add their shares. Splits with no keys (sum 0) wrote no accumulator: scale 0, skipped.
+// History: one thread walking every split's (max, sum) before each load took ~87 us at 256 splits
+// (a 35B-A3B decode step's attention layer); one block per head with each thread walking all 256
+// splits one dependent load after another still took ~97 us (ncu, caches flushed), 0.97 ms a step.
 constexpr int kMaxMergeSplits = 256;
-__global__ void __launch_bounds__(128)
+constexpr int kMergeWarps = 8;
+__global__ void __launch_bounds__(kMergeWarps * 32)
     k_attention_merge(const float* part_ml, const float* part_acc, int64_t Hq, int64_t Dv, int splits, float* out) {
   pdl_entry();
   __shared__ float f[kMaxMergeSplits];
-  __shared__ float red[4];
+  __shared__ float red[kMergeWarps];
+  __shared__ float share[kMergeWarps][32];
   const int64_t t = blockIdx.x, h = blockIdx.y;
   const int64_t base = (t * Hq + h) * splits;
   const int lane = threadIdx.x % 32, w = threadIdx.x / 32;
@@ -150,7 +154,9 @@ __global__ void __launch_bounds__(128)
   for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
   if (lane == 0) red[w] = m;
   __syncthreads();
-  const float M = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
+  float M = red[0];
+#pragma unroll
+  for (int i = 1; i < kMergeWarps; ++i) M = fmaxf(M, red[i]);
   __syncthreads();  // red is reused below
   float l = 0.f;
   for (int sp = threadIdx.x; sp < splits; sp += blockDim.x) {
@@ -162,15 +168,34 @@ __global__ void __launch_bounds__(128)
   for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
   if (lane == 0) red[w] = l;
   __syncthreads();
-  const float L = red[0] + red[1] + red[2] + red[3];
-  float* op = out + (t * Hq + h) * Dv;
-  for (int64_t d = threadIdx.x; d < Dv; d += blockDim.x) {
-    float o = 0.f;
-#pragma unroll 4
-    for (int sp = 0; sp < splits; ++sp)
-      if (f[sp] != 0.f) o += part_acc[(base + sp) * Dv + d] * f[sp];
-    op[d] = o / L;
+  float L = 0.f;
+#pragma unroll
+  for (int i = 0; i < kMergeWarps; ++i) L += red[i];
+  const int64_t d = blockIdx.z * 32 + lane;
+  float o = 0.f;
+  if (d < Dv) {
+    const float* pa = part_acc + base * Dv + d;
+#pragma unroll 8
+    for (int sp = w; sp < splits; sp += kMergeWarps) {
+      const float fs = f[sp];
+      if (fs != 0.f) o += pa[sp * Dv] * fs;
+    }
   }
+  share[w][lane] = o;
+  __syncthreads();
+  if (w == 0 && d < Dv) {
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < kMergeWarps; ++i) sum += share[i][lane];
+    out[(t * Hq + h) * Dv + d] = sum / L;
+  }
+}
+
+void merge_splits(cudaStream_t s, const float* part_ml, const float* part_acc, int64_t T, int64_t Hq, int64_t Dv,
+                  int splits, float* out) {
+  launch(s, dim3(static_cast<unsigned>(T), static_cast<unsigned>(Hq), static_cast<unsigned>((Dv + 31) / 32)),
+         kMergeWarps * 32, 0, k_attention_merge, part_ml, part_acc, Hq, Dv, splits, out);
+  CUDA_LAUNCH_CHECK("k_attention_merge");
 }
 
 // Decode step, one block per (sequence, group of HG query heads sharing a key head, key split):
@@ -307,9 +332,7 @@ void launch_attention(cudaStream_t s, const float* q, const float* k, const floa
          k_attention, q, k, v, Hq, Hkv, D, Dv, kv_len, q_offset, scale, chunk, out, part_ml, part_acc);
   CUDA_LAUNCH_CHECK("k_attention");
   if (splits > 1) {
-    launch(s, dim3(static_cast<unsigned>(T), static_cast<unsigned>(Hq)), 128, 0, k_attention_merge, part_ml, part_acc,
-           Hq, Dv, splits, out);
-    CUDA_LAUNCH_CHECK("k_attention_merge");
+    merge_splits(s, part_ml, part_acc, T, Hq, Dv, splits, out);
   }
 }
 
@@ -319,15 +342,20 @@ void launch_attention_merge(cudaStream_t s, const float* part, int64_t T, int64_
   if (splits > kMaxMergeSplits)
     throw std::invalid_argument("attention: at most " + std::to_string(kMaxMergeSplits) + " key splits, got " +
                                 std::to_string(splits));
-  launch(s, dim3(static_cast<unsigned>(T), static_cast<unsigned>(Hq)), 128, 0, k_attention_merge, part,
-         part + 2 * T * Hq * splits, Hq, Dv, splits, out);
-  CUDA_LAUNCH_CHECK("k_attention_merge");
+  merge_splits(s, part, part + 2 * T * Hq * splits, T, Hq, Dv, splits, out);
 }
 
 int attention_step_splits(int64_t B, int64_t Hq, int64_t Hkv) {
   // ~2048 blocks whatever the batch: a single long sequence still spreads over every SM.
+  // HYPIC_STEP_BLOCKS sets that target (a measurement knob; the split count is fixed per batch
+  // size, so captured steps replay at any length).
+  static const int64_t target = [] {
+    const char* e = std::getenv("HYPIC_STEP_BLOCKS");
+    const int64_t v = e && *e ? std::atoll(e) : 0;
+    return v > 0 ? v : int64_t{2048};
+  }();
   const int64_t groups = B * (Hq / step_heads(Hq, Hkv));
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(256, (2048 + groups - 1) / groups)));
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kMaxMergeSplits, (target + groups - 1) / groups)));
 }
 
 void launch_attention_step(cudaStream_t s, const float* q, const int64_t* caches, const int64_t* positions, int64_t B,
@@ -362,9 +390,7 @@ void launch_attention_step(cudaStream_t s, const float* q, const int64_t* caches
   }
   CUDA_LAUNCH_CHECK("k_attention_step");
   if (splits > 1) {
-    launch(s, dim3(static_cast<unsigned>(B), static_cast<unsigned>(Hq)), 128, 0, k_attention_merge, part_ml, part_acc,
-           Hq, Dv, splits, out);
-    CUDA_LAUNCH_CHECK("k_attention_merge");
+    merge_splits(s, part_ml, part_acc, B, Hq, Dv, splits, out);
   }
 }
 

@@ -19,14 +19,16 @@ namespace {
 
 constexpr int kMaxPer = 32;  // experts per lane: E <= 1024
 
-// Token t's experts by one warp: softmax, top-k, weights (renormalised when norm).
+// Token t's experts by one warp: softmax, top-k, weights (renormalised when norm). PER experts a
+// lane (E <= 32 * PER): the top-k passes compare PER values each, so 256 experts take 8, not 32.
+template <int PER>
 __device__ void route_token(const float* logits, int64_t t, int lane, int E, int top_k, bool norm, int32_t* sel,
                             float* wsel) {
   const float* row = logits + t * E;
-  float p[kMaxPer];
+  float p[PER];
   float mx = -FLT_MAX;
 #pragma unroll
-  for (int i = 0; i < kMaxPer; ++i) {
+  for (int i = 0; i < PER; ++i) {
     const int e = lane + 32 * i;
     p[i] = e < E ? row[e] : -FLT_MAX;
     mx = fmaxf(mx, p[i]);
@@ -34,21 +36,21 @@ __device__ void route_token(const float* logits, int64_t t, int lane, int E, int
   for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
   float sum = 0.f;
 #pragma unroll
-  for (int i = 0; i < kMaxPer; ++i) {
+  for (int i = 0; i < PER; ++i) {
     const int e = lane + 32 * i;
     p[i] = e < E ? expf(p[i] - mx) : -1.f;
     if (e < E) sum += p[i];
   }
   for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
 #pragma unroll
-  for (int i = 0; i < kMaxPer; ++i)
+  for (int i = 0; i < PER; ++i)
     if (lane + 32 * i < E) p[i] /= sum;
-  float picked = 0.f;
+  float picked = 0.f, mine = 0.f;  // lane j keeps the j-th weight
   for (int j = 0; j < top_k; ++j) {
     float bv = -2.f;
     int be = 1 << 30;
 #pragma unroll
-    for (int i = 0; i < kMaxPer; ++i) {
+    for (int i = 0; i < PER; ++i) {
       const int e = lane + 32 * i;
       if (p[i] > bv) bv = p[i], be = e;  // ascending e per lane: the first of equal values wins
     }
@@ -58,39 +60,57 @@ __device__ void route_token(const float* logits, int64_t t, int lane, int E, int
       if (ov > bv || (ov == bv && oe < be)) bv = ov, be = oe;
     }
 #pragma unroll
-    for (int i = 0; i < kMaxPer; ++i)
+    for (int i = 0; i < PER; ++i)
       if (lane + 32 * i == be) p[i] = -1.f;
-    if (lane == 0) {
-      sel[t * top_k + j] = be;
-      wsel[t * top_k + j] = bv;
+    if (lane == 0) sel[t * top_k + j] = be;
+    if (j < 32) {
+      if (lane == j) mine = bv;
+    } else if (lane == 0) {
+      wsel[t * top_k + j] = bv;  // renormalised below
     }
     picked += bv;
   }
-  if (norm && lane == 0)
-    for (int j = 0; j < top_k; ++j) wsel[t * top_k + j] /= picked;
+  if (lane < top_k) wsel[t * top_k + lane] = norm ? mine / picked : mine;
+  if (top_k > 32 && norm && lane == 0)
+    for (int j = 32; j < top_k; ++j) wsel[t * top_k + j] /= picked;
+}
+
+// f(std::integral_constant<int, PER>) with PER the fewest experts a lane that hold E.
+template <typename F>
+void with_per(int64_t E, F&& f) {
+  if (E <= 128)
+    f(std::integral_constant<int, 4>{});
+  else if (E <= 256)
+    f(std::integral_constant<int, 8>{});
+  else if (E <= 512)
+    f(std::integral_constant<int, 16>{});
+  else
+    f(std::integral_constant<int, kMaxPer>{});
 }
 
 // One warp per token.
+template <int PER>
 __global__ void k_route(const float* logits, int64_t T, int E, int top_k, bool norm, int32_t* sel, float* wsel) {
   pdl_entry();
   const int64_t t = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32;
   if (t >= T) return;
-  route_token(logits, t, threadIdx.x % 32, E, top_k, norm, sel, wsel);
+  route_token<PER>(logits, t, threadIdx.x % 32, E, top_k, norm, sel, wsel);
 }
 
 // Routing, ranks, counts and the slots' order by expert for a few slots (n <= kRouteFewSlots: a
 // decode step) in one block instead of three kernels (k_route, k_rank, k_moe_order): the same
 // values, since a slot's rank is the number of earlier slots of its expert either way.
 constexpr int kRouteFewSlots = 256;
-// 512 threads: route_token's 32 values a lane need more than the 64 registers of 1024 threads.
-__global__ void __launch_bounds__(512)
+constexpr int kRouteFewThreads = 512;  // route_token<32>'s values need more than 64 registers a thread
+template <int PER>
+__global__ void __launch_bounds__(kRouteFewThreads)
     k_route_few(const float* logits, int64_t T, int E, int top_k, bool norm, int32_t* sel, float* wsel, int32_t* rank,
                 int32_t* counts, int32_t* order, int32_t* offsets, int32_t* pos) {
   pdl_entry();
   __shared__ int32_t s_sel[kRouteFewSlots], s_rank[kRouteFewSlots];
-  __shared__ int32_t s_cnt[1024], s_off[1024];
+  __shared__ int32_t s_cnt[1024], s_off[1024], s_warp[kRouteFewThreads / 32];
   const int n = static_cast<int>(T) * top_k, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int64_t t = warp; t < T; t += blockDim.x / 32) route_token(logits, t, lane, E, top_k, norm, sel, wsel);
+  for (int64_t t = warp; t < T; t += blockDim.x / 32) route_token<PER>(logits, t, lane, E, top_k, norm, sel, wsel);
   for (int e = threadIdx.x; e < E; e += blockDim.x) s_cnt[e] = 0;
   __syncthreads();  // sel is visible to the whole block from here
   for (int i = threadIdx.x; i < n; i += blockDim.x) s_sel[i] = sel[i];
@@ -103,10 +123,22 @@ __global__ void __launch_bounds__(512)
     atomicAdd(&s_cnt[e], 1);
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int32_t acc = 0;
-    for (int e = 0; e < E; ++e) s_off[e] = acc, acc += s_cnt[e];
+  // Exclusive scan of the counts: two experts a thread (E <= 1024), within each warp by shuffles,
+  // then over the warps' totals (a serial walk of 256 counts was most of this kernel's time).
+  const int e0 = 2 * threadIdx.x;
+  const int c0 = e0 < E ? s_cnt[e0] : 0, c1 = e0 + 1 < E ? s_cnt[e0 + 1] : 0;
+  int incl = c0 + c1;
+  for (int o = 1; o < 32; o <<= 1) {
+    const int u = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += u;
   }
+  if (lane == 31) s_warp[warp] = incl;
+  __syncthreads();
+  int before = 0;
+  for (int w = 0; w < warp; ++w) before += s_warp[w];
+  const int ex = before + incl - c0 - c1;
+  if (e0 < E) s_off[e0] = ex;
+  if (e0 + 1 < E) s_off[e0 + 1] = ex + c0;
   __syncthreads();
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
     counts[e] = s_cnt[e];
@@ -344,8 +376,10 @@ void launch_moe_route(cudaStream_t s, const float* logits, int64_t T, int64_t E,
   if (E > 32 * kMaxPer)
     throw std::invalid_argument("moe_experts: at most 1024 experts on cuda, got " + std::to_string(E));
   if (T == 0) return;
-  launch(s, static_cast<unsigned>((T + 7) / 8), 256, 0, k_route, logits, T, static_cast<int>(E), top_k, norm, sel,
-         wsel);
+  with_per(E, [&](auto per) {
+    launch(s, static_cast<unsigned>((T + 7) / 8), 256, 0, k_route<decltype(per)::value>, logits, T, static_cast<int>(E),
+           top_k, norm, sel, wsel);
+  });
   CUDA_LAUNCH_CHECK("k_route");
   launch(s, static_cast<unsigned>(E), kRankThreads, 0, k_rank, sel, T * top_k, rank, counts);
   CUDA_LAUNCH_CHECK("k_rank");
@@ -362,8 +396,10 @@ void launch_moe_route_order(cudaStream_t s, const float* logits, int64_t T, int6
     launch_moe_order(s, sel, rank, counts, E, T * top_k, order, offsets, pos);
     return;
   }
-  launch(s, 1, 512, 0, k_route_few, logits, T, static_cast<int>(E), top_k, norm, sel, wsel, rank, counts, order,
-         offsets, pos);
+  with_per(E, [&](auto per) {
+    launch(s, 1, kRouteFewThreads, 0, k_route_few<decltype(per)::value>, logits, T, static_cast<int>(E), top_k, norm,
+           sel, wsel, rank, counts, order, offsets, pos);
+  });
   CUDA_LAUNCH_CHECK("k_route_few");
 }
 
