@@ -8,10 +8,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdlib>
-#include <map>
-#include <mutex>
 #include <string>
 #include <type_traits>
 
@@ -320,69 +317,31 @@ int sm_count() {
 
 int forced_split = 0;  // set_gemv_split(); 0: HYPIC_GEMV_SPLIT or the rule below
 
-// Blocks of `kernel` (kThreads each) resident on one SM, asked once per kernel.
-template <typename Kern>
-int resident_blocks(Kern kernel) {
-  static std::mutex mu;
-  static std::map<const void*, int> known;
-  std::lock_guard<std::mutex> lock(mu);
-  const void* key = reinterpret_cast<const void*>(kernel);
-  auto it = known.find(key);
-  if (it != known.end()) return it->second;
-  int b = 0;
-  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, kThreads, 0));
-  return known[key] = std::max(b, 1);
-}
-
-// Warps per output row. The weights stream at the memory's rate only while every SM has warps:
-// a product whose warps make 1.46 waves (a 12352-row in-projection, one warp a row) idles half the
-// SMs for a third of its time. So among the splits that leave each warp at least one unrolled
-// round (4 runs of 256 weights), take the one whose last wave is fullest (waves / ceil(waves)),
-// the fewest warps per row among equals. resident(s): warps of the split-s kernel on the whole GPU.
-// HYPIC_GEMV_WAVES=0: the earlier rule (about two waves of 64 warps an SM, whatever the last one's fill).
-template <typename Resident>
-int split_for(int64_t rows, int64_t K, Resident&& resident) {
+// Warps per output row: enough warps for about two waves of a full SM (64 warps each) however few
+// the rows, while every warp keeps at least four runs of 256 weights (one unrolled round).
+int split_for(int64_t rows, int64_t K) {
   static const int env = [] {
     const char* e = std::getenv("HYPIC_GEMV_SPLIT");
     return e && *e ? std::atoi(e) : 0;
   }();
-  static const bool waves = [] {
-    const char* e = std::getenv("HYPIC_GEMV_WAVES");
-    return !(e && std::string(e) == "0");
-  }();
   int s = forced_split ? forced_split : env;
-  if (s <= 0 && !waves) {
+  if (s <= 0) {
     const int64_t target = static_cast<int64_t>(sm_count()) * 128;
     s = 1;
     while (s < kWarps && rows * s * 2 <= target && K >= 256 * 4 * s * 2) s *= 2;
-  } else if (s <= 0) {
-    double best = -1.0;
-    for (int c = 1; c <= kWarps; c *= 2) {
-      if (c > 1 && K < 256 * 4 * c) break;
-      const double w = static_cast<double>(rows * c) / static_cast<double>(resident(c));
-      const double fill = w / std::ceil(w);
-      if (fill > best + 0.02) best = fill, s = c;
-    }
   }
   return s >= 8 ? 8 : s >= 4 ? 4 : s >= 2 ? 2 : 1;
-}
-
-template <typename WT, int M>
-int64_t gemv_resident(int split) {
-  int b = 0;
-  with_split(split, [&](auto sp) { b = resident_blocks(k_gemv<WT, M, decltype(sp)::value>); });
-  return static_cast<int64_t>(b) * sm_count() * kWarps;
 }
 
 template <typename WT>
 void gemv_t(cudaStream_t s, const GemvOutputs& o, const float* x, int64_t M, int64_t K, bool acc) {
   const int64_t rows = o.end[o.count - 1];
+  const int split = split_for(rows, K);
+  const unsigned blocks = static_cast<unsigned>((rows * split + kWarps - 1) / kWarps);
   with_rows(M, "gemv", [&](auto m) {
-    constexpr int kM = decltype(m)::value;
-    const int split = split_for(rows, K, [](int c) { return gemv_resident<WT, kM>(c); });
-    const unsigned blocks = static_cast<unsigned>((rows * split + kWarps - 1) / kWarps);
     with_split(split, [&](auto sp) {
-      launch(s, blocks, kThreads, 0, k_gemv<WT, kM, decltype(sp)::value>, o, x, K, acc, prefetch_lines());
+      launch(s, blocks, kThreads, 0, k_gemv<WT, decltype(m)::value, decltype(sp)::value>, o, x, K, acc,
+             prefetch_lines());
     });
   });
   CUDA_LAUNCH_CHECK("k_gemv");
@@ -391,18 +350,14 @@ void gemv_t(cudaStream_t s, const GemvOutputs& o, const float* x, int64_t M, int
 template <typename WT>
 void gemv_swiglu_t(cudaStream_t s, const void* gate, const void* up, const float* x, float* h, int64_t M, int64_t N,
                    int64_t K) {
+  const int split = split_for(N, K);
+  const unsigned blocks = static_cast<unsigned>((N * split + kWarps - 1) / kWarps);
   const auto* g = static_cast<const WT*>(gate);
   const auto* u = static_cast<const WT*>(up);
   with_rows(M, "gemv_swiglu", [&](auto m) {
-    constexpr int kM = decltype(m)::value;
-    const int split = split_for(N, K, [](int c) {
-      int b = 0;
-      with_split(c, [&](auto sp) { b = resident_blocks(k_gemv_swiglu<WT, kM, decltype(sp)::value>); });
-      return static_cast<int64_t>(b) * sm_count() * kWarps;
-    });
-    const unsigned blocks = static_cast<unsigned>((N * split + kWarps - 1) / kWarps);
     with_split(split, [&](auto sp) {
-      launch(s, blocks, kThreads, 0, k_gemv_swiglu<WT, kM, decltype(sp)::value>, g, u, x, N, K, h, prefetch_lines());
+      launch(s, blocks, kThreads, 0, k_gemv_swiglu<WT, decltype(m)::value, decltype(sp)::value>, g, u, x, N, K, h,
+             prefetch_lines());
     });
   });
   CUDA_LAUNCH_CHECK("k_gemv_swiglu");
