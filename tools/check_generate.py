@@ -31,8 +31,8 @@ def main():
     ap.add_argument("--hypic", default=shutil.which("hypic") or "build/hypic")
     ap.add_argument("--backend", default="cuda")
     # f32 products, as transformers' f32 reference ran (the conformance suite's setting); bf16 is
-    # the GPU's fast default, reported too but held to nothing here (tiny random models have
-    # greedy margins of 0.03 that bf16 rounding can flip).
+    # the GPU's fast default, checked the same way (tiny random models have greedy margins of ~0.03
+    # that bf16 rounding could flip: a failure there is a margin to look at before a bug).
     ap.add_argument("--activations", default="f32")
     ap.add_argument("models", nargs="*")
     a = ap.parse_args()
