@@ -51,6 +51,18 @@ void Backend::add_rms_norm(Tensor& x, const Tensor& d, const Tensor& w, float ep
   rms_norm(x, w, eps, one_plus_w, out);
 }
 
+void Backend::convert(const Tensor& src, Tensor& dst) {
+  checks::check_convert(src, dst, device().kind);
+  Tensor h = to_host(src).to_f32();
+  if (dst.dtype() == DType::F32) {
+    write(dst, h.raw(), h.nbytes());
+    return;
+  }
+  Tensor o = Tensor::empty(dst.dtype(), {h.numel()});
+  convert_from_f32(h.data<float>(), dst.dtype(), o.raw(), static_cast<size_t>(h.numel()));
+  write(dst, o.raw(), o.nbytes());
+}
+
 void Backend::write(Tensor& dst, const void* src, size_t bytes) {
   if (!dst.defined() || bytes != dst.nbytes())
     checks::fail("write", std::to_string(bytes) + " bytes for " + (dst.defined() ? dst.str() : "an undefined tensor"));

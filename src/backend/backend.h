@@ -55,6 +55,9 @@ class Backend {
   virtual Tensor to_host(const Tensor& t) = 0;
   virtual void copy(const Tensor& src, Tensor& dst) = 0;  // same dtype and numel
   virtual void fill(Tensor& t, float value) = 0;          // f32 tensors
+  // dst <- src with a dtype change between f32 and bf16/f16 (either way; same numel; rounding to
+  // nearest even). The base class goes through the host.
+  virtual void convert(const Tensor& src, Tensor& dst);
   virtual void synchronize() {}
   // Drops what a profiling backend recorded so far (HYPIC_CUDA_PROFILE), so that a benchmark's
   // profile covers its timed requests and not its warm-up.

@@ -188,6 +188,15 @@ void check_conv1d_spans(const Tensor& x, const Tensor& w, std::span<const Backen
     fail(op, "spans cover " + std::to_string(rows) + " rows, x " + x.str() + " has " + std::to_string(x.dim(0)));
 }
 
+void check_convert(const Tensor& src, const Tensor& dst, DeviceKind dev) {
+  const char* op = "convert";
+  need_float(op, "src", src, dev);
+  need_float(op, "dst", dst, dev);
+  if (src.numel() != dst.numel()) fail(op, "src " + src.str() + " and dst " + dst.str() + " differ in size");
+  if (src.dtype() != DType::F32 && dst.dtype() != DType::F32 && src.dtype() != dst.dtype())
+    fail(op, "src " + src.str() + " to dst " + dst.str() + ": one side must be f32");
+}
+
 void check_copy_rows(std::span<const Backend::RowCopy> pieces, int rot_dim, double theta, DeviceKind dev) {
   const char* op = "copy_rows";
   struct Range {
@@ -276,7 +285,8 @@ void check_gated_delta_rule(const Tensor& q, const Tensor& k, const Tensor& v, c
 
 void check_compose_state(const Tensor& T, const Tensor& S, const Tensor& B, const Tensor& out, DeviceKind dev) {
   const char* op = "compose_state";
-  need_f32(op, "T", T, dev);
+  need_def(op, "T", T, dev);
+  if (T.dtype() != DType::F32 && T.dtype() != DType::BF16) fail(op, "T " + T.str() + ": must be f32 or bf16");
   need_f32(op, "S", S, dev);
   need_f32(op, "B", B, dev);
   need_f32(op, "out", out, dev);

@@ -348,6 +348,14 @@ void PicEngine::finish_entry(SegmentEntry& e) {
       }
     }
   }
+  const bool t_bf16 = t_dtype_ == TransitionDType::BF16 || (t_dtype_ == TransitionDType::Auto && !be.precise());
+  if (t_bf16)
+    for (auto& l : e.layers)
+      if (l.T.defined() && l.T.dtype() == DType::F32 && l.T.numel() > l.T.dim(0)) {  // dense, not [Hv, 1, 1]
+        Tensor t = be.alloc_uninit(DType::BF16, l.T.shape());
+        be.convert(l.T, t);
+        l.T = std::move(t);
+      }
   e.account();
 }
 
@@ -389,10 +397,10 @@ std::string PicEngine::check_entry(const SegmentEntry& e) const {
   for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
     const auto& s = e.layers[static_cast<size_t>(l)];
     const std::string at = "layer " + std::to_string(l) + ": ";
-    auto want = [&](const Tensor& t, const char* name, const Shape& shape) -> std::string {
+    auto want = [&](const Tensor& t, const char* name, const Shape& shape, bool bf16_ok = false) -> std::string {
       if (!t.defined()) return at + name + " missing";
-      if (t.dtype() != DType::F32 || t.shape() != shape)
-        return at + name + " is " + t.str() + ", expected f32" + shape_str(shape);
+      if ((t.dtype() != DType::F32 && !(bf16_ok && t.dtype() == DType::BF16)) || t.shape() != shape)
+        return at + name + " is " + t.str() + ", expected f32" + (bf16_ok ? " or bf16" : "") + shape_str(shape);
       return "";
     };
     std::string why;
@@ -409,7 +417,7 @@ std::string PicEngine::check_entry(const SegmentEntry& e) const {
         if (why.empty()) why = want(s.body.beta, "body beta", {n, Hv});
         if (why.empty() && (s.T.defined() || s.S.defined())) why = at + "both a compact body and T/S";
       } else {
-        if (why.empty()) why = want(s.T, "T", expect_[x]);
+        if (why.empty()) why = want(s.T, "T", expect_[x], /*bf16_ok=*/true);
         if (why.empty()) why = want(s.S, "S", expect_[x + 1]);
         if (why.empty() && (s.body.v.defined() || s.body.g.defined() || s.body.beta.defined()))
           why = at + "a partial compact body";
@@ -863,7 +871,7 @@ std::optional<PrefillResult> PicEngine::step_compose(ComposeRun& c, int64_t max_
           } else if (sum.body.defined()) {
             after.replay = &sum.body;
           } else {
-            after.T = naive ? nullptr : &sum.T;
+            after.T = naive ? nullptr : &sum.T;  // f32 or bf16: the backends read either
             after.B = &sum.S;
           }
           after.conv = &sum.conv_tail;

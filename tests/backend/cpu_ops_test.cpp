@@ -149,6 +149,18 @@ TEST_F(CpuOps, MemoryOps) {
   be->fill(d, 2.5f);
   for (double v : vals(d)) EXPECT_EQ(v, 2.5);
   EXPECT_NE(error_of([&] { be->fill(a, 1.f); }).find("fill: t bf16[3, 5]: must be f32"), std::string::npos);
+  // convert: to bf16 rounds to nearest even (1 + 2^-8 is a tie: down to 1; 1 + 3 * 2^-8 up to
+  // 1 + 2^-6), back to f32 exactly; two 16-bit dtypes or sizes that differ are refused.
+  Tensor f = Tensor::empty(DType::F32, {3});
+  f.data<float>()[0] = 1.f + 1.f / 256, f.data<float>()[1] = 1.f + 3.f / 256, f.data<float>()[2] = -2.5f;
+  Tensor b16 = be->alloc(DType::BF16, {3}), back = be->alloc(DType::F32, {3});
+  be->convert(f, b16);
+  be->convert(b16, back);
+  EXPECT_EQ(vals(back), (Vec{1.0, 1.0 + 1.0 / 64, -2.5}));
+  Tensor f16 = be->alloc(DType::F16, {3});
+  EXPECT_NE(error_of([&] { be->convert(b16, f16); }).find("convert: src bf16[3] to dst f16[3]: one side must be f32"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { be->convert(f, d); }).find("differ in size"), std::string::npos);
 }
 
 // ---- matmul -----------------------------------------------------------------------------------

@@ -206,6 +206,48 @@ TEST_F(CudaModel, EntriesCrossBackendsThroughTheDiskTier) {
   fs::remove_all(root, ec);
 }
 
+// Outside precise mode the GPU stores dense transitions in bf16: the CPU takes such entries from the
+// disk tier (converting T back to f32 as it composes) and answers as with its own f32 entries, within
+// the bf16 noise of the GPU's own computation.
+TEST_F(CudaModel, Bf16TransitionsFromTheGpuComposeOnTheCpu) {
+  const fs::path root = fs::temp_directory_path() / ("hypic_cuda_bf16_t_" + std::to_string(::getpid()));
+  for (const std::string name : {"qwen3_5_moe", "qwen3_next"}) {
+    auto g = load_model(dir(name), "cuda");
+    auto c = load_model(dir(name), "cpu", 2);
+    std::mt19937 rng(41);
+    const int32_t V = static_cast<int32_t>(g.model->config().vocab_size);
+    auto seg = [&](int n) {
+      std::vector<int32_t> s(static_cast<size_t>(n));
+      for (auto& t : s) t = static_cast<int32_t>(rng() % static_cast<uint32_t>(V));
+      return s;
+    };
+    const std::vector<std::vector<int32_t>> req = {seg(24), seg(50), seg(15), seg(66), seg(9)};
+    const std::string where = (root / name).string();
+    PicOptions o;
+    o.mode = PicMode::Pic;
+    o.seam = 4;
+    PicEngine writer(*g.model, size_t(256) << 20), reader(*c.model, size_t(256) << 20),
+        own(*c.model, size_t(256) << 20);
+    for (PicEngine* e : {&writer, &reader, &own}) e->set_compact_entries(false);
+    writer.attach_cache_dir(where);
+    reader.attach_cache_dir(where);
+    writer.prefill(req, o);
+    auto e = writer.find(req[1], o.seam);
+    ASSERT_TRUE(e) << name;
+    int64_t bf16_t = 0;
+    for (const auto& l : e->layers) bf16_t += l.T.defined() && l.T.dtype() == DType::BF16;
+    EXPECT_GT(bf16_t, 0) << name;
+    PrefillResult got = reader.prefill(req, o), ref = own.prefill(req, o);
+    EXPECT_EQ(reader.cache().stats().disk_hits, 4u) << name;
+    EXPECT_EQ(reader.cache().stats().corrupt_files, 0u) << name;
+    const double d = lp_diff(c.backend->to_host(got.logits), c.backend->to_host(ref.logits), 0);
+    std::printf("%s: bf16-T entries from the gpu on the cpu vs its own %.2e\n", name.c_str(), d);
+    EXPECT_LE(d, 0.05) << name;
+  }
+  std::error_code ec;
+  fs::remove_all(root, ec);
+}
+
 // The host tier on the GPU: entries demoted to page-locked host memory come back through the copy
 // stream, layer by layer behind fences, while the request starts; the answer is bitwise the one
 // from entries in GPU memory, and a memory budget of one entry keeps the tiers moving.

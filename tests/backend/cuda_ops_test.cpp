@@ -618,6 +618,40 @@ TEST_F(CudaOps, GatedDeltaChainMatchesSpanOps) {
       }
     cuda::set_gdn_chain_rows(0);
     cuda::set_gdn_chain_full_t(true);
+    // Dense T stored in bf16 (entries outside precise mode): exactly the f32 chain over T rounded to
+    // bf16 values, staged whole and a panel at a time, and on the CPU (compose_state reads it too).
+    {
+      std::vector<Tensor> Tb, Tr;  // bf16 (device), and its values in f32 (host)
+      for (int i : {0, 2}) {
+        Tensor b = as(Ts[i], DType::BF16);
+        Tr.push_back(b.to_f32().clone());
+        Tb.push_back(dev(b));
+      }
+      auto with_t = [&](std::vector<Backend::GdnLink> L, const Tensor& t0, const Tensor& t2) {
+        L[0].T = &t0, L[4].T = &t2;
+        return L;
+      };
+      Tensor tr0 = dev(Tr[0]), tr2 = dev(Tr[1]);
+      const auto lb = with_t(lg, Tb[0], Tb[1]), lr = with_t(lg, tr0, tr2);
+      for (bool full_t : {true, false}) {
+        cuda::set_gdn_chain_full_t(full_t);
+        Tensor sb = dev(s0), sr = dev(s0), ob = poisoned(DType::F32, {R, d.Hv, d.dv}),
+               orr = poisoned(DType::F32, {R, d.Hv, d.dv});
+        gpu->gated_delta_chain(dev(q), dev(k), dev(v), dev(g), dev(beta), true, sb, ob, lb);
+        gpu->gated_delta_chain(dev(q), dev(k), dev(v), dev(g), dev(beta), true, sr, orr, lr);
+        EXPECT_EQ(err(sb, gpu->to_host(sr)), 0.0) << "bf16 T, dk=" << d.dk << (full_t ? " whole" : " panels");
+        EXPECT_EQ(err(ob, gpu->to_host(orr)), 0.0) << "bf16 T, dk=" << d.dk << (full_t ? " whole" : " panels");
+        EXPECT_LE(err(sb, sc), 2e-2) << "bf16 T against the f32 chain, dk=" << d.dk;
+      }
+      cuda::set_gdn_chain_full_t(true);
+      Tensor hb0 = as(Ts[0], DType::BF16), hb2 = as(Ts[2], DType::BF16);
+      const auto cb = with_t(lc, hb0, hb2), cr = with_t(lc, Tr[0], Tr[1]);
+      Tensor s1 = s0.clone(), s2 = s0.clone(), o1 = cpu->alloc(DType::F32, {R, d.Hv, d.dv}),
+             o2 = cpu->alloc(DType::F32, {R, d.Hv, d.dv});
+      cpu->gated_delta_chain(q, k, v, g, beta, true, s1, o1, cb);
+      cpu->gated_delta_chain(q, k, v, g, beta, true, s2, o2, cr);
+      EXPECT_EQ(std::memcmp(s1.raw(), s2.raw(), s1.nbytes()), 0) << "cpu, bf16 T";
+    }
 #endif
     // Links that do not cover the rows, or a body of the wrong shape, are refused by name.
     auto bad = lg;
@@ -1166,6 +1200,28 @@ TEST_F(CudaOps, MatmulManyAndAddRmsNorm) {
       EXPECT_LE(err(xg, xc), 1e-6) << "R=" << R << " D=" << D;
       EXPECT_LE(err(og, oc), 1e-5) << "R=" << R << " D=" << D;
     }
+}
+
+// dtype conversion between f32 and bf16/f16 both ways: the CPU's numbers exactly (round to nearest
+// even), and a clear error for two 16-bit dtypes or a size mismatch.
+TEST_F(CudaOps, ConvertMatchesCpu) {
+  for (int64_t n : {1, 7, 4096, 100003}) {
+    Tensor x = randn({n}, rng, 3.f);
+    for (DType h : {DType::BF16, DType::F16}) {
+      Tensor hc = cpu->alloc(h, {n}), hg = gpu->alloc(h, {n});
+      cpu->convert(x, hc);
+      gpu->convert(dev(x), hg);
+      Tensor hb = gpu->to_host(hg);
+      EXPECT_EQ(std::memcmp(hb.raw(), hc.raw(), hc.nbytes()), 0) << dtype_name(h) << " n=" << n;
+      Tensor fc = cpu->alloc(DType::F32, {n}), fg = poisoned(DType::F32, {n});
+      cpu->convert(hc, fc);
+      gpu->convert(hg, fg);
+      EXPECT_EQ(err(fg, fc), 0.0) << dtype_name(h) << " n=" << n;
+    }
+  }
+  Tensor b = gpu->alloc(DType::BF16, {8}), f = gpu->alloc(DType::F16, {8}), g = gpu->alloc(DType::F32, {9});
+  EXPECT_NE(error_of([&] { gpu->convert(b, f); }).find("one side must be f32"), std::string::npos);
+  EXPECT_NE(error_of([&] { gpu->convert(b, g); }).find("differ in size"), std::string::npos);
 }
 
 // The first half of a SwiGLU MLP in one launch (decode-sized x, each weight dtype, a partial last

@@ -405,6 +405,50 @@ TEST_P(Pic, EntriesStoreTransitionsInTheirFamilysForm) {
   }
 }
 
+// Dense transitions stored in bf16 (the GPU's default) compose exactly as f32 transitions rounded
+// to bf16 values, take less memory, are accepted back from the disk tier, and give the same
+// answers from there. Scalar transitions ([Hv, 1, 1]: Mamba2, lightning) stay f32.
+TEST_P(Pic, TransitionsStoredInBf16ComposeAsRoundedOnes) {
+  const bool dense_t = lm_->model->transition_shape()[1] > 1;
+  const PicOptions o{PicMode::Pic, 4};
+  PicEngine bf(*lm_->model, 64 << 20), rounded(*lm_->model, 64 << 20), f32(*lm_->model, 64 << 20);
+  for (PicEngine* e : {&bf, &rounded, &f32}) e->set_compact_entries(false);  // every body as T and S
+  bf.set_transition_dtype(PicEngine::TransitionDType::BF16);
+  rounded.set_transition_dtype(PicEngine::TransitionDType::F32);
+  f32.set_transition_dtype(PicEngine::TransitionDType::F32);
+  if (dense_t) rounded.set_entry_rounding(PicEngine::EntryRounding::T);
+  const auto a = run(bf, segs_, o), b = run(rounded, segs_, o);
+  EXPECT_EQ(a, b);
+  auto eb = bf.build_entry(segs_[1], 4), ef = f32.build_entry(segs_[1], 4);
+  int64_t t_layers = 0;
+  for (const auto& l : eb->layers)
+    if (l.T.defined()) {
+      ++t_layers;
+      EXPECT_EQ(l.T.dtype(), dense_t ? DType::BF16 : DType::F32);
+    }
+  EXPECT_GT(t_layers, 0);
+  if (dense_t)
+    EXPECT_LT(eb->bytes, ef->bytes);
+  else
+    EXPECT_EQ(eb->bytes, ef->bytes);
+  // Through the disk tier: a fresh engine loads the bf16 entries and answers the same.
+  const fs::path dir = fs::temp_directory_path() / ("hypic_bf16_t_" + GetParam());
+  fs::remove_all(dir);
+  {
+    PicEngine w(*lm_->model, 64 << 20);
+    w.set_compact_entries(false);
+    w.set_transition_dtype(PicEngine::TransitionDType::BF16);
+    w.attach_cache_dir(dir.string());
+    EXPECT_EQ(run(w, segs_, o), a);
+  }
+  PicEngine r(*lm_->model, 64 << 20);
+  r.set_compact_entries(false);
+  r.attach_cache_dir(dir.string());
+  EXPECT_EQ(run(r, segs_, o), a);
+  EXPECT_GT(r.cache().stats().disk_hits, 0u);
+  fs::remove_all(dir);
+}
+
 TEST_P(Pic, CompactBodiesComposeAsTransitions) {
   std::mt19937_64 rng(7);
   const int64_t V = lm_->model->config().vocab_size;

@@ -887,6 +887,10 @@ void CpuBackend::gated_delta_rule(const Tensor& q, const Tensor& k, const Tensor
 // ================================================================================================
 void CpuBackend::compose_state(const Tensor& T, const Tensor& S, const Tensor& B, float alpha, Tensor& out) {
   check_compose_state(T, S, B, out, DeviceKind::CPU);
+  if (T.dtype() != DType::F32) {  // a bf16 T (an entry from a GPU): composed in f32
+    compose_state(T.to_f32(), S, B, alpha, out);
+    return;
+  }
   const int64_t H = T.dim(0), dk = S.dim(1), dv = S.dim(2);
   const float *tp = T.data<float>(), *sp = S.data<float>(), *bp = B.data<float>();
   float* o = out.data<float>();

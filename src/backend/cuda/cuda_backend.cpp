@@ -533,6 +533,18 @@ void CudaBackend::fill(Tensor& t, float value) {
   launch_fill(impl_->stream, t.data<float>(), t.numel(), value);
 }
 
+void CudaBackend::convert(const Tensor& src, Tensor& dst) {
+  OpScope scope_(*impl_, "convert");
+  check_convert(src, dst, kDev);
+  if (src.dtype() == dst.dtype()) {
+    copy(src, dst);
+  } else if (src.dtype() == DType::F32) {
+    launch_convert_f32(impl_->stream, src.data<float>(), dst.dtype(), dst.raw(), src.numel());
+  } else {
+    launch_to_f32(impl_->stream, src.raw(), src.dtype(), dst.data<float>(), src.numel());
+  }
+}
+
 void CudaBackend::set_precise(bool exact) {
   impl_->exact_half = exact;
 }
@@ -1106,8 +1118,17 @@ void CudaBackend::gated_delta_chain(const Tensor& q, const Tensor& k, const Tens
       c.rbeta = L.rbeta->data<float>();
     }
     if (L.T) {
-      shape_is(L.T, "T", {Hv, dk, dk}), c.T = L.T->data<float>();
-      aligned_t = aligned_t && (reinterpret_cast<uintptr_t>(c.T) & 15) == 0;
+      // f32 or bf16 (entries store dense T in bf16 outside precise mode: docs/pic.md).
+      c.t_bf16 = L.T->defined() && L.T->dtype() == DType::BF16;
+      if (c.t_bf16) {
+        if (L.T->device().kind != DeviceKind::CUDA || L.T->shape() != Shape{Hv, dk, dk})
+          fail("gated_delta_chain",
+               "T " + L.T->str() + ": expected f32 or bf16" + shape_str({Hv, dk, dk}) + " on cuda");
+      } else {
+        shape_is(L.T, "T", {Hv, dk, dk});
+      }
+      c.T = L.T->raw();
+      aligned_t = aligned_t && (reinterpret_cast<uintptr_t>(c.T) & 15) == 0 && (!c.t_bf16 || dk % 8 == 0);
     }
     if (L.B) shape_is(L.B, "B", {Hv, dk, dv}), c.B = L.B->data<float>();
     tab.push_back(c);
@@ -1179,6 +1200,12 @@ void CudaBackend::compose_state(const Tensor& T, const Tensor& S, const Tensor& 
   check_compose_state(T, S, B, out, kDev);
   const int64_t H = T.dim(0), dk = T.dim(1), dv = S.dim(2);
   if (H == 0 || dk == 0 || dv == 0) return;
+  if (T.dtype() != DType::F32) {  // a bf16 T (entries outside precise mode): composed in f32
+    Tensor t = alloc_uninit(DType::F32, T.shape());
+    convert(T, t);
+    compose_state(t, S, B, alpha, out);
+    return;
+  }
   copy(B, out);
   // Row-major out_h[dk,dv] += alpha T_h S_h is column-major out_h^T = alpha S_h^T T_h^T + out_h^T.
   const float beta = 1.f;

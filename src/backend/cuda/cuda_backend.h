@@ -62,6 +62,7 @@ class CudaBackend : public Backend {
   Tensor to_host(const Tensor& t) override;
   void copy(const Tensor& src, Tensor& dst) override;
   void fill(Tensor& t, float value) override;
+  void convert(const Tensor& src, Tensor& dst) override;
   void synchronize() override;
   void profile_reset() override;
   int64_t prefill_chunk() const override { return 8192; }  // fewer launches per token; memory is plenty

@@ -72,6 +72,13 @@ __global__ void k_convert(const float* x, DType to, void* y, int64_t n) {
   }
 }
 
+__global__ void k_to_f32(const void* x, DType from, float* y, int64_t n) {
+  pdl_entry();
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    y[i] = from == DType::BF16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(x)[i])
+                               : __half2float(static_cast<const __half*>(x)[i]);
+}
+
 __global__ void k_convert4(const float4* x, DType to, void* y, int64_t n4) {
   pdl_entry();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n4; i += int64_t(gridDim.x) * blockDim.x) {
@@ -632,6 +639,12 @@ void launch_fill(cudaStream_t s, float* p, int64_t n, float v) {
   if (n == 0) return;
   launch(s, blocks_for(n), kThreads, 0, k_fill, p, n, v);
   CUDA_LAUNCH_CHECK("k_fill");
+}
+
+void launch_to_f32(cudaStream_t s, const void* x, DType from, float* y, int64_t n) {
+  if (n == 0) return;
+  launch(s, blocks_for(n), kThreads, 0, k_to_f32, x, from, y, n);
+  CUDA_LAUNCH_CHECK("k_to_f32");
 }
 
 void launch_convert_f32(cudaStream_t s, const float* x, DType to, void* y, int64_t n) {

@@ -5,6 +5,8 @@
 // both mix rows only), so a block owns 32 columns of one head's state for the whole chain and
 // keeps them in registers: no launch, allocation or round trip per segment. The plain reference
 // is the same sequence of span ops (Backend::gated_delta_chain).
+#include <cuda_bf16.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -25,6 +27,20 @@ constexpr int kPanel = 16;  // columns of T per shared-memory panel
 // (a measurement aid for docs/perf-notes.md; off, the kernel only tests a flag per part).
 enum ChainPart { kSeam, kReplay, kStage, kWaitT, kProduct, kDone, kLinks, kParts };
 __device__ unsigned long long g_chain_clocks[kParts];
+
+// Four consecutive elements of a bf16 row, 8-byte aligned, as floats (exact).
+__device__ __forceinline__ float4 bf16x4(const __nv_bfloat16* p) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+
+// Element (r, c) of head h's T, stored f32 or bf16.
+__device__ __forceinline__ float t_at(const GdnChainLink& L, int64_t h, int dk, int r, int c) {
+  const int64_t i = (h * dk + r) * dk + c;
+  return L.t_bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(L.T)[i]) : static_cast<const float*>(L.T)[i];
+}
 
 // Shared memory of the chain (floats): the token loop's, or the composition's column and panel.
 constexpr int chain_smem_floats(int dk) {
@@ -52,7 +68,9 @@ __global__ void __launch_bounds__(kGdnCols* P, 1)
   // full_t: each dense body's T (this head's dk x dk) comes whole into shared memory with cp.async
   // (issue_t below).
   const int ldt = dk + 4;  // rows stay 16-byte aligned
+  const int ldb = dk + 8;  // the same for a bf16 T (needs dk % 8 == 0: checked by the host)
   float* tT = full_t ? smem + chain_smem_floats(dk) : nullptr;
+  __nv_bfloat16* tB = reinterpret_cast<__nv_bfloat16*>(tT);  // the same space holding a bf16 T
   const int h = blockIdx.y;
   const int64_t hk = h / (Hv / Hk);
   const int p = threadIdx.x % P, cl = threadIdx.x / P;
@@ -77,10 +95,18 @@ __global__ void __launch_bounds__(kGdnCols* P, 1)
     // came before a barrier every thread has passed.
     auto issue_t = [&]() -> bool {
       if (!(tT && L.T && L.B)) return false;
-      const float* Th = L.T + static_cast<int64_t>(h) * dk * dk;
-      for (int e = threadIdx.x; e < dk * dk / 4; e += kGdnCols * P) {
-        const int r = 4 * e / dk, j = 4 * e % dk;
-        cp_async16(tT + r * ldt + j, Th + static_cast<int64_t>(r) * dk + j);
+      if (L.t_bf16) {
+        const __nv_bfloat16* Th = static_cast<const __nv_bfloat16*>(L.T) + static_cast<int64_t>(h) * dk * dk;
+        for (int e = threadIdx.x; e < dk * dk / 8; e += kGdnCols * P) {
+          const int r = 8 * e / dk, j = 8 * e % dk;
+          cp_async16(tB + r * ldb + j, Th + static_cast<int64_t>(r) * dk + j);
+        }
+      } else {
+        const float* Th = static_cast<const float*>(L.T) + static_cast<int64_t>(h) * dk * dk;
+        for (int e = threadIdx.x; e < dk * dk / 4; e += kGdnCols * P) {
+          const int r = 4 * e / dk, j = 4 * e % dk;
+          cp_async16(tT + r * ldt + j, Th + static_cast<int64_t>(r) * dk + j);
+        }
       }
       cp_async_commit();
       return true;
@@ -142,7 +168,7 @@ __global__ void __launch_bounds__(kGdnCols* P, 1)
         for (int i = 0; i < TR; ++i) {
           const int r = rg + RG * i;
           if (r < dk) {
-            const float4 t = *reinterpret_cast<const float4*>(tT + r * ldt + j);
+            const float4 t = L.t_bf16 ? bf16x4(tB + r * ldb + j) : *reinterpret_cast<const float4*>(tT + r * ldt + j);
             const float tv[4] = {t.x, t.y, t.z, t.w};
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
@@ -183,12 +209,11 @@ __global__ void __launch_bounds__(kGdnCols* P, 1)
         if (r < dk) sc[cl * ldc + r] = s[i];
         s[i] = 0.f;
       }
-      const float* Th = L.T + static_cast<int64_t>(h) * dk * dk;
       for (int j0 = 0; j0 < dk; j0 += kPanel) {
         __syncthreads();  // sc written; the previous panel consumed
         for (int e = threadIdx.x; e < kPanel * dk; e += kGdnCols * P) {
           const int r = e / kPanel, jj = e % kPanel;
-          tp[jj * ldc + r] = j0 + jj < dk ? Th[static_cast<int64_t>(r) * dk + j0 + jj] : 0.f;
+          tp[jj * ldc + r] = j0 + jj < dk ? t_at(L, h, dk, r, j0 + jj) : 0.f;
         }
         __syncthreads();
         const int nj = dk - j0 < kPanel ? dk - j0 : kPanel;

@@ -15,6 +15,7 @@ void set_graph_recording(bool on);
 
 void launch_fill(cudaStream_t s, float* p, int64_t n, float v);
 void launch_convert_f32(cudaStream_t s, const float* x, DType to, void* y, int64_t n);  // to bf16/f16
+void launch_to_f32(cudaStream_t s, const void* x, DType from, float* y, int64_t n);     // from bf16/f16
 // x = p0 + p1 + p2 in three half-precision parts (p0 = half(x), p1 = half(x - p0), ...): together
 // they keep f32's 24 mantissa bits, so three half-precision products give an f32-exact one.
 void launch_split_f32(cudaStream_t s, const float* x, DType to, void* p0, void* p1, void* p2, int64_t n);
@@ -262,7 +263,9 @@ void launch_gated_delta_rule_chunked_tc(cudaStream_t s, const float* q, const fl
 struct GdnChainLink {
   int64_t rows = 0, replay_rows = 0;
   const float *rk = nullptr, *rv = nullptr, *rg = nullptr, *rbeta = nullptr;
-  const float *T = nullptr, *B = nullptr;
+  const void* T = nullptr;  // [Hv, dk, dk], f32 or (t_bf16) bf16
+  const float* B = nullptr;
+  bool t_bf16 = false;
 };
 void launch_gated_delta_chain(cudaStream_t s, const float* q, const float* k, const float* v, const float* g,
                               const float* beta, bool l2norm_qk, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv,
