@@ -155,6 +155,7 @@ struct RagOpts {
   std::string modes = "full,prefix,pic,naive", seams = "0,4,8,16,32";
   std::string task, set = "moderate";  // fidelity: held-out task prompts instead of random tokens
   double cache_mib = 8192;
+  std::string transition_dtype = "auto";  // bench ttft: storage of entries' dense T (auto, f32, bf16)
 };
 
 struct RagWorkload {
@@ -403,6 +404,10 @@ void register_bench(CLI::App& app) {
                 "host tier / on disk at each request)")
       ->capture_default_str();
   t->add_option("--seam", tr->seam, "Seam width for pic")->capture_default_str();
+  t->add_option("--transition-dtype", tr->transition_dtype,
+                "Storage of entries' dense transitions T: auto (bf16 on a GPU outside precise mode, else f32), f32, "
+                "bf16")
+      ->capture_default_str();
   auto sweep = std::make_shared<std::string>();
   t->add_option("--sweep-segments", *sweep,
                 "Comma-separated document counts run one after another on the one loaded model (one result per "
@@ -424,6 +429,12 @@ void register_bench(CLI::App& app) {
         const bool tiered = m == "pic-host" || m == "pic-disk";
         modes.push_back({m, tiered ? m.substr(4) : "", parse_pic_mode(tiered ? "pic" : m)});
       }
+      const auto t_dtype = tr->transition_dtype == "auto"  ? PicEngine::TransitionDType::Auto
+                           : tr->transition_dtype == "f32" ? PicEngine::TransitionDType::F32
+                           : tr->transition_dtype == "bf16"
+                               ? PicEngine::TransitionDType::BF16
+                               : throw std::invalid_argument("--transition-dtype must be auto, f32 or bf16, not '" +
+                                                             tr->transition_dtype + "'");
       LoadedModel lm = open(o);
       auto& m = *lm.model;
       for (int count : counts) {
@@ -438,6 +449,7 @@ void register_bench(CLI::App& app) {
           MultiTurnWorkload conv(ro, m.config().vocab_size, o.seed);
           const size_t budget = static_cast<size_t>(ro.cache_mib * 1048576.0);
           PicEngine eng(m, budget);
+          eng.set_transition_dtype(t_dtype);
           std::string disk_dir;
           if (md.tier == "host") eng.attach_host_tier(budget);
           if (md.tier == "disk") {
@@ -497,6 +509,7 @@ void register_bench(CLI::App& app) {
                          {"prefix_tokens", ro.prefix_tokens},
                          {"prompt_tokens", prompt},
                          {"seam", ro.seam},
+                         {"transition_dtype", ro.transition_dtype},
                          {"requests", ro.requests},
                          {"answer_tokens", multi_turn ? nlohmann::json(ro.answer_tokens) : nlohmann::json()},
                          {"modes", res}};
@@ -514,6 +527,122 @@ void register_bench(CLI::App& app) {
             std::printf("prefix / pic TTFT: %.2fx\n", j["prefix_over_pic"].get<double>());
         }
         std::cout.flush();
+      }
+    });
+  });
+
+  // What the segment summary costs (issue 11): the linear layers' transition operator T_C comes out
+  // of the same pass as their state and outputs. Three levels: the recurrence op alone, one whole
+  // linear decoder layer, and a whole entry build against a plain prefill of the same tokens from
+  // position 0 (the work an entry adds to the prefill it replaces: T_C and keeping the summary).
+  auto eo = std::make_shared<BenchOpts>();
+  eo->tokens = 2048;
+  eo->repeats = 5;
+  auto eseam = std::make_shared<int>(8);
+  auto* en = b->add_subcommand("entry",
+                               "Cost of building a segment entry: T_C in the linear layers' pass, and a "
+                               "whole entry build against a plain prefill of the same tokens");
+  add_common(en, *eo);
+  en->add_option("--tokens", eo->tokens, "Segment length")->capture_default_str();
+  en->add_option("--seam", *eseam, "Seam width of the entry")->capture_default_str();
+  en->callback([eo, eseam] {
+    guarded([&] {
+      const auto& o = *eo;
+      if (o.tokens <= 0 || o.repeats <= 0) throw std::invalid_argument("--tokens and --repeats must be positive");
+      LoadedModel lm = open(o);
+      auto& m = *lm.model;
+      Backend& be = m.backend();
+      const auto& cfg = m.config();
+      const int64_t n = o.tokens;
+      const auto lin = std::find(cfg.layer_types.begin(), cfg.layer_types.end(), LayerKind::Linear);
+      if (lin == cfg.layer_types.end()) throw std::invalid_argument("the model has no linear layer");
+      const int64_t li = lin - cfg.layer_types.begin();
+      // Medians over repeats of a() and of b(), run alternately (so that drift of the machine falls on
+      // both) after one warm-up round; prep() runs untimed before each.
+      auto ab = [&](auto&& prep, auto&& a, auto&& b) {
+        std::vector<double> ta, tb;
+        auto one = [&](auto&& f) {
+          prep();
+          be.synchronize();
+          auto t0 = Clock::now();
+          f();
+          be.synchronize();
+          return secs(t0, Clock::now());
+        };
+        for (int r = 0; r <= o.repeats; ++r) {
+          const double x = one(a), y = one(b);
+          if (r > 0) ta.push_back(x), tb.push_back(y);
+        }
+        return std::pair{median(ta), median(tb)};
+      };
+      // 1. The recurrence alone at this model's linear-layer shape, inputs as the layer gives them.
+      const int64_t Hk = cfg.linear_num_key_heads, Hv = cfg.linear_num_value_heads, dk = cfg.linear_key_head_dim,
+                    dv = cfg.linear_value_head_dim;
+      auto host_rand = [&](Shape s, float lo, float hi, uint64_t seed) {
+        Tensor t = Tensor::empty(DType::F32, std::move(s));
+        std::mt19937_64 rng(seed);
+        std::uniform_real_distribution<float> d(lo, hi);
+        for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = d(rng);
+        return be.to_device(t);
+      };
+      Tensor q = host_rand({n, Hk, dk}, -1, 1, 1), k = host_rand({n, Hk, dk}, -1, 1, 2),
+             v = host_rand({n, Hv, dv}, -1, 1, 3), g = host_rand({n, Hv}, -0.2f, -0.001f, 4),
+             beta = host_rand({n, Hv}, 0.05f, 0.95f, 5), out = be.alloc(DType::F32, {n, Hv, dv});
+      Tensor S = be.alloc(DType::F32, {Hv, dk, dv}), T = be.alloc(DType::F32, {Hv, dk, dk});
+      auto zero_state = [&] { be.fill(S, 0.f); };
+      const auto [op_plain, op_t] = ab(
+          zero_state, [&] { be.gated_delta_rule(q, k, v, g, beta, true, S, out); },
+          [&] { be.gated_delta_rule(q, k, v, g, beta, true, S, out, &T); });
+      // 2. One linear decoder layer (norms, projections, conv, recurrence, MLP or MoE).
+      Tensor x0 = m.embed(random_ids(n, cfg.vocab_size, o.seed)), x = be.alloc(x0.dtype(), x0.shape());
+      SequenceState lst;
+      auto layer_prep = [&] {
+        lst = m.new_state(n);
+        be.copy(x0, x);
+      };
+      const auto [layer_plain, layer_t] = ab(
+          layer_prep, [&] { m.layer_forward(li, x, lst.layers[li], 0); },
+          [&] { m.layer_forward(li, x, lst.layers[li], 0, &T); });
+      // 3. A whole entry build against a plain prefill of the same tokens.
+      const auto ids = random_ids(n, cfg.vocab_size, o.seed + 1);
+      SequenceState st;
+      PicEngine eng(m, 1 << 20);
+      std::shared_ptr<SegmentEntry> e, last;
+      const auto [prefill, build] = ab([&] { st = m.new_state(n), e.reset(); }, [&] { m.forward(ids, st); },
+                                       [&] { last = e = eng.build_entry(ids, *eseam); });
+      const int64_t linear_layers = std::count(cfg.layer_types.begin(), cfg.layer_types.end(), LayerKind::Linear);
+      // T_C's own work in a whole build: the op's difference in every linear layer.
+      const double t_in_build = (op_t - op_plain) * static_cast<double>(linear_layers);
+      nlohmann::json j{{"bench", "entry"},
+                       {"model", lm.description},
+                       {"backend", be.name()},
+                       {"activations", be.precise() ? "f32" : "bf16"},
+                       {"tokens", n},
+                       {"seam", *eseam},
+                       {"linear_layers", linear_layers},
+                       {"entry_mib", static_cast<double>(last ? last->bytes : 0) / 1048576.0},
+                       {"op_ms", op_plain * 1e3},
+                       {"op_with_T_ms", op_t * 1e3},
+                       {"op_overhead", op_t / op_plain - 1},
+                       {"layer_ms", layer_plain * 1e3},
+                       {"layer_with_T_ms", layer_t * 1e3},
+                       {"layer_overhead", layer_t / layer_plain - 1},
+                       {"prefill_ms", prefill * 1e3},
+                       {"entry_build_ms", build * 1e3},
+                       {"entry_build_overhead", build / prefill - 1},
+                       {"T_share_of_build", t_in_build / build}};
+      std::cout << j.dump(o.json ? -1 : 2) << "\n";
+      if (!o.json) {
+        std::printf("%d tokens, %s, %s activations\n", o.tokens, be.name().c_str(), be.precise() ? "f32" : "bf16");
+        std::printf("%-44s %10s %10s %9s\n", "", "plain ms", "with T ms", "overhead");
+        std::printf("%-44s %10.3f %10.3f %8.1f%%\n", "gated delta rule (one layer)", op_plain * 1e3, op_t * 1e3,
+                    100 * (op_t / op_plain - 1));
+        std::printf("%-44s %10.3f %10.3f %8.1f%%\n", "linear decoder layer", layer_plain * 1e3, layer_t * 1e3,
+                    100 * (layer_t / layer_plain - 1));
+        std::printf("%-44s %10.3f %10.3f %8.1f%%\n", "entry build vs plain prefill", prefill * 1e3, build * 1e3,
+                    100 * (build / prefill - 1));
+        std::printf("T_C's op time x %lld linear layers = %.1f%% of the entry build\n",
+                    static_cast<long long>(linear_layers), 100 * t_in_build / build);
       }
     });
   });
@@ -544,6 +673,7 @@ void register_bench(CLI::App& app) {
         std::string name;
         PicOptions opt;
         PicEngine::EntryRounding rounding = PicEngine::EntryRounding::None;
+        PicEngine::TransitionDType t_dtype = PicEngine::TransitionDType::Auto;
       };
       std::vector<Config> configs;
       for (auto& ms : split_csv(ro.modes)) {
@@ -559,9 +689,12 @@ void register_bench(CLI::App& app) {
           PicOptions nr{mode, 8};
           nr.rerotate = false;
           configs.push_back({"pic/no-rerotate", nr});
-          // What bf16 entries would cost (issue 11's dtype choice): T alone, then every tensor.
+          // The dtype of stored transitions T (issue 11's choice: bf16 on the GPU, f32 on the CPU by
+          // default; both here on either backend), then every entry tensor rounded to bf16 values.
           const std::string at = "=" + std::to_string(ws.back());
-          configs.push_back({"pic/T-bf16" + at, {mode, ws.back()}, PicEngine::EntryRounding::T});
+          const auto none = PicEngine::EntryRounding::None;
+          configs.push_back({"pic/T-f32" + at, {mode, ws.back()}, none, PicEngine::TransitionDType::F32});
+          configs.push_back({"pic/T-bf16" + at, {mode, ws.back()}, none, PicEngine::TransitionDType::BF16});
           configs.push_back({"pic/entry-bf16" + at, {mode, ws.back()}, PicEngine::EntryRounding::All});
         } else
           configs.push_back({ms, {mode, 0}});
@@ -589,6 +722,7 @@ void register_bench(CLI::App& app) {
       for (auto& cfg : configs) {
         PicEngine eng(m, static_cast<size_t>(ro.cache_mib * 1048576.0)), ref(m, 1 << 20);
         eng.set_entry_rounding(cfg.rounding);
+        eng.set_transition_dtype(cfg.t_dtype);
         PicOptions opt = cfg.opt;
         opt.skip_question = true;
         for (auto& segs : warm) eng.prefill(segs, opt);  // warm: documents seen before in another order

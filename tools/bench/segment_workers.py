@@ -52,7 +52,7 @@ def document(rng, words):
 
 def run(args, workload, lengths, n_workers, schedule, seed):
     base = [args.hypic, "serve", "--port", "0", "--config", args.config, "--random-weights", "--tokenizer",
-            args.tokenizer, "--threads", str(args.threads), "--max-queue", "256"]
+            args.tokenizer, "--threads", str(args.threads), "--max-queue", "256", "--backend", args.backend]
     procs, addrs = [], []
     try:
         for k in range(n_workers):
@@ -73,7 +73,7 @@ def run(args, workload, lengths, n_workers, schedule, seed):
         ttft = time.perf_counter() - t0
         m = get(port, "/metrics")
         row = {
-            "workload": workload, "workers": n_workers, "schedule": schedule if n_workers else "-",
+            "workload": workload, "backend": args.backend, "workers": n_workers, "schedule": schedule if n_workers else "-",
             "segments": len(lengths), "prompt_tokens": r["usage"]["prompt_tokens"],
             "ttft_s": round(ttft, 3),
             "remote_entries": int(metric(m, "hypic_remote_entries_total")),
@@ -102,6 +102,7 @@ def main():
     ap.add_argument("--config", default="../shared/bench-configs/qwen3_5_0_8b.json")
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--threads", type=int, default=1, help="threads per process")
+    ap.add_argument("--backend", default="cpu", help="every process's backend (cuda: all share the GPU)")
     ap.add_argument("--workers", default="0,1", help="worker counts to run")
     ap.add_argument("--segments", type=int, default=11)
     ap.add_argument("--words", type=int, default=1800, help="words per document of the even workload (~2.4k tokens)")
