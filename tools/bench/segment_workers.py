@@ -104,7 +104,7 @@ def main():
     ap.add_argument("--threads", type=int, default=1, help="threads per process")
     ap.add_argument("--backend", default="cpu", help="every process's backend (cuda: all share the GPU)")
     ap.add_argument("--workers", default="0,1", help="worker counts to run")
-    ap.add_argument("--segments", type=int, default=11)
+    ap.add_argument("--segments", type=int, default=11, help="documents of the even workload (0: none)")
     ap.add_argument("--words", type=int, default=1800, help="words per document of the even workload (~2.4k tokens)")
     ap.add_argument("--uneven", default="", help="words per document of the uneven workload (comma list)")
     ap.add_argument("--logs", default="/tmp/hypic-segment-workers")
@@ -113,7 +113,7 @@ def main():
     os.makedirs(a.logs, exist_ok=True)
     rows = []
     seed = 1
-    plans = [("even", [a.words] * a.segments)]
+    plans = [("even", [a.words] * a.segments)] if a.segments > 0 else []  # --segments 0: uneven only
     if a.uneven:
         plans.append(("uneven", [int(x) for x in a.uneven.split(",")]))
     for name, lengths in plans:
