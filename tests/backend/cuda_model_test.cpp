@@ -25,6 +25,12 @@ class CudaModel : public ::testing::Test {
   }
   static std::string dir(const std::string& name) { return (fs::path(HYPIC_TEST_DATA) / "models" / name).string(); }
   // Max abs difference of two logit rows after log_softmax.
+  // n token ids below V from rng (a request's random segments).
+  static std::vector<int32_t> random_ids(std::mt19937& rng, int32_t V, int n) {
+    std::vector<int32_t> s(static_cast<size_t>(n));
+    for (auto& t : s) t = static_cast<int32_t>(rng() % static_cast<uint32_t>(V));
+    return s;
+  }
   static double lp_diff(const Tensor& a, const Tensor& b, int64_t row) {
     const int64_t V = a.dim(1);
     auto pa = log_softmax(std::span<const float>(a.data<float>() + row * V, static_cast<size_t>(V)));
@@ -83,11 +89,7 @@ TEST_F(CudaModel, PicPrefillModesMatchCpu) {
     PicEngine ge(*g.model, size_t(256) << 20, size_t(64) << 20), ce(*c.model, size_t(256) << 20, size_t(64) << 20);
     std::mt19937 rng(17);
     const int32_t V = static_cast<int32_t>(g.model->config().vocab_size);
-    auto seg = [&](int n) {
-      std::vector<int32_t> s(static_cast<size_t>(n));
-      for (auto& t : s) t = static_cast<int32_t>(rng() % static_cast<uint32_t>(V));
-      return s;
-    };
+    auto seg = [&](int n) { return random_ids(rng, V, n); };
     // d4's 11-token body is kept compact (its recurrence inputs, replayed on reuse), the others as T and S.
     auto sys = seg(20), d1 = seg(40), d2 = seg(33), d3 = seg(50), d4 = seg(15), q1 = seg(9), q2 = seg(12);
     ASSERT_TRUE(ge.compact_body(11));
@@ -117,11 +119,7 @@ TEST_F(CudaModel, PicExactnessProperties) {
     auto g = load_model(dir(name), "cuda");
     std::mt19937 rng(29);
     const int32_t V = static_cast<int32_t>(g.model->config().vocab_size);
-    auto seg = [&](int n) {
-      std::vector<int32_t> s(static_cast<size_t>(n));
-      for (auto& t : s) t = static_cast<int32_t>(rng() % static_cast<uint32_t>(V));
-      return s;
-    };
+    auto seg = [&](int n) { return random_ids(rng, V, n); };
     const std::vector<std::vector<int32_t>> req = {seg(20), seg(70), seg(41), seg(90), seg(12)};
     for (const bool precise : {true, false}) {
       g.backend->set_precise(precise);
@@ -173,11 +171,7 @@ TEST_F(CudaModel, EntriesCrossBackendsThroughTheDiskTier) {
     ASSERT_EQ(g.model->fingerprint(), c.model->fingerprint()) << name;
     std::mt19937 rng(31);
     const int32_t V = static_cast<int32_t>(g.model->config().vocab_size);
-    auto seg = [&](int n) {
-      std::vector<int32_t> s(static_cast<size_t>(n));
-      for (auto& t : s) t = static_cast<int32_t>(rng() % static_cast<uint32_t>(V));
-      return s;
-    };
+    auto seg = [&](int n) { return random_ids(rng, V, n); };
     const std::vector<std::vector<int32_t>> req = {seg(24), seg(50), seg(15), seg(66), seg(9)};
     for (const bool gpu_writes : {true, false}) {
       LoadedModel& w = gpu_writes ? g : c;
@@ -216,11 +210,7 @@ TEST_F(CudaModel, Bf16TransitionsFromTheGpuComposeOnTheCpu) {
     auto c = load_model(dir(name), "cpu", 2);
     std::mt19937 rng(41);
     const int32_t V = static_cast<int32_t>(g.model->config().vocab_size);
-    auto seg = [&](int n) {
-      std::vector<int32_t> s(static_cast<size_t>(n));
-      for (auto& t : s) t = static_cast<int32_t>(rng() % static_cast<uint32_t>(V));
-      return s;
-    };
+    auto seg = [&](int n) { return random_ids(rng, V, n); };
     const std::vector<std::vector<int32_t>> req = {seg(24), seg(50), seg(15), seg(66), seg(9)};
     const std::string where = (root / name).string();
     PicOptions o;
@@ -256,11 +246,7 @@ TEST_F(CudaModel, HostTierEntriesAnswerAsFromGpuMemory) {
     auto g = load_model(dir(name), "cuda");
     std::mt19937 rng(37);
     const int32_t V = static_cast<int32_t>(g.model->config().vocab_size);
-    auto seg = [&](int n) {
-      std::vector<int32_t> s(static_cast<size_t>(n));
-      for (auto& t : s) t = static_cast<int32_t>(rng() % static_cast<uint32_t>(V));
-      return s;
-    };
+    auto seg = [&](int n) { return random_ids(rng, V, n); };
     const std::vector<std::vector<int32_t>> req = {seg(16), seg(48), seg(13), seg(70), seg(33), seg(8)};
     PicOptions o;
     o.mode = PicMode::Pic;
