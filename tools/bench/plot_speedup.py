@@ -1,16 +1,20 @@
 #!/usr/bin/env python3
 """Speedup against builders (the combine node + workers) from segment_workers.py JSON lines, as a
 small SVG (standard library only: no plotting package on the build machine).
-Usage: plot_speedup.py OUT.svg LABEL=FILE.jsonl ..."""
+Usage: plot_speedup.py OUT.svg LABEL=FILE.jsonl[@WORKLOAD/SCHEDULE] ...  (default even/lpt; the lone
+server's row, schedule "-", starts every curve)"""
 import json
 import sys
 
 W, H, L, B = 480, 320, 50, 40
 out, series = sys.argv[1], [a.split("=", 1) for a in sys.argv[2:]]
 curves = []
-for label, path in series:
+for label, spec in series:
+    path, _, sel = spec.partition("@")
+    workload, _, schedule = (sel or "even/lpt").partition("/")
     rows = [json.loads(x) for x in open(path) if x.strip()]
-    pts = sorted((r["workers"] + 1, r["speedup"]) for r in rows if r["workload"] == "even" and r["schedule"] in ("lpt", "-"))
+    pts = sorted((r["workers"] + 1, r["speedup"]) for r in rows
+                 if r["workload"] == workload and r["schedule"] in (schedule, "-"))
     curves.append((label, pts))
 nmax = max(p[0] for _, pts in curves for p in pts)
 x = lambda n: L + (n - 1) / max(nmax - 1, 1) * (W - L - 20)
