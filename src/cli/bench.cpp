@@ -554,6 +554,10 @@ void register_bench(CLI::App& app) {
       Backend& be = m.backend();
       const auto& cfg = m.config();
       const int64_t n = o.tokens;
+      if (cfg.arch != Arch::Qwen3_5 && cfg.arch != Arch::Qwen3_5Moe && cfg.arch != Arch::Qwen3Next)
+        throw std::invalid_argument(
+            "bench entry times the Gated DeltaNet recurrence: Qwen3.5 and Qwen3-Next models only, not " +
+            cfg.architecture);
       const auto lin = std::find(cfg.layer_types.begin(), cfg.layer_types.end(), LayerKind::Linear);
       if (lin == cfg.layer_types.end()) throw std::invalid_argument("the model has no linear layer");
       const int64_t li = lin - cfg.layer_types.begin();

@@ -157,6 +157,22 @@ TEST(Cli, TtftReportCountsComputedTokens) {
   EXPECT_EQ(computed["naive"], 5);
 }
 
+// bench entry: the three levels' times, the entry's size, and a clear refusal where the linear
+// layers are not Gated DeltaNet.
+TEST(Cli, BenchEntryReportsTheCostOfAnEntry) {
+  auto r = run("bench entry --json --model " + model() + " --tokens 40 --repeats 1");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  auto j = nlohmann::json::parse(r.out);
+  for (const char* k :
+       {"op_ms", "op_with_T_ms", "layer_ms", "layer_with_T_ms", "prefill_ms", "entry_build_ms", "entry_mib"})
+    EXPECT_GT(j[k].get<double>(), 0) << k;
+  EXPECT_EQ(j["tokens"], 40);
+  EXPECT_EQ(j["linear_layers"], 6);  // qwen3_5_dense: 8 layers, every fourth full attention
+  auto bad = run("bench entry --model " + std::string(HYPIC_TEST_DATA) + "/models/nemotron_h --tokens 8");
+  EXPECT_NE(bad.rc, 0);
+  EXPECT_NE(bad.out.find("Qwen3.5 and Qwen3-Next models only, not NemotronHForCausalLM"), std::string::npos) << bad.out;
+}
+
 // OpenBLAS picks its kernels from the CPU model when it loads; where a virtual machine hides the
 // model it falls back to SSE3 kernels (4-5x slower sgemm). hypic runs itself again on the kernels
 // its CPU's instruction sets allow, unless OPENBLAS_CORETYPE names a choice; bench reports it.
