@@ -148,7 +148,7 @@ class PicEngine {
   void set_entry_rounding(EntryRounding r) { rounding_ = r; }
   // Storage of dense transitions T in new entries. Auto: bf16 where the backend computes in reduced
   // precision (the GPU outside precise mode), f32 where it is exact (the CPU, precise mode). bench
-  // fidelity measured no drift from bf16 T on either backend, and T is a third to two fifths of a
+  // fidelity measured no drift from bf16 T on either backend, and T is 30-40% of a
   // 0.5-2k-token entry (docs/pic.md). The backends compose with either (the GPU's chain kernel
   // reads bf16 T as it stages it), so an entry of either kind works on either backend.
   enum class TransitionDType { Auto, F32, BF16 };
