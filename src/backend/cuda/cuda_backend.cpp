@@ -1089,9 +1089,11 @@ void CudaBackend::gated_delta_chain(const Tensor& q, const Tensor& k, const Tens
   OpScope scope_(*impl_, "gated_delta_chain");
   check_gated_delta_rule(q, k, v, g, beta, state, out, nullptr, kDev);
   const int64_t T = q.dim(0), Hk = q.dim(1), dk = q.dim(2), Hv = v.dim(1), dv = v.dim(2);
-  auto shape_is = [&](const Tensor* t, const char* what, Shape want) {
-    if (!t->defined() || t->dtype() != DType::F32 || t->device().kind != DeviceKind::CUDA || t->shape() != want)
-      fail("gated_delta_chain", std::string(what) + " " + t->str() + ": expected f32" + shape_str(want) + " on cuda");
+  auto shape_is = [&](const Tensor* t, const char* what, Shape want, bool bf16_ok = false) {
+    const bool dtype_ok = t->dtype() == DType::F32 || (bf16_ok && t->dtype() == DType::BF16);
+    if (!t->defined() || !dtype_ok || t->device().kind != DeviceKind::CUDA || t->shape() != want)
+      fail("gated_delta_chain", std::string(what) + " " + t->str() + ": expected f32" + (bf16_ok ? " or bf16" : "") +
+                                    shape_str(want) + " on cuda");
   };
   // A long span takes the chunked kernel: then the span ops one by one.
   for (const auto& L : links)
@@ -1119,14 +1121,8 @@ void CudaBackend::gated_delta_chain(const Tensor& q, const Tensor& k, const Tens
     }
     if (L.T) {
       // f32 or bf16 (entries store dense T in bf16 outside precise mode: docs/pic.md).
-      c.t_bf16 = L.T->defined() && L.T->dtype() == DType::BF16;
-      if (c.t_bf16) {
-        if (L.T->device().kind != DeviceKind::CUDA || L.T->shape() != Shape{Hv, dk, dk})
-          fail("gated_delta_chain",
-               "T " + L.T->str() + ": expected f32 or bf16" + shape_str({Hv, dk, dk}) + " on cuda");
-      } else {
-        shape_is(L.T, "T", {Hv, dk, dk});
-      }
+      shape_is(L.T, "T", {Hv, dk, dk}, /*bf16_ok=*/true);
+      c.t_bf16 = L.T->dtype() == DType::BF16;
       c.T = L.T->raw();
       aligned_t = aligned_t && (reinterpret_cast<uintptr_t>(c.T) & 15) == 0 && (!c.t_bf16 || dk % 8 == 0);
     }
