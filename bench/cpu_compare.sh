@@ -10,7 +10,8 @@
 # Usage: bench/cpu_compare.sh [MODELS...]   (default: default qwen3_5_0_8b)
 # Environment: WORK (/tmp/hypic-cpu-peer), TYPES (bf16 q8_0 q4_k_m), THREADS (1,2), PREFILL
 # (512,2048), CONTEXT (512), TOKENS (64), REPEATS (3), OUT (.: cpu_compare.jsonl is written there),
-# PREPARE_ONLY=1 (build and convert, run nothing), PYTHON (the interpreter with numpy and torch).
+# PREPARE_ONLY=1 (build and convert, run nothing), PYTHON (the interpreter with numpy and torch),
+# ACTIVATIONS (f32,bf16: hypic's prefill also with `--activations bf16`; f32 alone skips it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root="$PWD"
@@ -63,6 +64,6 @@ out="${OUT:-.}/cpu_compare.jsonl"
 echo "llama.cpp $(cat .peer/llama.cpp.commit 2>/dev/null || echo '?'), hypic $(git rev-parse --short HEAD), $(nproc) cores" >&2
 python3 tools/bench/cpu_compare.py --hypic build/hypic --llama-bench "$llama/build/bin/llama-bench" "${specs[@]}" \
   --threads "${THREADS:-1,2}" --prefill "${PREFILL:-512,2048}" --context "${CONTEXT:-512}" --tokens "${TOKENS:-64}" \
-  --repeats "${REPEATS:-3}" | tee "$out.tmp"
+  --repeats "${REPEATS:-3}" --activations "${ACTIVATIONS:-f32,bf16}" | tee "$out.tmp"
 grep '^{' "$out.tmp" > "$out"
 rm -f "$out.tmp"

@@ -15,6 +15,7 @@ pkgs=(
   libcpp-httplib-dev libxxhash-dev libzstd-dev
   libboost-dev             # Beast and Asio (header-only): the server's HTTP layer
   libucx-dev               # UCX: entries moved between segment workers (src/cluster/)
+  libdnnl-dev              # oneDNN: the CPU's bf16 products (--activations bf16)
   python3                  # task generator and scorer references in tests (standard library only)
   clang libclang-rt-14-dev # libFuzzer targets (fuzz/, scripts/fuzz.sh)
 )

@@ -78,6 +78,8 @@ class Backend {
   // three products, and uses its f32 attention kernel), for conformance and quality checks.
   virtual void set_precise(bool exact) {}
   virtual bool precise() const { return false; }
+  // Why set_precise(false) left this backend precise, for the error that refuses the request.
+  virtual std::string imprecise_unavailable() const { return "it has no bf16 products"; }
   // Products whose every row comes out the same whatever other rows share the call (one kernel
   // and one accumulation order at any row count). PIC composes all seams in one call under it and
   // still continues a reused exact prefix bit for bit. Returns whether the mode is now as asked

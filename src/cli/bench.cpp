@@ -133,7 +133,8 @@ void add_common(CLI::App* c, BenchOpts& o) {
       ->capture_default_str();
   c->add_option("--quantize", o.quantize, "Quantize the matrices as they load: q8_0, q4_k or q6_k (CPU backend)");
   c->add_option("--activations", o.activations,
-                "Activations of the products: f32 (exact) or bf16 (cuda's tensor cores; default: cpu f32, cuda bf16)");
+                "Activations of the products: f32 (exact) or bf16 (cuda's tensor cores; on the cpu oneDNN's "
+                "AVX512_BF16 kernels; default: cpu f32, cuda bf16)");
   c->add_option("--seed", o.seed, "Seed for weights and token ids")->capture_default_str();
   c->add_option("--repeats", o.repeats, "Timed repetitions (median reported)")->capture_default_str();
   c->add_option("--threads", o.threads, "CPU threads (0: all cores)");

@@ -131,7 +131,8 @@ void register_generate(CLI::App& app) {
   c->add_option("--backend", o->backend, "Compute backend")->capture_default_str();
   c->add_option("--quantize", o->quantize, "Quantize the matrices as they load: q8_0, q4_k or q6_k (CPU backend)");
   c->add_option("--activations", o->activations,
-                "Activations of the products: f32 (exact) or bf16 (cuda's tensor cores; default: cpu f32, cuda bf16)");
+                "Activations of the products: f32 (exact) or bf16 (cuda's tensor cores; on the cpu oneDNN's "
+                "AVX512_BF16 kernels; default: cpu f32, cuda bf16)");
   c->add_flag("--json", o->json, "Print one JSON object");
   c->callback([o] {
     guarded([&] {

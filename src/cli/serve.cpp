@@ -91,7 +91,8 @@ void register_serve(CLI::App& app) {
       ->capture_default_str();
   c->add_option("--quantize", o->quantize, "Quantize the matrices as they load: q8_0, q4_k or q6_k (CPU backend)");
   c->add_option("--activations", o->activations,
-                "Activations of the products: f32 (exact) or bf16 (cuda's tensor cores; default: cpu f32, cuda bf16)");
+                "Activations of the products: f32 (exact) or bf16 (cuda's tensor cores; on the cpu oneDNN's "
+                "AVX512_BF16 kernels; default: cpu f32, cuda bf16)");
   c->add_option("--tokenizer", o->tokenizer,
                 "Folder with tokenizer.json (and tokenizer_config.json) to use instead of the model's");
   c->add_option("--host", o->host, "Address to listen on")->capture_default_str();

@@ -100,7 +100,7 @@ void apply_activations_option(Backend& backend, const std::string& name) {
   backend.set_precise(*precise);
   if (!*precise && backend.precise())
     throw std::invalid_argument("--activations bf16: the " + backend.name() +
-                                " backend has no bf16 products (its f32 products are the fast ones)");
+                                " backend cannot run bf16 products: " + backend.imprecise_unavailable());
 }
 
 }  // namespace hypic

@@ -11,9 +11,11 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/cpu/bf16_gemm.h"
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cpu/thread_pool.h"
 #include "engine/loader.h"
+#include "tensor/quant.h"
 
 using namespace hypic;
 
@@ -202,20 +204,75 @@ TEST_F(CpuOps, MatmulAllDtypesAndShapes) {
   }
 }
 
-// The CPU's products are always f32-exact in the activations; --activations says so by name.
-TEST_F(CpuOps, ActivationsOptionIsF32Only) {
-  EXPECT_TRUE(be->precise());
-  be->set_precise(false);
+// f32-exact activations by default; `--activations bf16` switches to oneDNN's bf16 products where
+// this build and CPU have them, and otherwise is refused with the reason.
+TEST_F(CpuOps, ActivationsOption) {
   EXPECT_TRUE(be->precise());
   EXPECT_NO_THROW(apply_activations_option(*be, ""));
   EXPECT_NO_THROW(apply_activations_option(*be, "f32"));
-  try {
-    apply_activations_option(*be, "bf16");
-    ADD_FAILURE() << "bf16 activations accepted by the cpu backend";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("--activations bf16: the cpu backend"), std::string::npos) << e.what();
+  EXPECT_TRUE(be->precise());
+  const std::string why = cpu::bf16_gemm::unavailable_reason();
+  if (why.empty()) {
+    EXPECT_NO_THROW(apply_activations_option(*be, "bf16"));
+    EXPECT_FALSE(be->precise());
+    apply_activations_option(*be, "f32");
+    EXPECT_TRUE(be->precise());
+  } else {
+    EXPECT_EQ(error_of([&] { apply_activations_option(*be, "bf16"); }),
+              "--activations bf16: the cpu backend cannot run bf16 products: " + why);
+    EXPECT_TRUE(be->precise());
   }
   EXPECT_EQ(error_of([&] { apply_activations_option(*be, "fp8"); }), "--activations 'fp8': must be f32 or bf16");
+}
+
+// bf16 products: x rounded to bf16 (nearest even) times W (bf16, or quantized and dequantized to
+// bf16), summed in f32: against an fp64 product of those rounded operands, at row counts that take
+// the 256-row blocks, a padded tail, both, and the f32 kernels below kBf16Rows; with accumulate;
+// and measurably farther from the f32-exact product (the activations really were rounded).
+TEST_F(CpuOps, Bf16ProductsAreRoundedOperandsSummedInF32) {
+  if (!cpu::bf16_gemm::unavailable_reason().empty()) GTEST_SKIP() << cpu::bf16_gemm::unavailable_reason();
+  be->set_precise(false);
+  ASSERT_FALSE(be->precise());
+  const int64_t K = 512, N = 75;  // K: whole Q4_K blocks
+  Tensor w32 = randn({N, K}, 41, 0.5f);
+  for (DType dt : {DType::BF16, DType::Q8_0, DType::Q4_K}) {
+    Tensor w = Tensor::empty(dt, {N, K});
+    if (dtype_is_quantized(dt))
+      quant::quantize(dt, w32.data<float>(), N * K, w.raw());
+    else
+      w = as(w32, DType::BF16);
+    Tensor wr = as(w.to_f32(), DType::BF16).to_f32();  // W as the product sees it
+    for (int64_t M : {int64_t{5}, int64_t{16}, int64_t{33}, int64_t{256}, int64_t{300}, int64_t{512}}) {
+      Tensor x = randn({M, K}, 7 + static_cast<uint32_t>(M));
+      Tensor xr = as(x, DType::BF16).to_f32();
+      Tensor y = be->alloc(DType::F32, {M, N});
+      be->matmul(x, w, y);
+      const Vec exact = ref_matmul(x, wr), rounded = ref_matmul(xr, wr);
+      if (M < cpu::CpuBackend::kBf16Rows) {  // the f32 kernels (quantized: Q8 activations, as before)
+        EXPECT_LE(rel_l2(y, exact), dt == DType::BF16 ? 1e-5 : 2e-2) << dtype_name(dt) << " M=" << M;
+        continue;
+      }
+      const double e_rounded = rel_l2(y, rounded), e_exact = rel_l2(y, exact);
+      EXPECT_LE(e_rounded, 1e-5) << dtype_name(dt) << " M=" << M;
+      EXPECT_GE(e_exact, 10 * e_rounded) << dtype_name(dt) << " M=" << M;
+      Vec twice = rounded;
+      for (auto& v : twice) v *= 2;
+      be->matmul(x, w, y, /*accumulate=*/true);
+      EXPECT_LE(rel_l2(y, twice), 1e-5) << "accumulate " << dtype_name(dt) << " M=" << M;
+    }
+  }
+  // Row-independent mode keeps the f32 kernel: a row alone equals the same row in a batch.
+  be->set_row_independent(true);
+  Tensor w = as(w32, DType::BF16);
+  Tensor x = randn({40, K}, 3), y = be->alloc(DType::F32, {40, N});
+  be->matmul(x, w, y);
+  EXPECT_LE(rel_l2(y, ref_matmul(x, w)), 1e-5);
+  Tensor x1 = x.slice_rows(21, 22), y1 = be->alloc(DType::F32, {1, N});
+  be->matmul(x1, w, y1);
+  for (int64_t n = 0; n < N; ++n) EXPECT_EQ(y1.data<float>()[n], y.data<float>()[21 * N + n]) << n;
+  be->set_row_independent(false);
+  be->set_precise(true);
+  EXPECT_TRUE(be->precise());
 }
 
 TEST_F(CpuOps, MatmulValidation) {

@@ -173,6 +173,26 @@ TEST(Cli, BenchEntryReportsTheCostOfAnEntry) {
   EXPECT_NE(bad.out.find("Qwen3.5 and Qwen3-Next models only, not NemotronHForCausalLM"), std::string::npos) << bad.out;
 }
 
+// `--activations bf16` on the CPU: oneDNN's bf16 products where the build and CPU have them (the
+// benchmark says which activations ran), otherwise refused with the reason before any work.
+TEST(Cli, CpuBf16ActivationsRunOrAreRefusedByName) {
+  const std::string dflt = std::string(HYPIC_SOURCE_DIR) + "/models/default";
+  auto r = run("bench prefill --json --model " + dflt + " --tokens 64 --repeats 1 --activations bf16");
+  if (r.rc == 0) {
+    auto j = nlohmann::json::parse(r.out.substr(r.out.find('{')));
+    EXPECT_EQ(j["activations"], "bf16");
+    EXPECT_GT(j["tokens_per_s"].get<double>(), 0);
+    auto g = run("generate --json --model " + dflt +
+                 " --prompt 'The lighthouse keeper is' --max-tokens 4 --activations bf16");
+    EXPECT_EQ(g.rc, 0) << g.out;
+  } else {
+    EXPECT_NE(r.out.find("--activations bf16: the cpu backend cannot run bf16 products: "), std::string::npos) << r.out;
+  }
+  auto f = run("bench prefill --json --model " + dflt + " --tokens 64 --repeats 1 --activations f32");
+  ASSERT_EQ(f.rc, 0) << f.out;
+  EXPECT_EQ(nlohmann::json::parse(f.out.substr(f.out.find('{')))["activations"], "f32");
+}
+
 // OpenBLAS picks its kernels from the CPU model when it loads; where a virtual machine hides the
 // model it falls back to SSE3 kernels (4-5x slower sgemm). hypic runs itself again on the kernels
 // its CPU's instruction sets allow, unless OPENBLAS_CORETYPE names a choice; bench reports it.

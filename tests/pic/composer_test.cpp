@@ -9,6 +9,7 @@
 #include <optional>
 #include <random>
 
+#include "backend/cpu/cpu_backend.h"
 #include "engine/generate.h"
 #include "engine/loader.h"
 #include "engine/sampler.h"
@@ -516,6 +517,61 @@ INSTANTIATE_TEST_SUITE_P(Models, Pic,
                          ::testing::Values("qwen3_5_dense", "qwen3_5_moe", "qwen3_next", "nemotron_h", "minimax",
                                            "kimi_linear"),
                          [](const auto& i) { return i.param; });
+
+// The CPU's bf16 products (`--activations bf16`, oneDNN) on the default model (bf16 weights): the
+// log-probs of a text stay near those of the f32 products (conformance-tested against
+// transformers) and measurably off them (the activations really are rounded), and PIC keeps its
+// properties at that precision: one-segment pic and pic with seams over everything equal full
+// within the bf16 bound, and warm answers equal cold ones bitwise.
+TEST(PicBf16Activations, CpuBf16ProductsKeepPicProperties) {
+  LoadedModel lm = load_model(std::string(HYPIC_SOURCE_DIR) + "/models/default", "cpu", 2);
+  lm.backend->set_precise(false);
+  if (lm.backend->precise()) GTEST_SKIP() << lm.backend->imprecise_unavailable();
+  ASSERT_TRUE(lm.tokenizer);
+  const std::string text =
+      "Document 1: The lighthouse keeper on Arlen Island is named Tomas Reyes. He lives with two cats and "
+      "repairs radios in the winter. Document 2: The bakery on Cole Street opens at six and sells rye bread, "
+      "almond cakes and coffee. Its owner, Mira, learned the trade from her grandmother in Lyon. "
+      "Question: Who is the lighthouse keeper on Arlen Island? Answer:";
+  const std::vector<int32_t> ids = lm.tokenizer->encode(text);
+  ASSERT_GE(static_cast<int64_t>(ids.size()), 2 * cpu::CpuBackend::kBf16Rows);
+  auto logprobs = [&] {
+    SequenceState st = lm.model->new_state();
+    return host_logprobs(*lm.backend, lm.model->forward(ids, st, {.all_logits = true}));
+  };
+  const std::vector<float> lp16 = logprobs();
+  lm.backend->set_precise(true);
+  const std::vector<float> lp32 = logprobs();
+  lm.backend->set_precise(false);
+  double e = 0;
+  for (size_t i = 0; i < lp32.size(); ++i)
+    if (lp32[i] > -5) e = std::max(e, std::abs(double(lp16[i]) - lp32[i]));  // the tokens that can be sampled
+  std::printf("default model, %zu tokens: bf16 against f32 products, max |log-prob diff| (lp > -5) %.3e\n", ids.size(),
+              e);
+  EXPECT_LE(e, 0.05);
+  EXPECT_GT(e, 1e-4);
+
+  std::mt19937_64 rng(99);
+  const int64_t V = lm.model->config().vocab_size;
+  std::vector<std::vector<int32_t>> segs = {rand_ids(20, V, rng), rand_ids(70, V, rng), rand_ids(41, V, rng),
+                                            rand_ids(90, V, rng), rand_ids(12, V, rng)};
+  auto run = [&](PicEngine& eng, const std::vector<std::vector<int32_t>>& s, PicOptions o) {
+    return host_logprobs(*lm.backend, eng.prefill(s, o).logits);
+  };
+  PicEngine eng(*lm.model, 64 << 20);
+  const std::vector<std::vector<int32_t>> one = {segs[3]};
+  const double d_one = max_abs(run(eng, one, {PicMode::Pic}), run(eng, one, {PicMode::Full}));
+  const double d_all = max_abs(run(eng, segs, {PicMode::Pic, 1000}), run(eng, segs, {PicMode::Full}));
+  std::printf("pic vs full: one segment %.3e, seams over everything %.3e\n", d_one, d_all);
+  EXPECT_LE(d_one, 0.05);
+  EXPECT_LE(d_all, 0.08);  // pic's seams run row-independent, in f32: full's rounding, not pic's
+  PicEngine cold(*lm.model, 64 << 20), warm(*lm.model, 64 << 20);
+  auto shuffled = segs;
+  std::swap(shuffled[1], shuffled[3]);
+  shuffled[0][0] = (shuffled[0][0] + 1) % 7;
+  run(warm, shuffled, {PicMode::Pic});
+  EXPECT_EQ(run(cold, segs, {PicMode::Pic}), run(warm, segs, {PicMode::Pic}));
+}
 
 TEST(PicErrors, BadRequestsGiveClearErrors) {
   auto lm = load_model((fs::path(HYPIC_TEST_DATA) / "models" / "qwen3_5_dense").string(), "cpu", 1);

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "backend/checks.h"
+#include "backend/cpu/bf16_gemm.h"
 #include "backend/cpu/quant_dot.h"
 #include "backend/moe_routing.h"
 #include "linear/gated_delta.h"
@@ -364,6 +365,7 @@ void CpuBackend::fill(Tensor& t, float value) {
 //    sgemm; panels are spread over the pool. The conversion costs O(N K) against the product's
 //    O(M N K). Fewer rows of quantized weights: matmul_quantized_gemv.
 //  * M >= 8, f32: sgemm directly on W, its columns split over the pool (one sgemm per thread).
+//  * Not precise (`--activations bf16`), M >= kBf16Rows, bf16 or quantized weights: matmul_bf16.
 // OpenBLAS is set to one thread (constructor): the pool is the only source of parallelism.
 // ================================================================================================
 void CpuBackend::matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate) {
@@ -377,6 +379,10 @@ void CpuBackend::matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accumu
   }
   const float* xp = x.data<float>();
   const DType wd = w.dtype();
+  if (!precise_ && !row_independent_ && M >= kBf16Rows && (wd == DType::BF16 || dtype_is_quantized(wd))) {
+    matmul_bf16(x, w, y, accumulate);
+    return;
+  }
   if (dtype_is_quantized(wd) && (row_independent_ || M < kQuantGemvRows)) {
     matmul_quantized_gemv(x, w, y, accumulate);
     return;
@@ -453,6 +459,56 @@ void CpuBackend::matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accumu
                   static_cast<int>(N));
     }
   });
+}
+
+void CpuBackend::set_precise(bool exact) {
+  precise_ = exact || !bf16_gemm::unavailable_reason().empty();
+}
+
+std::string CpuBackend::imprecise_unavailable() const {
+  return bf16_gemm::unavailable_reason();
+}
+
+// bf16 activations: x rounded to bf16 once (round to nearest even, over the pool), then oneDNN's
+// bf16 x bf16 -> f32 product on its OpenMP threads, as many as the pool's, while the pool idles.
+// bf16 weights are read in place. Quantized weights are dequantized to bf16 in slices of W of at
+// most ~4 MiB (over the pool), each multiplied as it is made, so no bf16 copy of the whole matrix
+// is ever held (an output head is hundreds of MiB).
+void CpuBackend::matmul_bf16(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate) {
+  const int64_t M = x.dim(0), K = x.dim(1), N = w.dim(0);
+  const DType wd = w.dtype();
+  const float* xp = x.data<float>();
+  float* yp = y.data<float>();
+  thread_local std::vector<uint16_t> xb, wb;
+  if (xb.size() < static_cast<size_t>(M * K)) xb.resize(static_cast<size_t>(M * K));
+  uint16_t* xbp = xb.data();
+  pool_.parallel_for(
+      M * K,
+      [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) xbp[i] = f32_to_bf16(xp[i]);
+      },
+      1 << 15);
+  if (wd == DType::BF16) {
+    bf16_gemm::matmul(M, N, K, xbp, K, w.data<uint16_t>(), K, yp, N, accumulate, pool_.size());
+    return;
+  }
+  const int64_t nb = std::min(N, std::max<int64_t>(16, (int64_t{2} << 20) / K / 16 * 16));
+  if (wb.size() < static_cast<size_t>(nb * K)) wb.resize(static_cast<size_t>(nb * K));
+  uint16_t* wbp = wb.data();
+  const auto* wp = static_cast<const char*>(w.raw());
+  const size_t rb = dtype_bytes(wd, K);
+  for (int64_t n0 = 0; n0 < N; n0 += nb) {
+    const int64_t n1 = std::min(N, n0 + nb);
+    pool_.parallel_for(n1 - n0, [&](int64_t r0, int64_t r1) {
+      float* row = scratch(t_panel, static_cast<size_t>(K));
+      for (int64_t r = r0; r < r1; ++r) {
+        to_f32_row(wp + static_cast<size_t>(n0 + r) * rb, wd, row, K);
+        uint16_t* dst = wbp + r * K;
+        for (int64_t k = 0; k < K; ++k) dst[k] = f32_to_bf16(row[k]);
+      }
+    });
+    bf16_gemm::matmul(M, n1 - n0, K, xbp, K, wbp, K, yp + n0, N, accumulate, pool_.size());
+  }
 }
 
 // Quantized weights (Q8_0, Q4_K, Q6_K) at fewer than kQuantGemvRows rows, and in row-independent

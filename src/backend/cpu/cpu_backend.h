@@ -23,10 +23,16 @@ class CpuBackend : public Backend {
     row_independent_ = on;
     return true;
   }
-  // Products always take f32 activations: a bf16 kernel on vdpbf16ps ran at half the rate of
-  // OpenBLAS's f32 sgemm on the AVX512_BF16 cores we have (docs/perf-notes.md), so there is no
-  // faster imprecise mode to offer.
-  bool precise() const override { return true; }
+  // Products take f32 activations by default (exact). set_precise(false) (`--activations bf16`)
+  // rounds them to bf16 in the products with bf16 or quantized weights from kBf16Rows rows, which
+  // then run on oneDNN's AVX512_BF16 kernels (bf16_gemm.h); where those cannot run, the backend
+  // stays precise and imprecise_unavailable() says why.
+  void set_precise(bool exact) override;
+  bool precise() const override { return precise_; }
+  std::string imprecise_unavailable() const override;
+  // From this many rows products with bf16 or quantized weights take bf16 activations when not
+  // precise (below it the f32 GEMV kernels are as fast: bench/gemm_bench.cpp).
+  static constexpr int64_t kBf16Rows = 16;
   // The decode-step overloads come from Backend (per-sequence calls of the span ops).
   using Backend::embedding;
   using Backend::rope_neox;
@@ -73,11 +79,13 @@ class CpuBackend : public Backend {
                        int64_t Dv, int64_t kv_len, int64_t q_offset, float scale, float* out);
 
   void matmul_quantized_gemv(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate);
+  void matmul_bf16(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate);
   // Below this many rows a quantized product runs as integer GEMVs (bench/gemm_bench.cpp).
   static constexpr int64_t kQuantGemvRows = 32;
 
   ThreadPool pool_;
   bool row_independent_ = false;
+  bool precise_ = true;
 };
 
 }  // namespace hypic::cpu
