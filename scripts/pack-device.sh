@@ -45,6 +45,14 @@ for b in "${bins[@]}"; do
     [ -e "$stage/lib/$name" ] || cp -L "$path" "$stage/lib/$name"
   done
 done
+# oneDNN is opened at run time (the CPU's `--activations bf16`), so ldd does not list it; PACK_DNNL=1
+# packs it (7 MB compressed) with its OpenMP runtime.
+if [ "${PACK_DNNL:-0}" = 1 ]; then
+  for name in libdnnl.so.2 libgomp.so.1; do
+    path="$(ldconfig -p | awk -v n="$name" '$1 == n {print $NF; exit}')"
+    [ -n "$path" ] && cp -L "$path" "$stage/lib/$name"
+  done
+fi
 # The binaries name this checkout's folder (test data, the default model) by absolute path.
 pwd > "$stage/srcdir"
 # xz -9e: the carried tree has a 64 MiB limit (the llama.cpp peer in .peer rides too).

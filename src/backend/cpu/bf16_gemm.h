@@ -3,6 +3,7 @@
 // place (no f32 copy of W), accumulating in f32, on AVX512_BF16's `vdpbf16ps` as oneDNN's brgemm
 // kernels schedule it: 2.3x the rate of our f32 panels + OpenBLAS sgemm on the same cores
 // (docs/perf-notes.md). Not hand-written: our own vdpbf16ps kernel reached half of oneDNN's rate.
+// libdnnl.so.2 is opened on first use (dlopen), so nothing else in hypic depends on it.
 #pragma once
 #include <cstdint>
 #include <string>
