@@ -1,6 +1,7 @@
 // GEMM throughput of this machine: raw OpenBLAS sgemm (its own threads) and the CPU backend's
 // matmul for f32 / bf16 / f16 weights, at prefill (M = 512) and decode (M = 1) sizes, one-thread
-// decode products in bf16 and Q8_0 (the "gflops" column there is weight GB/s), plus the tiled
+// decode products in bf16 and Q8_0 (the "gflops" column there is weight GB/s), the products with
+// bf16 activations (oneDNN) where available, plus the tiled
 // causal attention. Prints JSON, then a short table.
 //   gemm_bench [threads]
 #include <cblas.h>
@@ -13,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/cpu/bf16_gemm.h"
 #include "backend/cpu/blas_core.h"
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cpu/quant_dot.h"
@@ -97,6 +99,20 @@ int main(int argc, char** argv) {
       double s = time_it([&] { be.matmul(x, w, y); });
       rows.push_back({"backend_matmul", dtype_name(dt), M, K, N, s * 1e3, 2.0 * M * N * K / s / 1e9});
     }
+  // bf16 activations (`--activations bf16`: oneDNN from CpuBackend::kBf16Rows rows), where this
+  // build and CPU have them; with the f32 rows above they place that cut-over.
+  if (cpu::bf16_gemm::unavailable_reason().empty()) {
+    be.set_precise(false);
+    for (DType dt : {DType::BF16, DType::Q8_0, DType::Q4_K})
+      for (int64_t M : {512, 256, 64, 32, 16}) {
+        Tensor x = randn({M, K}, 1), wf = randn({N, K}, 2), y = Tensor::empty(DType::F32, {M, N});
+        Tensor w = dt == DType::BF16 ? as(wf, dt) : Tensor::empty(dt, {N, K});
+        if (dt != DType::BF16) quant::quantize(dt, wf.data<float>(), N * K, w.raw());
+        double s = time_it([&] { be.matmul(x, w, y); });
+        rows.push_back({"backend_matmul_bf16_act", dtype_name(dt), M, K, N, s * 1e3, 2.0 * M * N * K / s / 1e9});
+      }
+    be.set_precise(true);
+  }
   // Decode products on one thread, by weight type: weight bytes per second is what bounds decode.
   {
     cpu::CpuBackend one(1);
