@@ -666,10 +666,12 @@ size_t PicEngine::cached_prefix_segments(const std::vector<std::vector<int32_t>>
 // their entries pinned, and how far the steps have gone.
 struct ComposeRun {
   struct Part {
-    std::shared_ptr<const SegmentEntry> e;  // null: no body, the whole segment is its seam
+    std::shared_ptr<const SegmentEntry> e;  // null: no body, the whole segment is its seam (or pending)
     int64_t pos, len, head, tail;           // cached body: [head, len - tail)
     bool restored;                          // covered by the snapshot: seam rows come from it
     std::vector<int32_t> rows;              // the seam rows this request computes
+    bool pending = false;                   // its entry is still being built (supply())
+    SegmentKey key;                         // what supply() must give a pending part
   };
   PicOptions opt;
   std::vector<Part> parts;
@@ -677,6 +679,7 @@ struct ComposeRun {
   PrefillResult r;
   SequenceState snap;  // handles to the snapshot's immutable tensors
   size_t next = 0;     // the first part not yet composed
+  size_t first = 0;    // parts the snapshot covers (their seam rows are spliced in one step)
   int64_t pos = 0;     // the context's length
   int64_t seam_rows = 0;
   // The snapshot of this context for the next request that starts with these segments.
@@ -694,8 +697,8 @@ PrefillResult PicEngine::compose(const std::vector<std::vector<int32_t>>& segs, 
     if (auto r = step_compose(*run, std::numeric_limits<int64_t>::max())) return std::move(*r);
 }
 
-std::shared_ptr<ComposeRun> PicEngine::start_compose(const std::vector<std::vector<int32_t>>& segs,
-                                                     const PicPlan& plan) {
+std::shared_ptr<ComposeRun> PicEngine::start_compose(const std::vector<std::vector<int32_t>>& segs, const PicPlan& plan,
+                                                     bool allow_pending) {
   Model& m = model_;
   Backend& be = m.backend();
   const auto& cfg = m.config();
@@ -703,7 +706,7 @@ std::shared_ptr<ComposeRun> PicEngine::start_compose(const std::vector<std::vect
   if (segs.empty() || plan.parts.size() + 1 != segs.size())
     throw std::invalid_argument("compose: a plan of " + std::to_string(plan.parts.size()) +
                                 " context segments for a prompt of " + std::to_string(segs.size()) + " segments");
-  if (const size_t i = plan.next_missing(); i < plan.parts.size())
+  if (const size_t i = plan.next_missing(); i < plan.parts.size() && !allow_pending)
     throw std::logic_error("compose: segment " + std::to_string(i) + " has no entry yet (PicEngine::build)");
   auto run = std::make_shared<ComposeRun>();
   ComposeRun& c = *run;
@@ -752,7 +755,8 @@ std::shared_ptr<ComposeRun> PicEngine::start_compose(const std::vector<std::vect
       throw std::invalid_argument("compose: the plan was made for another prompt (segment " + std::to_string(i) + ")");
     const int64_t head = pp.head, tl = pp.tail;
     const bool hit = pp.entry && !pp.built;
-    if (pp.built) {
+    const bool pending = pp.missing();  // allow_pending: built for this request, elsewhere or later
+    if (pp.built || pending) {
       ++r.report.miss_segments;
       r.report.computed_tokens += L;  // its isolated prefill
     } else if (hit) {
@@ -762,7 +766,7 @@ std::shared_ptr<ComposeRun> PicEngine::start_compose(const std::vector<std::vect
     // Only entries that were already cached count as reused; one built for this request was
     // computed. Seam rows are reused from the snapshot, computed otherwise.
     if (hit) r.report.reused_tokens += L - head - tl;
-    ComposeRun::Part part{pp.entry, pos, L, head, tl, restored, {}};
+    ComposeRun::Part part{pp.entry, pos, L, head, tl, restored, {}, pending, pending ? pp.key : SegmentKey{}};
     if (restored) {
       r.report.reused_tokens += head + tl;
       r.report.prefix_tokens += (hit ? L - head - tl : 0) + head + tl;
@@ -776,6 +780,7 @@ std::shared_ptr<ComposeRun> PicEngine::start_compose(const std::vector<std::vect
     pos += L;
   }
   c.pos = pos;
+  c.first = first;
   if (!opt.skip_question) {
     c.question = segs.back();
     r.report.computed_tokens += static_cast<int64_t>(c.question.size());
@@ -788,8 +793,25 @@ std::shared_ptr<ComposeRun> PicEngine::start_compose(const std::vector<std::vect
   return run;
 }
 
+size_t PicEngine::compose_waits_for(const ComposeRun& c) const {
+  for (size_t i = c.next; i < c.parts.size() && !c.finished; ++i)
+    if (c.parts[i].pending) return i == c.next || i < c.first ? i : npos;  // restored parts go in one step
+  return npos;
+}
+
+void PicEngine::supply(ComposeRun& c, size_t part, std::shared_ptr<const SegmentEntry> entry) {
+  if (part >= c.parts.size() || !c.parts[part].pending)
+    throw std::logic_error("supply: part " + std::to_string(part) + " is not waiting for an entry");
+  if (!entry || !(entry->key == c.parts[part].key))
+    throw std::logic_error("supply: the entry given for part " + std::to_string(part) + " is another segment's");
+  c.parts[part].e = std::move(entry);
+  c.parts[part].pending = false;
+}
+
 std::optional<PrefillResult> PicEngine::step_compose(ComposeRun& c, int64_t max_rows) {
   if (c.finished) throw std::logic_error("step_compose: the composition is already finished");
+  if (const size_t w = compose_waits_for(c); w != npos)
+    throw std::logic_error("step_compose: part " + std::to_string(w) + " has no entry yet (supply)");
   Model& m = model_;
   Backend& be = m.backend();
   const auto& cfg = m.config();
@@ -807,7 +829,7 @@ std::optional<PrefillResult> PicEngine::step_compose(ComposeRun& c, int64_t max_
   const size_t p0 = c.next;
   size_t p1 = p0;
   int64_t n_rows = 0;
-  for (; p1 < n_ctx; ++p1) {
+  for (; p1 < n_ctx && !c.parts[p1].pending; ++p1) {
     const int64_t k = static_cast<int64_t>(c.parts[p1].rows.size());
     if (k > 0 && n_rows > 0 && n_rows + k > max_rows) break;
     n_rows += k;

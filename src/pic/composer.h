@@ -116,8 +116,18 @@ class PicEngine {
   // each step composes the next segments whose seam rows total at most max_rows (at least one),
   // through every layer; the question comes in the last step. The result comes back with the last
   // step. The same computation as compose(): bitwise on the CPU, to rounding on the GPU.
-  std::shared_ptr<ComposeRun> start_compose(const std::vector<std::vector<int32_t>>& segments, const PicPlan& plan);
+  // With allow_pending the plan may still lack entries (being built elsewhere: segment workers,
+  // the local builder): steps compose up to the first part without its entry and wait there until
+  // supply() gives it, so the early segments are composed while later ones are still built. The
+  // result is the same (bitwise on the CPU) as composing the complete plan.
+  std::shared_ptr<ComposeRun> start_compose(const std::vector<std::vector<int32_t>>& segments, const PicPlan& plan,
+                                            bool allow_pending = false);
   std::optional<PrefillResult> step_compose(ComposeRun& run, int64_t max_rows);
+  // The part whose entry the run needs before its next step (npos: it can step).
+  size_t compose_waits_for(const ComposeRun& run) const;
+  // A pending part's entry, once built or adopted into the plan (its key must be the part's).
+  void supply(ComposeRun& run, size_t part, std::shared_ptr<const SegmentEntry> entry);
+  static constexpr size_t npos = static_cast<size_t>(-1);
   // Prefix mode in steps (a long uncached context does not hold the engine either): start takes
   // the longest cached exact prefix ending at a segment end; each step recomputes at most
   // max_tokens more (at least one), snapshotting every segment end it passes; the question is left

@@ -176,6 +176,9 @@ std::string Metrics::render(const SegmentCacheStats& c) const {
            static_cast<double>(remote_bad_entries.load()));
     scalar(out, "hypic_remote_fallbacks_total", "counter", "Segments built here after their worker failed",
            static_cast<double>(remote_fallbacks.load()));
+    scalar(out, "hypic_remote_overlap_steps_total", "counter",
+           "Composition steps run while workers still built later segments of the request",
+           static_cast<double>(remote_overlap_steps.load()));
     scalar(out, "hypic_segment_worker_recoveries_total", "counter", "Unhealthy workers that answered a probe",
            static_cast<double>(remote_recoveries.load()));
   }

@@ -49,6 +49,7 @@ struct Metrics {
   std::atomic<uint64_t> remote_requests{0}, remote_entries{0}, remote_bytes{0}, remote_timeouts{0}, remote_lost{0},
       remote_errors{0}, remote_bad_entries{0}, remote_fallbacks{0}, remote_recoveries{0}, served_builds{0},
       served_bytes{0}, remote_transfer_us{0};
+  std::atomic<uint64_t> remote_overlap_steps{0};  // composition steps run while workers still built
   std::atomic<int64_t> workers{0}, workers_healthy{0};
 
  private:

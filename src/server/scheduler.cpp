@@ -43,6 +43,7 @@ struct Scheduler::Seq {
   std::shared_ptr<EntryBuild> seg_build;  // segment posts: that segment's build under way
   std::unique_ptr<PicPlan> plan;          // pic / naive: entries found or built so far (pinned)
   std::shared_ptr<ComposeRun> compose;    // pic / naive: the composition under way
+  std::vector<bool> pending;              // per plan part: its entry not yet supplied to compose
   std::shared_ptr<PrefixRun> prefix;      // prefix: the recomputation under way
   // Combine node: per plan part, the build asked of a segment worker (null: none, or taken in).
   std::vector<std::shared_ptr<cluster::RemoteBuild>> remote;
@@ -547,17 +548,10 @@ bool Scheduler::prefill_unit(Seq& s) {
         }
         return false;
       }
-      if (s.plan->next_missing() < n_parts) return false;  // only workers' builds left (remote_waiting)
+      // Only workers' builds left (or none): the composition starts, and waits at the first
+      // segment still in flight while it composes the ones before it.
     } catch (const std::length_error&) {
-      const bool others = std::any_of(running_.begin(), running_.end(), [&](const auto& o) {
-        return o.get() != &s && !o->finished && o->holds_entries();
-      });
-      if (!others) throw;
-      drop_remote(s);
-      s.plan.reset();
-      s.cache_wait = true;
-      s.cache_wait_at = unpinned_;
-      metrics_.cache_waits++;
+      if (!wait_for_cache(s)) throw;
       return false;
     }
     s.stage = Seq::Stage::Compose;
@@ -570,10 +564,45 @@ bool Scheduler::prefill_unit(Seq& s) {
     const bool skip_question = segs.back().size() > static_cast<size_t>(opt_.prefill_chunk);
     if (!s.compose) {
       s.plan->opt.skip_question = skip_question;
-      s.compose = engine_.start_compose(segs, *s.plan);
-      s.plan.reset();  // the composition pins the entries now
+      s.compose = engine_.start_compose(segs, *s.plan, /*allow_pending=*/true);
+      s.pending.assign(s.plan->parts.size(), false);
+      for (size_t i = 0; i < s.plan->parts.size(); ++i) s.pending[i] = s.plan->parts[i].missing();
+    }
+    if (s.plan) {
+      // Entries still being built by workers: take those that arrived into the run; a segment
+      // whose worker failed is built here. The plan goes once every entry is in the run (the
+      // composition pins them then).
+      bool built_here = false;
+      try {
+        if (pool_) collect_remote(s);
+        const size_t w = engine_.compose_waits_for(*s.compose);
+        if (w != PicEngine::npos && s.plan->parts[w].missing() && !(w < s.remote.size() && s.remote[w])) {
+          s.unit_did = "build";
+          built_here = true;
+          if (engine_.build_step(*s.plan, w, build_budget())) remember(s.plan->parts[w].entry);
+          model_.backend().synchronize();
+        }
+      } catch (const std::length_error&) {
+        if (!wait_for_cache(s)) throw;
+        return false;
+      }
+      bool left = false;
+      for (size_t i = 0; i < s.pending.size(); ++i) {
+        if (s.pending[i] && s.plan->parts[i].entry) {
+          engine_.supply(*s.compose, i, s.plan->parts[i].entry);
+          s.pending[i] = false;
+        }
+        left = left || s.pending[i];
+      }
+      if (!left) {
+        s.plan.reset();
+        s.pending.clear();
+      }
+      // One unit per iteration; waiting for a worker's entry is remote_waiting.
+      if (built_here || engine_.compose_waits_for(*s.compose) != PicEngine::npos) return false;
     }
     s.unit_did = "compose";
+    if (s.plan) metrics_.remote_overlap_steps++;
     std::optional<PrefillResult> done = engine_.step_compose(*s.compose, opt_.compose_chunk);
     if (!done) return false;
     s.compose.reset();
@@ -849,7 +878,33 @@ void Scheduler::drop_remote(Seq& s) {
   s.remote_sent = false;
 }
 
+// The cache is full of entries other requests hold: this request lets go of its own (its plan
+// and any composition under way; cached, unpinned: others may evict them) and waits until a
+// request lets go of entries, so that requests never hold each other up. false: no other request
+// holds entries (alone, its segments exceed the budget: the caller rethrows, a 503).
+bool Scheduler::wait_for_cache(Seq& s) {
+  const bool others = std::any_of(running_.begin(), running_.end(),
+                                  [&](const auto& o) { return o.get() != &s && !o->finished && o->holds_entries(); });
+  if (!others) return false;
+  drop_remote(s);
+  s.compose.reset();
+  s.pending.clear();
+  s.plan.reset();
+  s.stage = Seq::Stage::Warm;
+  s.cache_wait = true;
+  s.cache_wait_at = unpinned_;
+  metrics_.cache_waits++;
+  return true;
+}
+
 bool Scheduler::remote_waiting(const Seq& s) const {
+  if (s.stage == Seq::Stage::Compose && s.compose && s.plan) {
+    // Composing up to a segment a worker still builds: nothing to do until it arrives.
+    const size_t w = engine_.compose_waits_for(*s.compose);
+    if (w == PicEngine::npos || s.plan->parts[w].entry) return false;
+    const auto* b = w < s.remote.size() ? s.remote[w].get() : nullptr;
+    return b && !b->done.load();
+  }
   if (s.stage != Seq::Stage::Warm || !s.plan || s.remote.empty()) return false;
   bool pending = false;
   for (size_t i = 0; i < s.plan->parts.size(); ++i) {

@@ -178,6 +178,7 @@ class Scheduler {
   void collect_remote(Seq& s);
   void drop_remote(Seq& s);
   bool remote_waiting(const Seq& s) const;  // only remote builds left, none finished yet
+  bool wait_for_cache(Seq& s);              // a full cache: let go of the request's entries and wait
   void sync_pool_metrics();
   void wake();  // a remote build finished: the engine loop looks again
   // "" when an entry loaded from disk fits this model's layer layout and shapes.

@@ -190,6 +190,22 @@ TEST(SegmentWorkers, EntriesAndAnswersEqualALocalBuild) {
   EXPECT_EQ(WEXITSTATUS(combine.stop(SIGTERM)), 0) << combine.log();
 }
 
+// A slow worker (each reply held back 800 ms): the combine node composes the segments it has while
+// the worker's are still in flight (counted), and answers exactly as a local server does.
+TEST(SegmentWorkers, CompositionOverlapsTheWorkersBuilds) {
+  Worker slow("overlap_w", "800");
+  const json body = rag_body(70, 6);
+  const Answer want = reference(body);
+  ServeProcess combine(kModel, {"--threads", "1", "--workers", slow.address(), "--worker-deadline-s", "60"},
+                       log_path("overlap_combine"));
+  const Answer got = ask(combine.port(), body);
+  EXPECT_EQ(got, want) << got.text << " vs " << want.text;
+  EXPECT_GE(metric(combine.port(), "hypic_remote_entries_total"), 2);
+  EXPECT_EQ(metric(combine.port(), "hypic_remote_fallbacks_total"), 0);
+  EXPECT_GE(metric(combine.port(), "hypic_remote_overlap_steps_total"), 1);
+  EXPECT_EQ(WEXITSTATUS(combine.stop(SIGTERM)), 0) << combine.log();
+}
+
 // A worker killed while it holds builds, and one that is down from the start: the combine node
 // builds those segments itself and answers as a local server does; the faults are counted.
 TEST(SegmentWorkers, KilledWorkerIsRebuiltLocally) {

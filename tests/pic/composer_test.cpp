@@ -343,6 +343,46 @@ TEST_P(Pic, ComposeInStepsEqualsOneCall) {
   }
 }
 
+// Composing while entries are still being built (segment workers): a run over a plan with missing
+// entries composes the segments before the first one still missing, waits there (a step then is
+// an error), takes each entry as it comes (supply; another segment's entry is refused), and
+// answers bitwise as one call over the complete plan, with the same report.
+TEST_P(Pic, ComposeWithPendingEntriesEqualsOneCall) {
+  const PicOptions o{PicMode::Pic, 8};
+  PicEngine one(*lm_->model, 64 << 20);
+  CacheReport ro;
+  const auto want = run(one, segs_, o, nullptr, &ro);
+  PicEngine eng(*lm_->model, 64 << 20);
+  PicPlan plan = eng.plan(segs_, o);
+  ASSERT_EQ(plan.next_missing(), 0u);
+  eng.build(plan, 0);
+  auto c = eng.start_compose(segs_, plan, /*allow_pending=*/true);
+  std::optional<PrefillResult> r;
+  int steps_while_pending = 0;
+  while (!r) {
+    const size_t w = eng.compose_waits_for(*c);
+    if (w == PicEngine::npos) {
+      if (plan.next_missing() < plan.parts.size()) ++steps_while_pending;
+      r = eng.step_compose(*c, 1);
+      continue;
+    }
+    ASSERT_TRUE(plan.parts[w].missing()) << w;
+    EXPECT_THROW(eng.step_compose(*c, 1), std::logic_error);
+    EXPECT_THROW(eng.supply(*c, w, plan.parts[0].entry), std::logic_error);  // another segment's
+    eng.build(plan, w);
+    eng.supply(*c, w, plan.parts[w].entry);
+    EXPECT_THROW(eng.supply(*c, w, plan.parts[w].entry), std::logic_error);  // no longer waiting
+  }
+  EXPECT_GE(steps_while_pending, 3);  // segments 0..2 composed before 1..3 existed
+  EXPECT_EQ(host_logprobs(*lm_->backend, r->logits), want);
+  EXPECT_EQ(r->report.computed_tokens, ro.computed_tokens);
+  EXPECT_EQ(r->report.miss_segments, ro.miss_segments);
+  EXPECT_EQ(r->report.reused_tokens, ro.reused_tokens);
+  // Without allow_pending a plan with a missing entry is refused, as before.
+  PicPlan p2 = PicEngine(*lm_->model, 64 << 20).plan(segs_, o);
+  EXPECT_THROW(eng.start_compose(segs_, p2), std::logic_error);
+}
+
 // A segment longer than the build chunk (the backend's prefill chunk, 1024 rows on the CPU) is built
 // a chunk at a time, its transition chained across chunks (T <- T_chunk T): composition stays
 // exact at layer 0, a build in steps takes one step per chunk (or per chunk and layer, under a
