@@ -227,7 +227,7 @@ TEST_F(CpuOps, ActivationsOption) {
 
 // bf16 products: x rounded to bf16 (nearest even) times W (bf16, or quantized and dequantized to
 // bf16), summed in f32: against an fp64 product of those rounded operands, at row counts that take
-// the 256-row blocks, a padded tail, both, and the f32 kernels below kBf16Rows; with accumulate;
+// the 256-row blocks, a padded tail, both, and the other kernels below the cut-over; with accumulate;
 // and measurably farther from the f32-exact product (the activations really were rounded).
 TEST_F(CpuOps, Bf16ProductsAreRoundedOperandsSummedInF32) {
   if (!cpu::bf16_gemm::unavailable_reason().empty()) GTEST_SKIP() << cpu::bf16_gemm::unavailable_reason();
@@ -248,7 +248,8 @@ TEST_F(CpuOps, Bf16ProductsAreRoundedOperandsSummedInF32) {
       Tensor y = be->alloc(DType::F32, {M, N});
       be->matmul(x, w, y);
       const Vec exact = ref_matmul(x, wr), rounded = ref_matmul(xr, wr);
-      if (M < cpu::CpuBackend::kBf16Rows) {  // the f32 kernels (quantized: Q8 activations, as before)
+      if (M < (dt == DType::BF16 ? cpu::CpuBackend::kBf16Rows : cpu::CpuBackend::kQuantGemvRows)) {
+        // the f32 kernels (quantized: the integer GEMVs on Q8 activations, as before)
         EXPECT_LE(rel_l2(y, exact), dt == DType::BF16 ? 1e-5 : 2e-2) << dtype_name(dt) << " M=" << M;
         continue;
       }

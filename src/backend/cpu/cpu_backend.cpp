@@ -365,7 +365,8 @@ void CpuBackend::fill(Tensor& t, float value) {
 //    sgemm; panels are spread over the pool. The conversion costs O(N K) against the product's
 //    O(M N K). Fewer rows of quantized weights: matmul_quantized_gemv.
 //  * M >= 8, f32: sgemm directly on W, its columns split over the pool (one sgemm per thread).
-//  * Not precise (`--activations bf16`), M >= kBf16Rows, bf16 or quantized weights: matmul_bf16.
+//  * Not precise (`--activations bf16`), bf16 weights from kBf16Rows rows, quantized ones from
+//    kQuantGemvRows: matmul_bf16.
 // OpenBLAS is set to one thread (constructor): the pool is the only source of parallelism.
 // ================================================================================================
 void CpuBackend::matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate) {
@@ -379,7 +380,8 @@ void CpuBackend::matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accumu
   }
   const float* xp = x.data<float>();
   const DType wd = w.dtype();
-  if (!precise_ && !row_independent_ && M >= kBf16Rows && (wd == DType::BF16 || dtype_is_quantized(wd))) {
+  if (!precise_ && !row_independent_ &&
+      ((wd == DType::BF16 && M >= kBf16Rows) || (dtype_is_quantized(wd) && M >= kQuantGemvRows))) {
     matmul_bf16(x, w, y, accumulate);
     return;
   }

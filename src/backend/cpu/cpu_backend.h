@@ -24,15 +24,20 @@ class CpuBackend : public Backend {
     return true;
   }
   // Products take f32 activations by default (exact). set_precise(false) (`--activations bf16`)
-  // rounds them to bf16 in the products with bf16 or quantized weights from kBf16Rows rows, which
+  // rounds them to bf16 in the products with bf16 weights from kBf16Rows rows and quantized ones
+  // from kQuantGemvRows rows (below, the integer GEMVs are as fast), which
   // then run on oneDNN's AVX512_BF16 kernels (bf16_gemm.h); where those cannot run, the backend
   // stays precise and imprecise_unavailable() says why.
   void set_precise(bool exact) override;
   bool precise() const override { return precise_; }
   std::string imprecise_unavailable() const override;
-  // From this many rows products with bf16 or quantized weights take bf16 activations when not
-  // precise (below it the f32 GEMV kernels are as fast: bench/gemm_bench.cpp).
+  // From this many rows products with bf16 weights take bf16 activations when not precise: at 16
+  // rows oneDNN already runs at ~200 GFLOP/s here against ~150 for the f32 paths at 64 rows
+  // (bench/gemm_bench.cpp, docs/perf-notes.md).
   static constexpr int64_t kBf16Rows = 16;
+  // Below this many rows a quantized product runs as integer GEMVs (bench/gemm_bench.cpp); from it
+  // on, dequantized panels (f32 activations) or, when not precise, bf16 slices through oneDNN.
+  static constexpr int64_t kQuantGemvRows = 32;
   // The decode-step overloads come from Backend (per-sequence calls of the span ops).
   using Backend::embedding;
   using Backend::rope_neox;
@@ -80,8 +85,6 @@ class CpuBackend : public Backend {
 
   void matmul_quantized_gemv(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate);
   void matmul_bf16(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate);
-  // Below this many rows a quantized product runs as integer GEMVs (bench/gemm_bench.cpp).
-  static constexpr int64_t kQuantGemvRows = 32;
 
   ThreadPool pool_;
   bool row_independent_ = false;
