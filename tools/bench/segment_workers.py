@@ -80,6 +80,8 @@ def run(args, workload, lengths, n_workers, schedule, seed):
             "remote_mib": round(metric(m, "hypic_remote_entry_bytes_total") / 2**20, 2),
             "transfer_s": round(metric(m, "hypic_remote_transfer_seconds_total"), 3),
             "fallbacks": int(metric(m, "hypic_remote_fallbacks_total")),
+            # composition steps run while workers still built (docs/cluster.md)
+            "overlap_steps": int(metric(m, "hypic_remote_overlap_steps_total")),
         }
         # Phase sums by label (build here, compose, prefill of the question).
         for ph in ("build", "compose"):
