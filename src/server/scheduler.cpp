@@ -529,27 +529,16 @@ bool Scheduler::prefill_unit(Seq& s) {
         if (!s.remote_sent) dispatch_remote(s);
         collect_remote(s);
       }
-      // The next missing entry not being built by a worker.
-      size_t i = 0;
-      const size_t n_parts = s.plan->parts.size();
-      while (i < n_parts && !(s.plan->parts[i].missing() && !(i < s.remote.size() && s.remote[i]))) ++i;
-      if (i < n_parts) {
-        // One bounded step of the build per iteration: a long segment does not hold the engine either.
-        s.unit_did = "build";
-        const auto t0 = Clock::now();
-        const bool done = engine_.build_step(*s.plan, i, build_budget());
-        model_.backend().synchronize();
-        s.build_seconds += ms_since(t0) / 1000.0;
-        if (done) {
-          remember(s.plan->parts[i].entry);
-          const double r = static_cast<double>(s.plan->parts[i].len) / std::max(s.build_seconds, 1e-6);
-          local_rate_ = local_rate_ > 0 ? 0.7 * local_rate_ + 0.3 * r : r;
-          s.build_seconds = 0;
+      // Alone, every missing entry is built here (one bounded step per iteration: a long segment
+      // does not hold the engine either), then composed. With segment workers the composition
+      // starts at once: it goes on in plan order as entries arrive, and this node builds its own
+      // share while it waits for workers (the Compose stage below).
+      if (!pool_) {
+        if (const size_t i = local_missing(s); i != PicEngine::npos) {
+          build_local(s, i);
+          return false;
         }
-        return false;
       }
-      // Only workers' builds left (or none): the composition starts, and waits at the first
-      // segment still in flight while it composes the ones before it.
     } catch (const std::length_error&) {
       if (!wait_for_cache(s)) throw;
       return false;
@@ -569,32 +558,37 @@ bool Scheduler::prefill_unit(Seq& s) {
       for (size_t i = 0; i < s.plan->parts.size(); ++i) s.pending[i] = s.plan->parts[i].missing();
     }
     if (s.plan) {
-      // Entries still being built by workers: take those that arrived into the run; a segment
-      // whose worker failed is built here. The plan goes once every entry is in the run (the
-      // composition pins them then).
+      // Entries still being built: those that arrived from workers go into the run. Where the
+      // composition waits at a segment of this node's share (or one whose worker failed), it is
+      // built here; where it waits for a worker, this node builds the next segment of its share
+      // meanwhile. The plan goes once every entry is in the run (the composition pins them then).
+      auto supply_arrived = [&] {
+        bool left = false;
+        for (size_t i = 0; i < s.pending.size(); ++i) {
+          if (s.pending[i] && s.plan->parts[i].entry) {
+            engine_.supply(*s.compose, i, s.plan->parts[i].entry);
+            s.pending[i] = false;
+          }
+          left = left || s.pending[i];
+        }
+        return left;
+      };
       bool built_here = false;
       try {
         if (pool_) collect_remote(s);
-        const size_t w = engine_.compose_waits_for(*s.compose);
-        if (w != PicEngine::npos && s.plan->parts[w].missing() && !(w < s.remote.size() && s.remote[w])) {
-          s.unit_did = "build";
-          built_here = true;
-          if (engine_.build_step(*s.plan, w, build_budget())) remember(s.plan->parts[w].entry);
-          model_.backend().synchronize();
+        supply_arrived();
+        if (const size_t w = engine_.compose_waits_for(*s.compose); w != PicEngine::npos) {
+          const bool ours = s.plan->parts[w].missing() && !(w < s.remote.size() && s.remote[w]);
+          if (const size_t b = ours ? w : local_missing(s); b != PicEngine::npos) {
+            build_local(s, b);
+            built_here = true;
+          }
         }
       } catch (const std::length_error&) {
         if (!wait_for_cache(s)) throw;
         return false;
       }
-      bool left = false;
-      for (size_t i = 0; i < s.pending.size(); ++i) {
-        if (s.pending[i] && s.plan->parts[i].entry) {
-          engine_.supply(*s.compose, i, s.plan->parts[i].entry);
-          s.pending[i] = false;
-        }
-        left = left || s.pending[i];
-      }
-      if (!left) {
+      if (!supply_arrived()) {
         s.plan.reset();
         s.pending.clear();
       }
@@ -897,13 +891,36 @@ bool Scheduler::wait_for_cache(Seq& s) {
   return true;
 }
 
+size_t Scheduler::local_missing(const Seq& s) const {
+  for (size_t i = 0; i < s.plan->parts.size(); ++i)
+    if (s.plan->parts[i].missing() && !(i < s.remote.size() && s.remote[i])) return i;
+  return PicEngine::npos;
+}
+
+void Scheduler::build_local(Seq& s, size_t i) {
+  s.unit_did = "build";
+  const auto t0 = Clock::now();
+  const bool done = engine_.build_step(*s.plan, i, build_budget());
+  model_.backend().synchronize();
+  s.build_seconds += ms_since(t0) / 1000.0;
+  if (done) {
+    remember(s.plan->parts[i].entry);
+    const double r = static_cast<double>(s.plan->parts[i].len) / std::max(s.build_seconds, 1e-6);
+    local_rate_ = local_rate_ > 0 ? 0.7 * local_rate_ + 0.3 * r : r;
+    s.build_seconds = 0;
+  }
+}
+
 bool Scheduler::remote_waiting(const Seq& s) const {
   if (s.stage == Seq::Stage::Compose && s.compose && s.plan) {
-    // Composing up to a segment a worker still builds: nothing to do until it arrives.
+    // Composing up to a segment a worker still builds, nothing of this node's share left to
+    // build and no reply to take in: nothing to do until one arrives.
     const size_t w = engine_.compose_waits_for(*s.compose);
-    if (w == PicEngine::npos || s.plan->parts[w].entry) return false;
+    if (w == PicEngine::npos || s.plan->parts[w].entry || local_missing(s) != PicEngine::npos) return false;
+    for (const auto& b : s.remote)
+      if (b && b->done.load()) return false;
     const auto* b = w < s.remote.size() ? s.remote[w].get() : nullptr;
-    return b && !b->done.load();
+    return b != nullptr;
   }
   if (s.stage != Seq::Stage::Warm || !s.plan || s.remote.empty()) return false;
   bool pending = false;

@@ -177,8 +177,10 @@ class Scheduler {
   void dispatch_remote(Seq& s);
   void collect_remote(Seq& s);
   void drop_remote(Seq& s);
-  bool remote_waiting(const Seq& s) const;  // only remote builds left, none finished yet
-  bool wait_for_cache(Seq& s);              // a full cache: let go of the request's entries and wait
+  bool remote_waiting(const Seq& s) const;   // only remote builds left, none finished yet
+  bool wait_for_cache(Seq& s);               // a full cache: let go of the request's entries and wait
+  size_t local_missing(const Seq& s) const;  // the first part missing and not at a worker (npos: none)
+  void build_local(Seq& s, size_t part);     // one bounded step of that part's build here
   void sync_pool_metrics();
   void wake();  // a remote build finished: the engine loop looks again
   // "" when an entry loaded from disk fits this model's layer layout and shapes.
