@@ -79,7 +79,7 @@ class Backend {
   virtual void set_precise(bool exact) {}
   virtual bool precise() const { return false; }
   // Why set_precise(false) left this backend precise, for the error that refuses the request.
-  virtual std::string imprecise_unavailable() const { return "it has no bf16 products"; }
+  virtual std::string imprecise_unavailable() const { return "not implemented for this backend"; }
   // Products whose every row comes out the same whatever other rows share the call (one kernel
   // and one accumulation order at any row count). PIC composes all seams in one call under it and
   // still continues a reused exact prefix bit for bit. Returns whether the mode is now as asked

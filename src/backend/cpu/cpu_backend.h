@@ -25,9 +25,8 @@ class CpuBackend : public Backend {
   }
   // Products take f32 activations by default (exact). set_precise(false) (`--activations bf16`)
   // rounds them to bf16 in the products with bf16 weights from kBf16Rows rows and quantized ones
-  // from kQuantGemvRows rows (below, the integer GEMVs are as fast), which
-  // then run on oneDNN's AVX512_BF16 kernels (bf16_gemm.h); where those cannot run, the backend
-  // stays precise and imprecise_unavailable() says why.
+  // from kQuantGemvRows rows, which then run on oneDNN's AVX512_BF16 kernels (bf16_gemm.h); where
+  // those cannot run, the backend stays precise and imprecise_unavailable() says why.
   void set_precise(bool exact) override;
   bool precise() const override { return precise_; }
   std::string imprecise_unavailable() const override;
