@@ -485,10 +485,7 @@ void CpuBackend::matmul_bf16(const Tensor& x, const Tensor& w, Tensor& y, bool a
   if (xb.size() < static_cast<size_t>(M * K)) xb.resize(static_cast<size_t>(M * K));
   uint16_t* xbp = xb.data();
   pool_.parallel_for(
-      M * K,
-      [&](int64_t b, int64_t e) {
-        for (int64_t i = b; i < e; ++i) xbp[i] = f32_to_bf16(xp[i]);
-      },
+      M * K, [&](int64_t b, int64_t e) { convert_from_f32(xp + b, DType::BF16, xbp + b, static_cast<size_t>(e - b)); },
       1 << 15);
   if (wd == DType::BF16) {
     bf16_gemm::matmul(M, N, K, xbp, K, w.data<uint16_t>(), K, yp, N, accumulate, pool_.size());
@@ -505,8 +502,7 @@ void CpuBackend::matmul_bf16(const Tensor& x, const Tensor& w, Tensor& y, bool a
       float* row = scratch(t_panel, static_cast<size_t>(K));
       for (int64_t r = r0; r < r1; ++r) {
         to_f32_row(wp + static_cast<size_t>(n0 + r) * rb, wd, row, K);
-        uint16_t* dst = wbp + r * K;
-        for (int64_t k = 0; k < K; ++k) dst[k] = f32_to_bf16(row[k]);
+        convert_from_f32(row, DType::BF16, wbp + r * K, static_cast<size_t>(K));
       }
     });
     bf16_gemm::matmul(M, n1 - n0, K, xbp, K, wbp, K, yp + n0, N, accumulate, pool_.size());
