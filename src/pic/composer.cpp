@@ -808,6 +808,18 @@ void PicEngine::supply(ComposeRun& c, size_t part, std::shared_ptr<const Segment
   c.parts[part].pending = false;
 }
 
+bool PicEngine::supply(ComposeRun& c, const PicPlan& plan) {
+  bool left = false;
+  for (size_t i = 0; i < c.parts.size(); ++i) {
+    if (!c.parts[i].pending) continue;
+    if (i < plan.parts.size() && plan.parts[i].entry)
+      supply(c, i, plan.parts[i].entry);
+    else
+      left = true;
+  }
+  return left;
+}
+
 std::optional<PrefillResult> PicEngine::step_compose(ComposeRun& c, int64_t max_rows) {
   if (c.finished) throw std::logic_error("step_compose: the composition is already finished");
   if (const size_t w = compose_waits_for(c); w != npos)

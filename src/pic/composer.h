@@ -127,6 +127,8 @@ class PicEngine {
   size_t compose_waits_for(const ComposeRun& run) const;
   // A pending part's entry, once built or adopted into the plan (its key must be the part's).
   void supply(ComposeRun& run, size_t part, std::shared_ptr<const SegmentEntry> entry);
+  // Every pending part's entry that the run's plan holds now; true while some part still waits.
+  bool supply(ComposeRun& run, const PicPlan& plan);
   static constexpr size_t npos = static_cast<size_t>(-1);
   // Prefix mode in steps (a long uncached context does not hold the engine either): start takes
   // the longest cached exact prefix ending at a segment end; each step recomputes at most

@@ -43,7 +43,6 @@ struct Scheduler::Seq {
   std::shared_ptr<EntryBuild> seg_build;  // segment posts: that segment's build under way
   std::unique_ptr<PicPlan> plan;          // pic / naive: entries found or built so far (pinned)
   std::shared_ptr<ComposeRun> compose;    // pic / naive: the composition under way
-  std::vector<bool> pending;              // per plan part: its entry not yet supplied to compose
   std::shared_ptr<PrefixRun> prefix;      // prefix: the recomputation under way
   // Combine node: per plan part, the build asked of a segment worker (null: none, or taken in).
   std::vector<std::shared_ptr<cluster::RemoteBuild>> remote;
@@ -554,29 +553,16 @@ bool Scheduler::prefill_unit(Seq& s) {
     if (!s.compose) {
       s.plan->opt.skip_question = skip_question;
       s.compose = engine_.start_compose(segs, *s.plan, /*allow_pending=*/true);
-      s.pending.assign(s.plan->parts.size(), false);
-      for (size_t i = 0; i < s.plan->parts.size(); ++i) s.pending[i] = s.plan->parts[i].missing();
     }
     if (s.plan) {
       // Entries still being built: those that arrived from workers go into the run. Where the
       // composition waits at a segment of this node's share (or one whose worker failed), it is
       // built here; where it waits for a worker, this node builds the next segment of its share
       // meanwhile. The plan goes once every entry is in the run (the composition pins them then).
-      auto supply_arrived = [&] {
-        bool left = false;
-        for (size_t i = 0; i < s.pending.size(); ++i) {
-          if (s.pending[i] && s.plan->parts[i].entry) {
-            engine_.supply(*s.compose, i, s.plan->parts[i].entry);
-            s.pending[i] = false;
-          }
-          left = left || s.pending[i];
-        }
-        return left;
-      };
       bool built_here = false;
       try {
         if (pool_) collect_remote(s);
-        supply_arrived();
+        engine_.supply(*s.compose, *s.plan);
         if (const size_t w = engine_.compose_waits_for(*s.compose); w != PicEngine::npos) {
           const bool ours = s.plan->parts[w].missing() && !(w < s.remote.size() && s.remote[w]);
           if (const size_t b = ours ? w : local_missing(s); b != PicEngine::npos) {
@@ -588,10 +574,7 @@ bool Scheduler::prefill_unit(Seq& s) {
         if (!wait_for_cache(s)) throw;
         return false;
       }
-      if (!supply_arrived()) {
-        s.plan.reset();
-        s.pending.clear();
-      }
+      if (!engine_.supply(*s.compose, *s.plan)) s.plan.reset();
       // One unit per iteration; waiting for a worker's entry is remote_waiting.
       if (built_here || engine_.compose_waits_for(*s.compose) != PicEngine::npos) return false;
     }
@@ -882,7 +865,6 @@ bool Scheduler::wait_for_cache(Seq& s) {
   if (!others) return false;
   drop_remote(s);
   s.compose.reset();
-  s.pending.clear();
   s.plan.reset();
   s.stage = Seq::Stage::Warm;
   s.cache_wait = true;
