@@ -99,6 +99,15 @@ int main(int argc, char** argv) {
       double s = time_it([&] { be.matmul(x, w, y); });
       rows.push_back({"backend_matmul", dtype_name(dt), M, K, N, s * 1e3, 2.0 * M * N * K / s / 1e9});
     }
+  // Row-independent products (PIC's seams): the few-row kernel at every M.
+  be.set_row_independent(true);
+  for (DType dt : {DType::F32, DType::BF16})
+    for (int64_t M : {128, 64, 16, 8, 1}) {
+      Tensor x = randn({M, K}, 1), w = as(randn({N, K}, 2), dt), y = Tensor::empty(DType::F32, {M, N});
+      double s = time_it([&] { be.matmul(x, w, y); });
+      rows.push_back({"backend_matmul_row_indep", dtype_name(dt), M, K, N, s * 1e3, 2.0 * M * N * K / s / 1e9});
+    }
+  be.set_row_independent(false);
   // bf16 activations (`--activations bf16`: oneDNN from CpuBackend::kBf16Rows rows), where this
   // build and CPU have them; with the f32 rows above they place that cut-over.
   if (cpu::bf16_gemm::unavailable_reason().empty()) {

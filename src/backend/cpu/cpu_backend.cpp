@@ -255,9 +255,12 @@ void gemv_rows(const float* x, int64_t K, const typename W::T* w, int64_t N, int
 #else
     for (int m = 0; m < MM; ++m) s[m] = 0.f;
 #endif
+    // std::fma, not `s += x * w`: the compiler contracts that into an FMA in some instantiations
+    // and not in others (f16 weights), and a row's bits must not depend on MM (row-independent
+    // products; CpuOps.RowIndependentProducts).
     for (; k < K; ++k) {
       float wk = W::one(wr + k);
-      for (int m = 0; m < MM; ++m) s[m] += x[m * K + k] * wk;
+      for (int m = 0; m < MM; ++m) s[m] = std::fma(x[m * K + k], wk, s[m]);
     }
     for (int m = 0; m < MM; ++m) y[m * N + n] = acc ? y[m * N + n] + s[m] : s[m];
   }
