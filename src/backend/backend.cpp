@@ -2,12 +2,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <stdexcept>
 #include <vector>
 
 #include "backend/checks.h"
 #include "backend/cpu/cpu_backend.h"
+#include "backend/splitmix.h"
 #ifdef HYPIC_HAVE_CUDA
 #include "backend/cuda/cuda_backend.h"
 #endif
@@ -79,6 +81,31 @@ std::shared_ptr<Backend::Fence> Backend::copy_async(std::span<const Tensor> src,
     checks::fail("copy_async", std::to_string(src.size()) + " sources for " + std::to_string(dst.size()) + " targets");
   for (size_t i = 0; i < src.size(); ++i) copy(src[i], dst[i]);
   return nullptr;
+}
+
+void Backend::copy_from_shared(const std::string&, uint64_t, std::span<const uint64_t>, std::span<Tensor>) {
+  throw SharedMemoryError(name() + " backend: cannot map another process's memory");
+}
+
+uint64_t Backend::payload_checksum(std::span<const Tensor* const> ts, std::span<const uint64_t> offsets) {
+  if (ts.size() != offsets.size())
+    checks::fail("payload_checksum",
+                 std::to_string(ts.size()) + " tensors for " + std::to_string(offsets.size()) + " offsets");
+  uint64_t sum = 0;
+  for (size_t t = 0; t < ts.size(); ++t) {
+    if (offsets[t] % 4 != 0)
+      checks::fail("payload_checksum", "offset " + std::to_string(offsets[t]) + " is not a multiple of 4");
+    Tensor h = to_host(*ts[t]);
+    const auto* b = static_cast<const uint8_t*>(h.raw());
+    const size_t n = h.nbytes();
+    const uint64_t base = offsets[t] / 4;
+    for (size_t i = 0; i * 4 < n; ++i) {
+      uint32_t w = 0;
+      std::memcpy(&w, b + 4 * i, std::min<size_t>(4, n - 4 * i));
+      sum += splitmix64(((base + i) << 32) | w);
+    }
+  }
+  return sum;
 }
 
 namespace {

@@ -12,6 +12,7 @@
 #include <functional>
 #include <initializer_list>
 #include <memory>
+#include <optional>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -35,6 +36,12 @@ struct RecurrenceInputs {
 // Routed experts of one MoE layer, one view per expert ([I,H], [I,H], [H,I]).
 struct ExpertWeights {
   std::vector<Tensor> gate, up, down;
+};
+
+// Another process's shared memory could not be mapped here (another host, no IPC between the
+// processes, a handle already freed): what() says which call failed.
+struct SharedMemoryError : std::runtime_error {
+  using std::runtime_error::runtime_error;
 };
 
 class Backend {
@@ -106,6 +113,31 @@ class Backend {
   virtual std::shared_ptr<Fence> copy_async(std::span<const Tensor> src, std::span<Tensor> dst);
   // Work queued after this starts once f's copies are done; the host does not wait.
   virtual void wait(const Fence& f) {}
+
+  // ---- memory shared with other processes of this host (segment workers) ------------------
+  // A worker hands an entry's tensors to a combine node on the same host device to device (CUDA
+  // IPC on a GPU) instead of through host memory: share() packs tensors at the given byte offsets
+  // into one buffer that another process can map, and names it by an opaque handle; the buffer
+  // lives while `keep` does. Null where this backend cannot share memory.
+  struct Shared {
+    std::string handle;
+    std::shared_ptr<void> keep;
+  };
+  virtual std::optional<Shared> share(std::span<const Tensor* const> src, std::span<const uint64_t> offsets,
+                                      uint64_t bytes) {
+    return std::nullopt;
+  }
+  // Whether copy_from_shared can map other processes' buffers here.
+  virtual bool can_map_shared() const { return false; }
+  // Copies the pieces at `offsets` of another process's shared buffer into dst (tensors of this
+  // backend). Throws SharedMemoryError where the handle cannot be mapped.
+  virtual void copy_from_shared(const std::string& handle, uint64_t bytes, std::span<const uint64_t> offsets,
+                                std::span<Tensor> dst);
+  // A checksum of tensors as if they lay at `offsets` of one buffer: the sum (mod 2^64) over
+  // every 4-byte word w at word index i (offset/4 + word; a last partial word zero-extended) of
+  // splitmix64(i << 32 | w). Integer sums do not depend on order, so a GPU adds the words in
+  // parallel and still agrees with this host loop; offsets must be multiples of 4.
+  virtual uint64_t payload_checksum(std::span<const Tensor* const> ts, std::span<const uint64_t> offsets);
 
   // ---- captured steps -----------------------------------------------------------------------
   // A recorded sequence of this backend's work, run again with one launch. Everything it reads or

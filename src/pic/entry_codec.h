@@ -21,6 +21,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -64,6 +65,23 @@ std::string encode_entry(const SegmentEntry& e, Backend& be);
 // stay in host memory and bytes is accounted. Throws EntryFormatError.
 std::shared_ptr<SegmentEntry> decode_entry(ByteSource& in);
 std::shared_ptr<SegmentEntry> decode_entry(std::string_view bytes);
+
+// The shared form (segment workers on one host; Backend::share, CUDA IPC on a GPU): the same
+// head and records, each record followed by its u64 offset in a buffer the worker shares instead
+// of its bytes, then u64 payload size, u64 payload checksum (Backend::payload_checksum), u32
+// handle length, the handle, and the xxh64 of all of it. Magic "HYPICIPC".
+inline constexpr uint32_t kSharedFormatVersion = 1;
+struct SharedEntry {
+  std::string descriptor;
+  uint64_t payload_bytes = 0;
+  std::shared_ptr<void> keep;  // the shared buffer: keep it until the receiver is done
+};
+// Null where `be` cannot share memory (then send encode_entry's bytes).
+std::optional<SharedEntry> share_entry(const SegmentEntry& e, Backend& be);
+// Checks the descriptor as decode_entry checks bytes (and every piece inside the buffer), copies
+// the tensors out of the worker's buffer into `be`'s memory and verifies their payload checksum.
+// Throws EntryFormatError, or SharedMemoryError (backend.h) where the buffer cannot be mapped here.
+std::shared_ptr<SegmentEntry> receive_shared_entry(std::string_view descriptor, Backend& be);
 
 // "" when got is want, else what differs (another model, seam, tail or segment).
 std::string key_difference(const SegmentKey& want, const SegmentKey& got);

@@ -15,9 +15,11 @@
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <map>
 #include <random>
 #include <thread>
 
+#include "backend/cpu/cpu_backend.h"
 #include "engine/loader.h"
 #include "engine/sampler.h"
 #include "pic/composer.h"
@@ -610,6 +612,104 @@ TEST_F(Store, NoDamageIsEverUsedOrCrashes) {
   auto back = s.load(e->key);
   ASSERT_NE(back, nullptr);
   expect_same_entry(be(), *e, *back);
+}
+
+// A CPU backend that "shares" memory within this process (a buffer per handle), standing in for
+// CUDA IPC so that the shared form's checks run without a GPU.
+class SharingCpu : public cpu::CpuBackend {
+ public:
+  SharingCpu() : cpu::CpuBackend(1) {}
+  std::optional<Shared> share(std::span<const Tensor* const> src, std::span<const uint64_t> offsets,
+                              uint64_t bytes) override {
+    auto buf = std::make_shared<std::vector<char>>(bytes);
+    for (size_t i = 0; i < src.size(); ++i) std::memcpy(buf->data() + offsets[i], src[i]->raw(), src[i]->nbytes());
+    const std::string h = "buf:" + std::to_string(next_++);
+    buffers_[h] = buf;
+    return Shared{h, std::shared_ptr<void>(nullptr, [this, h](void*) { buffers_.erase(h); })};
+  }
+  bool can_map_shared() const override { return true; }
+  void copy_from_shared(const std::string& handle, uint64_t bytes, std::span<const uint64_t> offsets,
+                        std::span<Tensor> dst) override {
+    auto it = buffers_.find(handle);
+    if (it == buffers_.end()) throw SharedMemoryError("no buffer " + handle);
+    if (bytes > it->second->size()) throw SharedMemoryError("the buffer is smaller than claimed");
+    for (size_t i = 0; i < dst.size(); ++i) std::memcpy(dst[i].raw(), it->second->data() + offsets[i], dst[i].nbytes());
+  }
+  std::vector<char>& buffer(const std::string& handle) { return *buffers_.at(handle); }
+
+ private:
+  std::map<std::string, std::shared_ptr<std::vector<char>>> buffers_;
+  int next_ = 1000;
+};
+
+// Entries that segment workers hand over device to device (entry_codec.h, "shared form"): the
+// round trip is bitwise, and a damaged descriptor, a changed payload, a buffer gone or claimed
+// larger than it is, or a backend that cannot map are refused by name.
+TEST_F(Store, SharedFormRoundTripsAndIsChecked) {
+  PicEngine builder(model(), kMem);
+  auto e = builder.build_entry(segs_[3], 8);
+  EXPECT_FALSE(share_entry(*e, be()).has_value());  // the plain CPU backend shares nothing
+  SharingCpu sharing;
+  auto sh = share_entry(*e, sharing);
+  ASSERT_TRUE(sh.has_value());
+  EXPECT_GE(sh->payload_bytes, e->bytes);
+  auto back = receive_shared_entry(sh->descriptor, sharing);
+  ASSERT_NE(back, nullptr);
+  expect_same_entry(be(), *e, *back);
+  // The checksum of the pieces is the host reference's, wherever they are.
+  std::vector<const Tensor*> ts;
+  std::vector<uint64_t> offs;
+  for (auto& l : e->layers)
+    for (Tensor* t : l.tensors())
+      if (t->defined()) ts.push_back(t), offs.push_back(offs.empty() ? 0 : offs.back() + 4096);
+  EXPECT_EQ(sharing.payload_checksum(ts, offs), be().payload_checksum(ts, offs));
+
+  const std::string good = sh->descriptor;
+  auto refused = [&](const std::string& d) -> std::string {
+    try {
+      receive_shared_entry(d, sharing);
+    } catch (const EntryFormatError& x) {
+      return x.what();
+    } catch (const SharedMemoryError& x) {
+      return std::string("shared: ") + x.what();
+    }
+    return "";
+  };
+  EXPECT_NE(refused(good.substr(0, 7)).find("truncated"), std::string::npos);
+  for (size_t n = 0; n < good.size(); n += std::max<size_t>(1, good.size() / 97))
+    EXPECT_NE(refused(good.substr(0, n)), "") << "truncated to " << n;
+  std::mt19937_64 rng(3);
+  for (int i = 0; i < 120; ++i) {
+    std::string d = good;
+    d[i < 60 ? static_cast<size_t>(i) : rng() % d.size()] ^= static_cast<char>(1u << (rng() % 8));
+    const std::string why = refused(d);
+    EXPECT_NE(why, "") << "flip " << i;
+    EXPECT_EQ(why.find("shared: "), std::string::npos) << why;  // caught before any mapping
+  }
+  // Re-signed descriptors (a worker that computes a valid checksum over wrong fields).
+  const size_t n = good.size();
+  const std::string handle = "buf:1000";
+  ASSERT_EQ(good.substr(n - 8 - handle.size(), handle.size()), handle);
+  auto resign = [](std::string d) {
+    const uint64_t sum = XXH64(d.data(), d.size() - 8, 0);
+    std::memcpy(d.data() + d.size() - 8, &sum, 8);
+    return d;
+  };
+  const size_t at_bytes = n - 8 - handle.size() - 4 - 8 - 8;
+  std::string small = good;
+  const uint64_t tiny = 256;
+  std::memcpy(small.data() + at_bytes, &tiny, 8);
+  EXPECT_NE(refused(resign(small)).find("outside the shared buffer"), std::string::npos) << refused(resign(small));
+  std::string big = good;
+  const uint64_t huge = sh->payload_bytes + 4096;
+  std::memcpy(big.data() + at_bytes, &huge, 8);
+  EXPECT_NE(refused(resign(big)).find("shared: the buffer is smaller"), std::string::npos) << refused(resign(big));
+  // The worker changed its buffer after sharing: the payload checksum catches it.
+  sharing.buffer(handle)[sh->payload_bytes / 2] ^= 1;
+  EXPECT_NE(refused(good).find("payload checksum mismatch"), std::string::npos) << refused(good);
+  // The worker let go of the buffer.
+  sh->keep.reset();
+  EXPECT_NE(refused(good).find("shared: no buffer"), std::string::npos) << refused(good);
 }
 
 }  // namespace

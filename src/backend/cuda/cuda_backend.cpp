@@ -1,7 +1,9 @@
 #include "backend/cuda/cuda_backend.h"
 
 #include <cublas_v2.h>
+#include <cuda.h>  // driver types for cuMemGetAddressRange (fetched through the runtime)
 #include <cuda_runtime.h>
+#include <spdlog/spdlog.h>
 
 #include <algorithm>
 #include <cmath>
@@ -473,6 +475,133 @@ Tensor CudaBackend::alloc_host(size_t bytes) {
   CUDA_CHECK(cudaHostAlloc(&p, std::max<size_t>(bytes, 1), cudaHostAllocDefault));
   auto st = std::make_shared<Storage>(p, bytes, Device{}, [](void* q) { cudaFreeHost(q); });
   return Tensor(std::move(st), 0, DType::U8, {static_cast<int64_t>(bytes)});
+}
+
+// ---- memory shared with other processes (CUDA IPC) ---------------------------------------------
+// A worker packs an entry into one cudaMalloc'd buffer (not the caching allocator's: the buffer
+// leaves with its handle and is freed when the combine node is done) and exports its IPC handle;
+// the combine node maps it, copies the pieces into tensors of its own and unmaps it.
+
+std::optional<Backend::Shared> CudaBackend::share(std::span<const Tensor* const> src, std::span<const uint64_t> offsets,
+                                                  uint64_t bytes) {
+  impl_->bind();
+  if (src.size() != offsets.size())
+    fail("share", std::to_string(src.size()) + " tensors for " + std::to_string(offsets.size()) + " offsets");
+  for (size_t i = 0; i < src.size(); ++i)
+    if (!src[i]->defined() || offsets[i] > bytes || src[i]->nbytes() > bytes - offsets[i])
+      fail("share", "piece " + std::to_string(i) + " does not fit the buffer of " + std::to_string(bytes) + " bytes");
+  void* p = nullptr;
+  if (cudaError_t e = cudaMalloc(&p, std::max<uint64_t>(bytes, 1)); e != cudaSuccess) {
+    (void)cudaGetLastError();
+    spdlog::warn("cuda: no memory to share an entry of {} bytes ({}); it goes through the host", bytes,
+                 cudaGetErrorString(e));
+    return std::nullopt;
+  }
+  const int dev = impl_->dev;
+  std::shared_ptr<void> keep(p, [dev](void* q) {
+    cudaSetDevice(dev);
+    cudaFree(q);
+  });
+  for (size_t i = 0; i < src.size(); ++i)
+    if (src[i]->nbytes())
+      CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(p) + offsets[i], src[i]->raw(), src[i]->nbytes(), cudaMemcpyDefault,
+                                 impl_->stream));
+  CUDA_CHECK(cudaStreamSynchronize(impl_->stream));
+  cudaIpcMemHandle_t h{};
+  if (cudaError_t e = cudaIpcGetMemHandle(&h, p); e != cudaSuccess) {
+    (void)cudaGetLastError();
+    spdlog::warn("cuda: cudaIpcGetMemHandle failed ({}); entries go through the host", cudaGetErrorString(e));
+    return std::nullopt;
+  }
+  return Shared{std::string(reinterpret_cast<const char*>(&h), sizeof h), std::move(keep)};
+}
+
+bool CudaBackend::can_map_shared() const {
+  return true;
+}
+
+namespace {
+// The driver's cuMemGetAddressRange, through the runtime (no link to libcuda): the size of a mapped
+// allocation, so that a descriptor claiming more than the worker shared is refused before a copy
+// reads past it (an illegal address would end this process's CUDA context).
+using MemRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+MemRangeFn mem_range_fn() {
+  static const MemRangeFn fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      return MemRangeFn{nullptr};
+    }
+    return reinterpret_cast<MemRangeFn>(f);
+  }();
+  return fn;
+}
+}  // namespace
+
+void CudaBackend::copy_from_shared(const std::string& handle, uint64_t bytes, std::span<const uint64_t> offsets,
+                                   std::span<Tensor> dst) {
+  impl_->bind();
+  if (handle.size() != sizeof(cudaIpcMemHandle_t))
+    throw SharedMemoryError("a CUDA IPC handle has " + std::to_string(sizeof(cudaIpcMemHandle_t)) + " bytes, not " +
+                            std::to_string(handle.size()));
+  if (dst.size() != offsets.size())
+    fail("copy_from_shared",
+         std::to_string(dst.size()) + " tensors for " + std::to_string(offsets.size()) + " offsets");
+  for (size_t i = 0; i < dst.size(); ++i)
+    if (!dst[i].defined() || dst[i].is_cpu() || offsets[i] > bytes || dst[i].nbytes() > bytes - offsets[i])
+      fail("copy_from_shared", "piece " + std::to_string(i) + " is not a device tensor inside the " +
+                                   std::to_string(bytes) + "-byte buffer");
+  cudaIpcMemHandle_t h{};
+  std::memcpy(&h, handle.data(), sizeof h);
+  void* p = nullptr;
+  if (cudaError_t e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess); e != cudaSuccess) {
+    (void)cudaGetLastError();
+    throw SharedMemoryError(std::string("cudaIpcOpenMemHandle: ") + cudaGetErrorString(e));
+  }
+  struct Unmap {
+    void* p;
+    ~Unmap() { cudaIpcCloseMemHandle(p); }
+  } unmap{p};
+  if (MemRangeFn range = mem_range_fn()) {
+    CUdeviceptr base = 0;
+    size_t size = 0;
+    if (range(&base, &size, reinterpret_cast<CUdeviceptr>(p)) != CUDA_SUCCESS)
+      throw SharedMemoryError("cuMemGetAddressRange failed on the mapped buffer");
+    if (reinterpret_cast<CUdeviceptr>(p) + bytes > base + size)
+      throw SharedMemoryError("the shared buffer has " + std::to_string(size) + " bytes, the entry claims " +
+                              std::to_string(bytes));
+  }
+  for (size_t i = 0; i < dst.size(); ++i)
+    if (dst[i].nbytes())
+      CUDA_CHECK(cudaMemcpyAsync(dst[i].raw(), static_cast<const char*>(p) + offsets[i], dst[i].nbytes(),
+                                 cudaMemcpyDeviceToDevice, impl_->stream));
+  CUDA_CHECK(cudaStreamSynchronize(impl_->stream));  // before the unmap
+}
+
+uint64_t CudaBackend::payload_checksum(std::span<const Tensor* const> ts, std::span<const uint64_t> offsets) {
+  impl_->bind();
+  if (ts.size() != offsets.size())
+    fail("payload_checksum", std::to_string(ts.size()) + " tensors for " + std::to_string(offsets.size()) + " offsets");
+  std::vector<cuda::ChecksumPiece> pieces;
+  uint64_t max_bytes = 0;
+  for (size_t i = 0; i < ts.size(); ++i) {
+    if (offsets[i] % 4 != 0)
+      fail("payload_checksum", "offset " + std::to_string(offsets[i]) + " is not a multiple of 4");
+    if (ts[i]->is_cpu()) return Backend::payload_checksum(ts, offsets);  // host pieces: the reference loop
+    pieces.push_back({ts[i]->raw(), ts[i]->nbytes(), offsets[i] / 4});
+    max_bytes = std::max<uint64_t>(max_bytes, ts[i]->nbytes());
+  }
+  Tensor table = upload(pieces.data(), DType::U8, static_cast<int64_t>(pieces.size() * sizeof(cuda::ChecksumPiece)));
+  Tensor out = alloc_uninit(DType::U8, {8});
+  cuda::launch_payload_checksum(impl_->stream, static_cast<const cuda::ChecksumPiece*>(table.raw()),
+                                static_cast<int>(pieces.size()), max_bytes,
+                                static_cast<unsigned long long*>(out.raw()));
+  uint64_t sum = 0;
+  CUDA_CHECK(cudaMemcpyAsync(&sum, out.raw(), 8, cudaMemcpyDeviceToHost, impl_->stream));
+  CUDA_CHECK(cudaStreamSynchronize(impl_->stream));
+  return sum;
 }
 
 namespace {

@@ -75,6 +75,13 @@ class CudaBackend : public Backend {
   Tensor alloc_host(size_t bytes) override;
   std::shared_ptr<Fence> copy_async(std::span<const Tensor> src, std::span<Tensor> dst) override;
   void wait(const Fence& f) override;
+  // CUDA IPC between processes of one host (segment workers): backend.h, "memory shared".
+  std::optional<Shared> share(std::span<const Tensor* const> src, std::span<const uint64_t> offsets,
+                              uint64_t bytes) override;
+  bool can_map_shared() const override;
+  void copy_from_shared(const std::string& handle, uint64_t bytes, std::span<const uint64_t> offsets,
+                        std::span<Tensor> dst) override;
+  uint64_t payload_checksum(std::span<const Tensor* const> ts, std::span<const uint64_t> offsets) override;
   // CUDA graphs: the stream is captured (relaxed mode), allocations inside come from a pool the
   // graph owns, and a host round trip inside (a sync) abandons the capture (null).
   std::unique_ptr<Graph> capture(const std::function<void()>& fn) override;

@@ -295,4 +295,15 @@ inline int64_t attention_step_part_floats(int64_t B, int64_t Hq, int64_t Hkv, in
 void launch_attention_step(cudaStream_t s, const float* q, const int64_t* caches, const int64_t* positions, int64_t B,
                            int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv, float scale, float* out, float* part);
 
+// One piece of a shared entry's payload: `bytes` at device address `data`, its first 4-byte word at
+// word index base_word of the payload (Backend::payload_checksum).
+struct ChecksumPiece {
+  const void* data;
+  uint64_t bytes;
+  uint64_t base_word;
+};
+// *out = the payload checksum of the pieces (device array of n_pieces); max_bytes: the largest piece.
+void launch_payload_checksum(cudaStream_t s, const ChecksumPiece* pieces, int n_pieces, uint64_t max_bytes,
+                             unsigned long long* out);
+
 }  // namespace hypic::cuda
