@@ -1,10 +1,12 @@
 #include "cluster/segment_service.h"
 
 #include <spdlog/spdlog.h>
+#include <xxhash.h>
 
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <mutex>
 #include <thread>
 
@@ -14,13 +16,30 @@ namespace hypic::cluster {
 
 namespace {
 constexpr size_t kMaxTokens = size_t{1} << 24;  // a request for more is refused, not allocated
+// A shared entry's buffer is freed this long after the reply if no release came (a combine node
+// that hung without closing its connection must not pin device memory for ever).
+constexpr double kSharedHoldSeconds = 120;
+}  // namespace
+
+uint64_t host_identity() {
+  static const uint64_t id = [] {
+    std::ifstream f("/proc/sys/kernel/random/boot_id");
+    std::string s;
+    if (!std::getline(f, s) || s.empty()) return uint64_t{0};
+    const uint64_t h = XXH64(s.data(), s.size(), 0);
+    return h ? h : uint64_t{1};
+  }();
+  return id;
 }
 
 SegmentService::SegmentService(uint64_t fingerprint, BuildFn build)
     : fingerprint_(fingerprint), build_(std::move(build)), life_(std::make_shared<Life>()) {
   node_ = std::make_unique<UcxNode>(
       [this](Message&& m) { on_message(std::move(m)); },
-      [](PeerId, const std::string& why) { spdlog::debug("segment service: a combine node went away: {}", why); });
+      [this](PeerId peer, const std::string& why) {
+        spdlog::debug("segment service: a combine node went away: {}", why);
+        on_down(peer);
+      });
 }
 
 SegmentService::~SegmentService() {
@@ -35,7 +54,24 @@ int SegmentService::listen(const std::string& host, int port) {
   return node_->listen(host, port);
 }
 
+void SegmentService::on_down(PeerId peer) {
+  std::lock_guard<std::mutex> g(held_mu_);
+  std::erase_if(held_, [&](const auto& kv) { return kv.first.first == peer; });
+}
+
 void SegmentService::on_message(Message&& m) {
+  {
+    std::lock_guard<std::mutex> g(held_mu_);
+    const auto now = std::chrono::steady_clock::now();
+    std::erase_if(held_, [&](const auto& kv) { return kv.second.until < now; });
+  }
+  if (m.kind == kRelease) {
+    if (auto h = unpack<ReleaseHeader>(m.header)) {
+      std::lock_guard<std::mutex> g(held_mu_);
+      held_.erase({m.peer, h->request});
+    }
+    return;
+  }
   if (m.kind == kPing) {
     auto h = unpack<PingHeader>(m.header);
     if (!h) return;
@@ -70,7 +106,8 @@ void SegmentService::on_message(Message&& m) {
   UcxNode* node = node_.get();
   const PeerId peer = m.peer;
   const uint64_t request = h->request;
-  build_(std::move(key), [this, life, node, peer, request, t0](BuildOutcome out) {
+  const bool shared = h->host != 0 && h->host == host_;
+  build_(std::move(key), shared, [this, life, node, peer, request, t0](BuildOutcome out) {
     // Test hook (tests/cluster): a slow worker, every reply held back this long.
     static const long delay_ms = [] {
       const char* e = std::getenv("HYPIC_TEST_SEGMENT_DELAY_MS");
@@ -84,6 +121,14 @@ void SegmentService::on_message(Message&& m) {
     if (out.ok) {
       ++(out.cached ? st_.cached : st_.built);
       st_.bytes_sent += out.bytes.size();
+      if (out.shared) {
+        r.shared = 1;
+        ++st_.shared;
+        std::lock_guard<std::mutex> hg(held_mu_);
+        held_[{peer, request}] = {std::move(out.keep), std::chrono::steady_clock::now() +
+                                                           std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                               std::chrono::duration<double>(kSharedHoldSeconds))};
+      }
     } else {
       ++st_.failed;
     }

@@ -4,8 +4,10 @@
 // the worker's own requests like any other work).
 #pragma once
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -20,19 +22,30 @@ class SegmentService {
  public:
   using Reply = std::function<void(BuildOutcome)>;
   // Must call reply exactly once, on any thread.
-  using BuildFn = std::function<void(SegmentKey key, Reply reply)>;
+  // shared: the combine node shares this host and can map device memory (BuildHeader::host).
+  using BuildFn = std::function<void(SegmentKey key, bool shared, Reply reply)>;
   SegmentService(uint64_t fingerprint, BuildFn build);
   ~SegmentService();
   int listen(const std::string& host, int port);  // the bound port
 
   struct Stats {
-    std::atomic<uint64_t> requests{0}, built{0}, cached{0}, refused{0}, failed{0}, bytes_sent{0};
+    std::atomic<uint64_t> requests{0}, built{0}, cached{0}, refused{0}, failed{0}, bytes_sent{0}, shared{0};
   };
   const Stats& stats() const { return st_; }
 
  private:
   void on_message(Message&& m);
+  void on_down(PeerId peer);
   uint64_t fingerprint_;
+  uint64_t host_ = host_identity();
+  // Shared entries' buffers until their combine node releases them (kRelease), goes away, or
+  // kSharedHoldSeconds pass; by (peer, request).
+  struct Held {
+    std::shared_ptr<void> keep;
+    std::chrono::steady_clock::time_point until;
+  };
+  std::mutex held_mu_;
+  std::map<std::pair<PeerId, uint64_t>, Held> held_;
   BuildFn build_;
   Stats st_;
   struct Life {

@@ -176,7 +176,7 @@ std::shared_ptr<RemoteBuild> WorkerPool::request(int worker, const SegmentKey& k
     return b;
   }
   pending_[b->request] = b;
-  BuildHeader h{b->request, key.model_fingerprint, key.seam, key.tail};
+  BuildHeader h{b->request, key.model_fingerprint, key.seam, key.tail, w.shared_ok ? opt_.host : 0};
   std::string ids(reinterpret_cast<const char*>(key.ids.data()), key.ids.size() * sizeof(int32_t));
   node_->send(w.peer, kBuild, pack(h), std::move(ids));
   return b;
@@ -224,6 +224,24 @@ void WorkerPool::abandon(const RemoteBuild& b) {
   finish(*keep);
 }
 
+void WorkerPool::release(const RemoteBuild& b) {
+  if (!b.shared || b.worker < 0) return;
+  std::lock_guard<std::mutex> g(mu_);
+  const Worker& w = workers_[static_cast<size_t>(b.worker)];
+  if (w.peer != 0) node_->send(w.peer, kRelease, pack(ReleaseHeader{b.request}), {});
+}
+
+void WorkerPool::shared_failed(const RemoteBuild& b, const std::string& why) {
+  std::lock_guard<std::mutex> g(mu_);
+  ++st_.shared_failures;
+  if (b.worker < 0) return;
+  Worker& w = workers_[static_cast<size_t>(b.worker)];
+  if (w.shared_ok)
+    spdlog::warn("segment worker {}: its shared entries cannot be mapped here ({}); it sends bytes from now on",
+                 w.addr.str(), why);
+  w.shared_ok = false;
+}
+
 void WorkerPool::on_message(Message&& m) {
   {
     std::lock_guard<std::mutex> g(mu_);
@@ -251,7 +269,10 @@ void WorkerPool::on_message(Message&& m) {
       return;
     }
     auto it = pending_.find(h->request);
-    if (it == pending_.end()) return;  // timed out or abandoned before
+    if (it == pending_.end()) {  // timed out or abandoned before
+      if (h->shared) node_->send(m.peer, kRelease, pack(ReleaseHeader{h->request}), {});
+      return;
+    }
     auto b = it->second;
     if (b->worker != static_cast<int>(wi - workers_.begin())) return;
     if (!h->ok) {
@@ -261,6 +282,7 @@ void WorkerPool::on_message(Message&& m) {
       const auto now = Clock::now();
       b->ok = true;
       b->cached = h->cached != 0;
+      b->shared = h->shared != 0;
       b->bytes = std::move(m.payload);
       b->seconds = seconds_between(b->sent, now);
       b->worker_seconds = h->build_seconds;

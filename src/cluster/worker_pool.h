@@ -40,6 +40,9 @@ struct PoolOptions {
   double deadline_factor = 8;        // or this many times its estimated time
   double probe_seconds = 5;          // an unhealthy worker is pinged again after this
   bool round_robin = false;          // segments dealt in plan order instead of LPT (benchmarks)
+  // This node's host_identity() when its backend can map shared device memory (0: it cannot):
+  // workers on the same host then hand entries over device to device.
+  uint64_t host = 0;
 };
 
 // One build asked of a worker. Filled by the pool's thread; read once `done`.
@@ -53,7 +56,8 @@ struct RemoteBuild {
   bool ok = false;
   bool cached = false;  // the worker had it already
   std::string error;    // !ok: why
-  std::string bytes;    // ok: the encoded entry
+  std::string bytes;    // ok: the encoded entry, or (shared) its shared form's descriptor
+  bool shared = false;  // release() once copied (or refused)
   double seconds = 0;   // sent to received
   double worker_seconds = 0;
 };
@@ -62,6 +66,7 @@ struct PoolStats {
   uint64_t requests = 0, replies = 0, bytes = 0;
   uint64_t errors = 0, timeouts = 0, lost = 0, bad_entries = 0;  // builds that failed, by cause
   uint64_t recoveries = 0;                                       // unhealthy workers back in
+  uint64_t shared_failures = 0;  // shared entries that could not be mapped here (that worker then sends bytes)
   double transfer_seconds = 0;  // sum over replies of (round trip - the worker's own time)
 };
 
@@ -85,6 +90,11 @@ class WorkerPool {
   void bad_entry(const RemoteBuild& b, const std::string& why);
   // A build the caller gave up on (its request went away): forgotten, its reply ignored.
   void abandon(const RemoteBuild& b);
+  // The caller is done with a shared entry (copied or refused): the worker may free its buffer.
+  void release(const RemoteBuild& b);
+  // A shared entry could not be mapped here (another host after all, no IPC between the two
+  // processes): that worker sends bytes from now on. Not a fault of the worker.
+  void shared_failed(const RemoteBuild& b, const std::string& why);
 
   PoolStats stats() const;
   int healthy() const;                  // workers taking builds now
@@ -100,6 +110,7 @@ class WorkerPool {
     double rate = 0;  // tokens/s, measured (0: none yet)
     double busy = 0;  // estimated seconds of builds in flight
     int in_flight = 0;
+    bool shared_ok = true;  // ask for shared entries (while opt_.host is set)
   };
   void on_message(Message&& m);
   void on_down(PeerId peer, const std::string& why);

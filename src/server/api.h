@@ -88,6 +88,7 @@ struct SegmentsSpec {
   int seam = 8;
   int tail = 0;         // tail seam of the entries (segment workers' builds; the HTTP API makes 0)
   bool encode = false;  // segment workers: the entry comes back encoded in Job::wire (one segment)
+  bool share = false;   // ... in its shared form where the backend can share memory (same host)
 };
 SegmentsSpec parse_segments(const nlohmann::json& body, const ModelFacts& m);
 

@@ -668,8 +668,8 @@ int HttpServer::bind() {
 #ifdef HYPIC_HAVE_CLUSTER
     Scheduler* sched = s.sched.get();
     s.segments = std::make_unique<cluster::SegmentService>(
-        s.lm.model->fingerprint(), [sched](SegmentKey key, cluster::SegmentService::Reply reply) {
-          sched->submit_remote_build(std::move(key), std::move(reply));
+        s.lm.model->fingerprint(), [sched](SegmentKey key, bool shared, cluster::SegmentService::Reply reply) {
+          sched->submit_remote_build(std::move(key), shared, std::move(reply));
         });
     s.segment_port = s.segments->listen(s.opt.host, s.opt.segment_port);
 #else

@@ -165,6 +165,12 @@ std::string Metrics::render(const SegmentCacheStats& c) const {
     scalar(out, "hypic_remote_transfer_seconds_total", "counter",
            "Sum over worker replies of the round trip less the worker's own time (requests and entries in flight)",
            static_cast<double>(remote_transfer_us.load()) / 1e6);
+    scalar(out, "hypic_remote_shared_entries_total", "counter",
+           "Entries received device to device, copied out of the worker's shared memory (same host)",
+           static_cast<double>(remote_shared_entries.load()));
+    scalar(out, "hypic_remote_import_seconds_total", "counter",
+           "Time spent copying shared entries out of workers' memory (part of the transfer)",
+           static_cast<double>(remote_import_us.load()) / 1e6);
     scalar(out, "hypic_remote_timeouts_total", "counter", "Worker builds that missed their deadline",
            static_cast<double>(remote_timeouts.load()));
     scalar(out, "hypic_remote_lost_total", "counter", "Worker builds lost with their connection",

@@ -50,6 +50,8 @@ struct Metrics {
       remote_errors{0}, remote_bad_entries{0}, remote_fallbacks{0}, remote_recoveries{0}, served_builds{0},
       served_bytes{0}, remote_transfer_us{0};
   std::atomic<uint64_t> remote_overlap_steps{0};  // composition steps run while workers still built
+  // Entries that came in their shared form (device to device), and the time spent copying them in.
+  std::atomic<uint64_t> remote_shared_entries{0}, remote_import_us{0};
   std::atomic<int64_t> workers{0}, workers_healthy{0};
 
  private:

@@ -90,6 +90,7 @@ Scheduler::Scheduler(Model& model, const Tokenizer* tok, SchedulerOptions opt, M
     po.probe_seconds = opt_.worker_probe_seconds;
     po.deadline_factor = opt_.worker_deadline_factor;
     po.round_robin = opt_.worker_round_robin;
+    po.host = model_.backend().can_map_shared() ? cluster::host_identity() : 0;
     metrics_.workers = static_cast<int64_t>(list.size());
     pool_ = std::make_shared<cluster::WorkerPool>(std::move(list), model_.fingerprint(), po, [this] { wake(); });
 #else
@@ -431,7 +432,13 @@ bool Scheduler::prefill_unit(Seq& s) {
       remember(e);
       ++s.warm_next;
       if (j.segs.encode) {
-        j.wire = encode_entry(*e, model_.backend());  // here: the engine thread owns the device
+        // Here: the engine thread owns the device.
+        if (j.segs.share)
+          if (auto sh = share_entry(*e, model_.backend())) {
+            j.wire = std::move(sh->descriptor);
+            j.wire_keep = std::move(sh->keep);
+          }
+        if (!j.wire_keep) j.wire = encode_entry(*e, model_.backend());
         j.wire_cached = !built;
       }
       j.segments_result.push_back({{"id", hex64(e->key.hash())},
@@ -764,7 +771,7 @@ void Scheduler::clear_segments() {
   index_.clear();
 }
 
-void Scheduler::submit_remote_build(SegmentKey key, std::function<void(cluster::BuildOutcome)> reply) {
+void Scheduler::submit_remote_build(SegmentKey key, bool shared, std::function<void(cluster::BuildOutcome)> reply) {
   auto job = std::make_shared<Job>();
   job->kind = Job::Kind::Segments;
   job->id = "remote-" + hex64(key.hash());
@@ -772,11 +779,14 @@ void Scheduler::submit_remote_build(SegmentKey key, std::function<void(cluster::
   job->segs.seam = key.seam;
   job->segs.tail = key.tail;
   job->segs.encode = true;
+  job->segs.share = shared;
   job->on_done = [this, reply](Job& j) {
     cluster::BuildOutcome out;
     out.ok = j.error_status == 0 && !j.wire.empty();
     out.cached = j.wire_cached;
     out.bytes = out.ok ? std::move(j.wire) : (j.error_message.empty() ? "no entry" : j.error_message);
+    out.shared = out.ok && j.wire_keep != nullptr;
+    out.keep = std::move(j.wire_keep);
     if (out.ok) {
       metrics_.served_builds++;
       metrics_.served_bytes += out.bytes.size();
@@ -831,13 +841,36 @@ void Scheduler::collect_remote(Seq& s) {
       metrics_.remote_fallbacks++;
       continue;  // stays missing: the local builder takes it
     }
+    // A shared entry is copied out of the worker's buffer here; the worker frees it once told,
+    // whatever became of the copy.
+    struct Release {
+      cluster::WorkerPool& pool;
+      const cluster::RemoteBuild& b;
+      ~Release() { pool.release(b); }
+    } release{*pool_, *build};
     try {
-      engine_.adopt(*s.plan, i, decode_entry(build->bytes));
+      std::shared_ptr<SegmentEntry> e;
+      if (build->shared) {
+        const auto t0 = Clock::now();
+        e = receive_shared_entry(build->bytes, model_.backend());
+        metrics_.remote_shared_entries++;
+        metrics_.remote_import_us +=
+            static_cast<uint64_t>(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+      } else {
+        e = decode_entry(build->bytes);
+      }
+      const size_t bytes = build->shared ? e->bytes : build->bytes.size();
+      engine_.adopt(*s.plan, i, std::move(e));
       remember(s.plan->parts[i].entry);
       metrics_.remote_entries++;
-      metrics_.remote_bytes += build->bytes.size();
+      metrics_.remote_bytes += bytes;
     } catch (const std::length_error&) {
       throw;  // the cache is full: the Warm stage's wait
+    } catch (const SharedMemoryError& e) {
+      spdlog::warn("request {}: segment {} from worker {} could not be mapped here ({}); rebuilt here", s.job->id, i,
+                   build->worker, e.what());
+      pool_->shared_failed(*build, e.what());
+      metrics_.remote_fallbacks++;
     } catch (const std::exception& e) {
       spdlog::warn("request {}: segment {} from worker {} rejected ({}); rebuilt here", s.job->id, i, build->worker,
                    e.what());

@@ -80,6 +80,7 @@ struct Job {
   nlohmann::json segments_result;  // Segments jobs: [{"id", "tokens", "bytes", "cached"}]
   std::string wire;                // Segments jobs with segs.encode: the entry, encoded
   bool wire_cached = false;        // ... found in the cache rather than built
+  std::shared_ptr<void> wire_keep;  // ... in the shared form (segs.share): its buffer
   // Called once on the engine thread when the job is done (failed too), after the waiters are woken.
   std::function<void(Job&)> on_done;
 
@@ -141,7 +142,8 @@ class Scheduler {
   // A segment worker's build (cluster::SegmentService): the entry of `key`, found in the cache or
   // built in isolation as one more job of this engine, encoded; `reply` gets it on the engine
   // thread (or at once when the queue is full).
-  void submit_remote_build(SegmentKey key, std::function<void(cluster::BuildOutcome)> reply);
+  // shared: in the entry's shared form where this backend can share memory (same host).
+  void submit_remote_build(SegmentKey key, bool shared, std::function<void(cluster::BuildOutcome)> reply);
   // Combine node: the segment workers and their state (empty without --workers).
   nlohmann::json workers_json() const;
 

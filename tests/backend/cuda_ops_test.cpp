@@ -741,6 +741,37 @@ TEST_F(CudaOps, GatedDeltaChunkedTensorCoresMatchTokenKernel) {
     }
 }
 
+// The shared entries' payload checksum on the GPU equals the host reference (Backend's loop),
+// with pieces of every size mod 4 and a piece large enough to need many blocks; a changed byte
+// changes it, and so does a piece moved to another offset.
+TEST_F(CudaOps, PayloadChecksumMatchesTheHostLoop) {
+  std::mt19937 rng(17);
+  std::vector<Tensor> host, devs;
+  for (int64_t n : {int64_t{1}, int64_t{3}, int64_t{17}, int64_t{1000003}, int64_t{5}})
+    host.push_back(as(randn({n}, rng), n % 2 ? DType::BF16 : DType::F32));
+  host.push_back(Tensor::empty(DType::U8, {7}));
+  for (auto& h : host) devs.push_back(dev(h));
+  std::vector<const Tensor*> hp, dp;
+  std::vector<uint64_t> offs;
+  uint64_t o = 0;
+  for (size_t i = 0; i < host.size(); ++i) {
+    hp.push_back(&host[i]);
+    dp.push_back(&devs[i]);
+    offs.push_back(o);
+    o += (host[i].nbytes() + 255) / 256 * 256;
+  }
+  const uint64_t want = cpu->payload_checksum(hp, offs);
+  EXPECT_EQ(gpu->payload_checksum(dp, offs), want);
+  std::vector<uint64_t> moved = offs;
+  moved[3] += 256;
+  EXPECT_NE(gpu->payload_checksum(dp, moved), want);
+  static_cast<uint8_t*>(host[3].raw())[123457] ^= 4;
+  Tensor changed = dev(host[3]);
+  dp[3] = &changed;
+  EXPECT_NE(gpu->payload_checksum(dp, offs), want);
+  EXPECT_EQ(gpu->payload_checksum(dp, offs), cpu->payload_checksum(hp, offs));
+}
+
 TEST_F(CudaOps, ComposeStateAndIdentity) {
   const int64_t H = 3, dk = 40, dv = 56;
   Tensor T = randn({H, dk, dk}, rng, 0.2f), S = randn({H, dk, dv}, rng), B = randn({H, dk, dv}, rng);

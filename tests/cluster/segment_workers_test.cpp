@@ -87,10 +87,12 @@ double metric(int port, const std::string& name) {
 struct Worker {
   std::unique_ptr<ServeProcess> proc;
   int segment_port = -1;
-  Worker(const std::string& name, const std::string& delay_ms = "") {
+  Worker(const std::string& name, const std::string& delay_ms = "", const std::string& backend = "cpu") {
     if (!delay_ms.empty()) ::setenv("HYPIC_TEST_SEGMENT_DELAY_MS", delay_ms.c_str(), 1);
     proc = std::make_unique<ServeProcess>(
-        kModel, std::vector<std::string>{"--threads", "1", "--role", "worker", "--segment-port", "0"}, log_path(name));
+        kModel,
+        std::vector<std::string>{"--threads", "1", "--role", "worker", "--segment-port", "0", "--backend", backend},
+        log_path(name));
     ::unsetenv("HYPIC_TEST_SEGMENT_DELAY_MS");
     auto h = request(proc->port(), "GET", "/health");
     EXPECT_EQ(h.first, 200);
@@ -190,6 +192,62 @@ TEST(SegmentWorkers, EntriesAndAnswersEqualALocalBuild) {
   EXPECT_EQ(WEXITSTATUS(combine.stop(SIGTERM)), 0) << combine.log();
 }
 
+// On a GPU: a worker on this host hands its entries over device to device (CUDA IPC, the entry's
+// shared form), exactly the entry it would send as bytes, and a combine node answers with them as
+// a lone GPU server does.
+TEST(SegmentWorkers, GpuEntriesMoveDeviceToDevice) {
+  if (!hypic::backend_unavailable("cuda").empty()) GTEST_SKIP() << hypic::backend_unavailable("cuda");
+  ASSERT_NE(hypic::cluster::host_identity(), 0u);
+  Worker w("ipc_w", "", "cuda");
+  ASSERT_GT(w.segment_port, 0);
+  {
+    auto lm = hypic::load_model(kModel, "cuda", 1);
+    const std::vector<int32_t> ids = lm.tokenizer->encode(document(3));
+    const hypic::SegmentKey key{lm.model->fingerprint(), 8, 0, ids};
+    auto fetch = [&](uint64_t host) {
+      hypic::cluster::PoolOptions po;
+      po.host = host;
+      hypic::cluster::WorkerPool pool(hypic::cluster::parse_workers(w.address()), lm.model->fingerprint(), po, [] {});
+      auto b = pool.request(0, key);
+      for (int i = 0; i < 600 && !b->done; ++i) std::this_thread::sleep_for(50ms);
+      EXPECT_TRUE(b->done && b->ok) << b->error;
+      std::shared_ptr<hypic::SegmentEntry> e;
+      if (b->shared) {
+        e = hypic::receive_shared_entry(b->bytes, lm.model->backend());
+        pool.release(*b);
+      } else if (b->ok) {
+        e = hypic::decode_entry(b->bytes);
+      }
+      return std::pair{b->shared, e};
+    };
+    auto [shared, dev] = fetch(hypic::cluster::host_identity());
+    EXPECT_TRUE(shared) << "the worker sent bytes although it shares this host";
+    auto [bytes_form, host] = fetch(0);  // now from the worker's cache, as bytes
+    EXPECT_FALSE(bytes_form);
+    ASSERT_NE(dev, nullptr);
+    ASSERT_NE(host, nullptr);
+    EXPECT_EQ(hypic::encode_entry(*dev, lm.model->backend()), hypic::encode_entry(*host, lm.model->backend()))
+        << "the shared form carried another entry than the bytes";
+  }
+  const json body = rag_body(30, 6);
+  Answer want;
+  {
+    ServeProcess ref(kModel, {"--threads", "1", "--backend", "cuda"}, log_path("ipc_reference"));
+    want = ask(ref.port(), body);
+  }
+  ServeProcess combine(kModel, {"--threads", "1", "--backend", "cuda", "--workers", w.address()},
+                       log_path("ipc_combine"));
+  const Answer got = ask(combine.port(), body);
+  EXPECT_EQ(got.text, want.text);
+  ASSERT_EQ(got.logprobs.size(), want.logprobs.size());
+  for (size_t i = 0; i < got.logprobs.size(); ++i) EXPECT_NEAR(got.logprobs[i], want.logprobs[i], 1e-3) << i;
+  const double remote = metric(combine.port(), "hypic_remote_entries_total");
+  EXPECT_GE(remote, 1) << "LPT gave the worker nothing";
+  EXPECT_EQ(metric(combine.port(), "hypic_remote_shared_entries_total"), remote) << combine.log();
+  EXPECT_EQ(metric(combine.port(), "hypic_remote_fallbacks_total"), 0) << combine.log();
+  EXPECT_EQ(WEXITSTATUS(combine.stop(SIGTERM)), 0) << combine.log();
+}
+
 // A slow worker (each reply held back 800 ms): the combine node composes the segments it has while
 // the worker's are still in flight (counted), and answers exactly as a local server does.
 TEST(SegmentWorkers, CompositionOverlapsTheWorkersBuilds) {
@@ -261,7 +319,7 @@ TEST(SegmentWorkers, MalformedEntriesAreRejected) {
   hypic::PicEngine eng(*lm.model, 64 << 20);
   const std::string foreign = hypic::encode_entry(*eng.build_entry(other_ids, 8), lm.model->backend());
   std::atomic<int> calls{0};
-  hypic::cluster::SegmentService fake(lm.model->fingerprint(), [&](hypic::SegmentKey, auto reply) {
+  hypic::cluster::SegmentService fake(lm.model->fingerprint(), [&](hypic::SegmentKey, bool, auto reply) {
     const int n = calls++;
     hypic::cluster::BuildOutcome out;
     out.ok = true;

@@ -78,7 +78,11 @@ def run(args, workload, lengths, n_workers, schedule, seed):
             "ttft_s": round(ttft, 3),
             "remote_entries": int(metric(m, "hypic_remote_entries_total")),
             "remote_mib": round(metric(m, "hypic_remote_entry_bytes_total") / 2**20, 2),
-            "transfer_s": round(metric(m, "hypic_remote_transfer_seconds_total"), 3),
+            # round trips less the workers' own time, plus copying shared entries in (device to device)
+            "transfer_s": round(metric(m, "hypic_remote_transfer_seconds_total")
+                                + metric(m, "hypic_remote_import_seconds_total"), 3),
+            "shared_entries": int(metric(m, "hypic_remote_shared_entries_total")),
+            "import_s": round(metric(m, "hypic_remote_import_seconds_total"), 4),
             "fallbacks": int(metric(m, "hypic_remote_fallbacks_total")),
             # composition steps run while workers still built (docs/cluster.md)
             "overlap_steps": int(metric(m, "hypic_remote_overlap_steps_total")),
