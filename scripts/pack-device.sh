@@ -24,11 +24,14 @@ case "${PACK_TOOLS:-1}" in
 esac
 for t in "${tools[@]}"; do [ -x "$build/tools/loadtest/$t" ] && bins+=("$build/tools/loadtest/$t"); done
 # PACK_TESTS=0 leaves the GPU test binaries out (a benchmark-only call with the load tools);
-# PACK_TESTS=ops (or model) packs only cuda_ops_test (cuda_model_test).
+# PACK_TESTS="ops model segment_workers_test" packs those (ops: cuda_ops_test, model:
+# cuda_model_test, else a test binary's own name).
 case "${PACK_TESTS:-1}" in
   0) ;;
   1) for t in "$build"/tests/cuda_*_test; do [ -x "$t" ] && bins+=("$t"); done ;;
-  *) bins+=("$build/tests/cuda_${PACK_TESTS}_test") ;;
+  *) for t in $PACK_TESTS; do
+       if [ -x "$build/tests/cuda_${t}_test" ]; then bins+=("$build/tests/cuda_${t}_test"); else bins+=("$build/tests/$t"); fi
+     done ;;
 esac
 for b in "${bins[@]}"; do
   cp "$b" "$stage/bin/"
