@@ -221,9 +221,10 @@ if __name__ == "__main__":  # smoke test on CPU
     print(sorted(m.state_dict().keys())[:12])
 
 
-def save_folder(model, folder, tok_dir, eos, pad):
-    """A transformers-style folder (fp32 safetensors written by hand, config.json, tokenizer) without
-    transformers or safetensors installed: for checks against the C++ engine on a CPU machine."""
+def save_folder(model, folder, tok_dir, eos, pad, dtype="float32"):
+    """A transformers-style folder (safetensors written by hand, f32 or, with dtype "bfloat16", bf16
+    rounded to nearest even; config.json, tokenizer) without transformers or safetensors installed:
+    for checks against the C++ engine on a CPU machine, and fine-tuned models (pic_finetune.py)."""
     import json
     import os
     import shutil
@@ -233,8 +234,14 @@ def save_folder(model, folder, tok_dir, eos, pad):
     sd = {k: v.detach().float().contiguous().cpu() for k, v in model.state_dict().items()}
     header, off, blobs = {}, 0, []
     for k in sorted(sd):
-        b = sd[k].numpy().tobytes()
-        header[k] = {"dtype": "F32", "shape": list(sd[k].shape), "data_offsets": [off, off + len(b)]}
+        if dtype == "bfloat16":
+            u = sd[k].view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+            u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16  # round to nearest even (finite weights)
+            b = u.to(torch.int32).to(torch.int16).numpy().tobytes()
+            st = "BF16"
+        else:
+            b, st = sd[k].numpy().tobytes(), "F32"
+        header[k] = {"dtype": st, "shape": list(sd[k].shape), "data_offsets": [off, off + len(b)]}
         off += len(b)
         blobs.append(b)
     h = json.dumps(header).encode()
@@ -244,7 +251,7 @@ def save_folder(model, folder, tok_dir, eos, pad):
         for b in blobs:
             f.write(b)
     cfg = dict(model.cfg, architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", eos_token_id=eos,
-               pad_token_id=pad, bos_token_id=None, hidden_act="silu", attention_bias=False)
+               pad_token_id=pad, bos_token_id=None, hidden_act="silu", attention_bias=False, dtype=dtype)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
     for n in ("tokenizer.json", "tokenizer_config.json"):

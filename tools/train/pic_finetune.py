@@ -1,0 +1,165 @@
+#!/usr/bin/env python3
+"""PIC-aware fine-tuning of any Qwen3.5-architecture checkpoint (a model folder: config.json,
+model.safetensors, tokenizer.json): the multi-document tasks of tools/tasks/rag_tasks.py, each
+example trained either under full recompute or under hypic's pic mode exactly as the engine
+computes it (pic_forward.py; check_pic_forward.py checks the two agree), with the loss on the
+answer tokens and, optionally, a distillation term pulling pic's answer distribution toward full
+recompute's (Block-Attention / KVLink did this for attention-only models; here the linear layers'
+composed states are in the graph too).
+
+Usage (a GPU machine with torch; CPU works for a smoke run):
+    python3 tools/train/pic_finetune.py --model models/default --out /tmp/ft --seconds 600
+        [--pic-frac 0.5] [--kd 0.5] [--seam 8] [--lr 2e-4] [--task-mix lookup=0.3,twohop=0.2,aggregate=0.5]
+Writes OUT/model (the fine-tuned folder, bf16 weights as the input's), OUT/log.jsonl (per step:
+loss by mode; every --eval-every seconds: held-out teacher-forced answer accuracy under full and
+pic), and prints a summary. Cost: one pic example costs an isolated prefill of every document plus
+a composition pass (about two full forwards), so a step of pic examples costs ~2x a full step.
+"""
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(REPO, "tools", "tasks"))
+
+import rag_tasks as R  # noqa: E402
+from hybrid import load_folder, save_folder  # noqa: E402
+from pic_forward import pic_logits  # noqa: E402
+from train import load_tokenizer  # noqa: E402
+
+# Prompt sizes of the held-out "moderate" set (eval_rag.py): 4-16 documents of 100-400 tokens.
+DOCS, DOC_TOK = (4, 16), (100, 400)
+
+
+def example(rng, encode, eos, task):
+    """segments (ids; the last is the question), answer ids (+ eos)."""
+    n = rng.randint(*DOCS)
+    words = [max(8, int(round(rng.randint(*DOC_TOK) / R.TOKENS_PER_WORD))) for _ in range(n)]
+    segs, qa = R.make_prompt(rng, task, words)
+    q, ans = qa[0][0], qa[0][1]
+    texts = [s + "\n" for s in segs[:-1]] + [R.question_segment(q) + "\n", ans]
+    enc = encode(texts)
+    return enc[:-1], enc[-1] + [eos]
+
+
+def answer_logits(model, segs, ans, mode, seam):
+    """Logits of the rows that predict each answer token, under `mode` (full or pic)."""
+    q = segs[-1] + ans[:-1]
+    if mode == "pic":
+        return pic_logits(model, segs[:-1] + [q], seam=seam)[len(segs[-1]) - 1:]
+    flat = [t for s in segs[:-1] for t in s] + q
+    dev = model.model.embed_tokens.weight.device
+    return model(torch.tensor([flat], device=dev))[0, len(flat) - len(ans):]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seconds", type=float, required=True)
+    ap.add_argument("--lr", type=float, default=2e-4)
+    ap.add_argument("--accum", type=int, default=8, help="examples per optimizer step")
+    ap.add_argument("--pic-frac", type=float, default=0.5, help="share of examples trained in pic mode")
+    ap.add_argument("--kd", type=float, default=0.5, help="weight of KL(full || pic) on pic examples' answers")
+    ap.add_argument("--seam", type=int, default=8)
+    ap.add_argument("--task-mix", default="lookup=0.3,twohop=0.2,aggregate=0.5")
+    ap.add_argument("--eval-every", type=float, default=120)
+    ap.add_argument("--eval-n", type=int, default=30)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a = ap.parse_args()
+
+    torch.manual_seed(a.seed)
+    rng = random.Random(a.seed)
+    model = load_folder(a.model).float().to(a.device).train()
+    tok = os.path.join(a.model, "tokenizer.json")
+    encode, decode, tid = load_tokenizer(tok)
+    eos = tid("<|im_end|>")
+    cfg = json.load(open(os.path.join(a.model, "config.json")))
+    mix = [(t, float(w)) for t, w in (kv.split("=") for kv in a.task_mix.split(","))]
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
+    os.makedirs(a.out, exist_ok=True)
+    logf = open(os.path.join(a.out, "log.jsonl"), "w")
+    held = [(t, example(random.Random(f"heldout/{t}/{i}"), encode, eos, t)) for t, _ in mix for i in range(a.eval_n)]
+
+    def pick():
+        r, acc = rng.random() * sum(w for _, w in mix), 0.0
+        for t, w in mix:
+            acc += w
+            if r < acc:
+                return t
+        return mix[-1][0]
+
+    def evaluate():
+        model.eval()
+        res = {}
+        with torch.no_grad():
+            for mode in ("full", "pic"):
+                for t, _ in mix:
+                    hit = tot = 0
+                    for tt, (segs, ans) in held:
+                        if tt != t:
+                            continue
+                        pred = answer_logits(model, segs, ans, mode, a.seam).argmax(-1).tolist()
+                        hit += sum(int(p == y) for p, y in zip(pred, ans))
+                        tot += len(ans)
+                    res[f"{mode}/{t}"] = round(hit / max(tot, 1), 4)
+        model.train()
+        return res
+
+    t0 = time.time()
+    step, last_eval = 0, -1e9
+    first = evaluate()
+    print("before:", json.dumps(first), flush=True)
+    logf.write(json.dumps({"step": 0, "seconds": 0, "eval": first}) + "\n")
+    while time.time() - t0 < a.seconds:
+        opt.zero_grad(set_to_none=True)
+        losses = {"full": [], "pic": [], "kd": []}
+        for _ in range(a.accum):
+            segs, ans = example(rng, encode, eos, pick())
+            y = torch.tensor(ans, device=a.device)
+            if rng.random() < a.pic_frac:
+                lg = answer_logits(model, segs, ans, "pic", a.seam)
+                loss = F.cross_entropy(lg.float(), y)
+                losses["pic"].append(loss.item())
+                if a.kd > 0:
+                    with torch.no_grad():
+                        ref = answer_logits(model, segs, ans, "full", a.seam)
+                    kd = F.kl_div(F.log_softmax(lg.float(), -1), F.log_softmax(ref.float(), -1), log_target=True,
+                                  reduction="batchmean")
+                    losses["kd"].append(kd.item())
+                    loss = loss + a.kd * kd
+            else:
+                loss = F.cross_entropy(answer_logits(model, segs, ans, "full", a.seam).float(), y)
+                losses["full"].append(loss.item())
+            (loss / a.accum).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        rec = {"step": step, "seconds": round(time.time() - t0, 1)}
+        rec.update({k: round(sum(v) / len(v), 4) for k, v in losses.items() if v})
+        if time.time() - last_eval > a.eval_every:
+            last_eval = time.time()
+            rec["eval"] = evaluate()
+            print(json.dumps(rec), flush=True)
+        logf.write(json.dumps(rec) + "\n")
+        logf.flush()
+    final = evaluate()
+    logf.write(json.dumps({"step": step, "seconds": round(time.time() - t0, 1), "eval": final}) + "\n")
+    print("after:", json.dumps(final), f"({step} steps, {time.time() - t0:.0f} s)", flush=True)
+    model.cpu()
+    save_folder(model, os.path.join(a.out, "model"), a.model, eos, cfg.get("pad_token_id"),
+                dtype=cfg.get("dtype", "float32"))
+
+
+if __name__ == "__main__":
+    main()
