@@ -116,11 +116,11 @@ def main():
         model.train()
         return res
 
-    t0 = time.time()
-    step, last_eval = 0, -1e9
     first = evaluate()
     print("before:", json.dumps(first), flush=True)
     logf.write(json.dumps({"step": 0, "seconds": 0, "eval": first}) + "\n")
+    t0 = time.time()  # --seconds of training, the evaluations before and after not counted
+    step, last_eval = 0, time.time()
     while time.time() - t0 < a.seconds:
         opt.zero_grad(set_to_none=True)
         losses = {"full": [], "pic": [], "kd": []}

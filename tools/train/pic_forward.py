@@ -12,9 +12,9 @@ composer.cpp) computes it as:
     conv state becomes the segment's own conv tail (as prefilled alone);
   * an attention layer splices the body's K/V as prefilled alone, keys re-rotated to their real
     positions; seam and question rows attend causally to everything before them.
-Here T_body S + S(body | 0) is computed as the body's own inputs (q, k, v, g, beta from its isolated
-prefill) replayed from S: the same map (the recurrence is linear in the state), one scan instead
-of a [dk, dk] operator per head. Re-rotation is RoPE at the real positions (angles add). Tail seams
+Every document's T_body and S(body | 0) come from two scans over all bodies at once (the body's
+own inputs from its isolated prefill; T as the map of the identity state with v = 0: the
+recurrence is linear in the state), then the composition is one matmul per document. Re-rotation is RoPE at the real positions (angles add). Tail seams
 (both ends) are not modelled.
 """
 
@@ -73,15 +73,18 @@ def pic_logits(model, segments, seam=8):
     Qn = len(segments[-1])
     q_pos0 = sum(lens)
 
-    # 1. Each context segment alone from position 0: every layer's normed input, by segment.
+    # 1. Each context segment alone from position 0, all in one batch (right-padded: causal layers
+    # leave a row's numbers to the rows before it): every layer's normed input, by segment.
     iso = [[None] * len(model.model.layers) for _ in ctx]
-    for i, s in enumerate(ctx):
-        x = model.model.embed_tokens(torch.tensor([s], device=dev))
-        for li, layer in enumerate(model.model.layers):
-            h = layer.input_layernorm(x)
-            iso[i][li] = h[0]
-            x = x + (layer.linear_attn(h) if layer.kind == "linear_attention" else layer.self_attn(h))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+    L = max(lens)
+    batch = torch.tensor([s + [0] * (L - len(s)) for s in ctx], device=dev)
+    x = model.model.embed_tokens(batch)
+    for li, layer in enumerate(model.model.layers):
+        h = layer.input_layernorm(x)
+        for i, n in enumerate(lens):
+            iso[i][li] = h[i, :n]
+        x = x + (layer.linear_attn(h) if layer.kind == "linear_attention" else layer.self_attn(h))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
 
     # 2. The rows computed in context: each segment's seam rows, then the question.
     ids, pos, owner = [], [], []  # owner: context segment index, or -1 for the question
@@ -118,6 +121,27 @@ def _linear_layer(m, h, owner, iso, li, heads, lens):
         return chunk_gated_delta_rule_scan(q, k, v, g=g, beta=beta, initial_state=S, output_final_state=True,
                                            use_qk_l2norm_in_kernel=True)
 
+    # Every body's summary at once (right-padded with decay 1 and beta 0, which leave a state as it
+    # is): S(body|0) from a zero state, T_body as the map of the identity with v = 0.
+    bodies = [i for i in range(len(lens)) if lens[i] > heads[i]]
+    summary, tails = {}, {}
+    if bodies:
+        ins, Lb = [], max(lens[i] - heads[i] for i in bodies)
+        for i in bodies:
+            hi = iso[i][li]
+            proj = m.in_proj_qkv(hi)
+            tails[i] = _tail(m, proj)
+            q, k, v, g, beta = _gdn_inputs(m, _conv(m, _tail(m, proj[:heads[i]]), proj[heads[i]:]), hi[heads[i]:])
+            pad = Lb - q.shape[1]
+            ins.append([F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v)] + [F.pad(t, (0, 0, 0, pad)) for t in (g, beta)])
+        q, k, v, g, beta = (torch.cat([x[j] for x in ins], dim=0) for j in range(5))
+        _, Sb = chunk_gated_delta_rule_scan(q, k, v, g=g, beta=beta, output_final_state=True,
+                                            use_qk_l2norm_in_kernel=True)
+        eye = torch.eye(m.dk, device=h.device).expand(len(bodies), m.hv, m.dk, m.dk)
+        _, Tb = chunk_gated_delta_rule_scan(q, k, v.new_zeros(*v.shape[:3], m.dk), g=g, beta=beta, initial_state=eye,
+                                            output_final_state=True, use_qk_l2norm_in_kernel=True)
+        for j, i in enumerate(bodies):
+            summary[i] = (Tb[j:j + 1], Sb[j:j + 1])
     for i in range(len(lens)):
         n = heads[i]
         if n:  # seam rows, in context
@@ -126,11 +150,10 @@ def _linear_layer(m, h, owner, iso, li, heads, lens):
             outs.append(o[0])
             conv = _tail(m, torch.cat([conv, proj], dim=0))
             r += n
-        if lens[i] > heads[i]:  # the body as prefilled alone, composed from S
-            hi = iso[i][li]
-            proj = m.in_proj_qkv(hi)
-            _, S = run(hi[heads[i]:], proj[heads[i]:], _tail(m, proj[:heads[i]]), S)
-            conv = _tail(m, proj)
+        if i in summary:  # the body as prefilled alone, composed: S <- T_body S + S(body|0)
+            T, Sb = summary[i]
+            S = T @ S + Sb
+            conv = tails[i]
     proj = m.in_proj_qkv(h[r:])
     o, _ = run(h[r:], proj, conv, S)
     outs.append(o[0])
@@ -155,10 +178,16 @@ def _attention_layer(a, h, pos_t, owner, iso, li, heads, lens, starts):
         return q, k, v, gate
 
     q, k_rows, v_rows, gate = qkv(h, pos_t)
-    # The cache in position order: each segment's seam rows (in context) and body (alone, at its
-    # real positions), then the question's rows.
+    # Every body's K/V in one call (rows are independent), at their real positions.
+    bodies = [i for i in range(len(lens)) if lens[i] > heads[i]]
+    if bodies:
+        hb = torch.cat([iso[i][li][heads[i]:] for i in bodies], dim=0)
+        pb = torch.cat([torch.arange(starts[i] + heads[i], starts[i] + lens[i], device=dev) for i in bodies])
+        _, kb_all, vb_all, _ = qkv(hb, pb)
+    # The cache in position order: each segment's seam rows (in context) and body (alone), then
+    # the question's rows.
     ks, vs, kpos = [], [], []
-    r = 0
+    r = rb = 0
     for i in range(len(lens)):
         n = heads[i]
         if n:
@@ -167,12 +196,11 @@ def _attention_layer(a, h, pos_t, owner, iso, li, heads, lens, starts):
             kpos.append(pos_t[r:r + n])
             r += n
         if lens[i] > n:
-            hb = iso[i][li][n:]
-            p = torch.arange(starts[i] + n, starts[i] + lens[i], device=dev)
-            _, kb, vb, _ = qkv(hb, p)
-            ks.append(kb)
-            vs.append(vb)
-            kpos.append(p)
+            m = lens[i] - n
+            ks.append(kb_all[:, :, rb:rb + m])
+            vs.append(vb_all[:, :, rb:rb + m])
+            kpos.append(pb[rb:rb + m])
+            rb += m
     ks.append(k_rows[:, :, r:])
     vs.append(v_rows[:, :, r:])
     kpos.append(pos_t[r:])
