@@ -221,7 +221,7 @@ if __name__ == "__main__":  # smoke test on CPU
     print(sorted(m.state_dict().keys())[:12])
 
 
-def save_folder(model, folder, tok_dir, eos, pad, dtype="float32"):
+def save_folder(model, folder, tok_dir, eos, pad, dtype="float32", config=None):
     """A transformers-style folder (safetensors written by hand, f32 or, with dtype "bfloat16", bf16
     rounded to nearest even; config.json, tokenizer) without transformers or safetensors installed:
     for checks against the C++ engine on a CPU machine, and fine-tuned models (pic_finetune.py)."""
@@ -250,12 +250,15 @@ def save_folder(model, folder, tok_dir, eos, pad, dtype="float32"):
         f.write(struct.pack("<Q", len(h)) + h)
         for b in blobs:
             f.write(b)
-    cfg = dict(model.cfg, architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", eos_token_id=eos,
-               pad_token_id=pad, bos_token_id=None, hidden_act="silu", attention_bias=False, dtype=dtype)
+    # The source's config.json where given (every field kept), else one made from the model's shape.
+    cfg = dict(config, dtype=dtype) if config else dict(
+        model.cfg, architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", eos_token_id=eos,
+        pad_token_id=pad, bos_token_id=None, hidden_act="silu", attention_bias=False, dtype=dtype)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
-    for n in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(tok_dir, n), os.path.join(folder, n))
+    for n in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if n != "generation_config.json" or os.path.exists(os.path.join(tok_dir, n)):
+            shutil.copy(os.path.join(tok_dir, n), os.path.join(folder, n))
 
 
 def load_safetensors(path):

@@ -158,7 +158,7 @@ def main():
     print("after:", json.dumps(final), f"({step} steps, {time.time() - t0:.0f} s)", flush=True)
     model.cpu()
     save_folder(model, os.path.join(a.out, "model"), a.model, eos, cfg.get("pad_token_id"),
-                dtype=cfg.get("dtype", "float32"))
+                dtype=cfg.get("dtype", "float32"), config=cfg)
 
 
 if __name__ == "__main__":
