@@ -312,6 +312,25 @@ std::string supported_list() {
   return s;
 }
 
+// A linear layer's per-sequence state (heads x key dim x value dim, plus the conv's inputs) and an
+// attention layer's cache row, from fields each within Fields::kMaxSize: their products can still
+// pass any memory (or int64); such a config is refused here rather than misread later.
+void check_state_sizes(const Fields& f, const ModelConfig& c) {
+  constexpr int64_t kMax = int64_t{1} << 40;
+  auto mul = [&](std::initializer_list<int64_t> xs, const char* what) {
+    int64_t p = 1;
+    for (int64_t x : xs)
+      if (__builtin_mul_overflow(p, x, &p) || p > kMax)
+        f.fail(std::string("implausible sizes: ") + what + " would hold more than 2^40 values");
+    return p;
+  };
+  mul({c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim}, "a linear layer's state");
+  const int64_t conv_ch = mul({3, c.linear_num_value_heads, c.linear_value_head_dim}, "a short conv") +
+                          mul({2, c.linear_num_key_heads, c.linear_key_head_dim}, "a short conv");
+  mul({std::max<int64_t>(c.linear_conv_kernel_dim, 1), conv_ch}, "a short conv's state");
+  mul({2, c.num_key_value_heads, c.head_dim}, "an attention layer's cache row");
+}
+
 }  // namespace
 
 ModelConfig parse_model_config(const std::string& json_text, const std::string& path) {
@@ -358,19 +377,15 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
     text = &*tc;
   }
   Fields f(root, *text, path);
-  if (cfg.arch == Arch::NemotronH) {
+  if (cfg.arch == Arch::NemotronH)
     parse_nemotron_h(f, cfg);
-    return cfg;
-  }
-  if (cfg.arch == Arch::KimiLinear) {
+  else if (cfg.arch == Arch::KimiLinear)
     parse_kimi_linear(f, cfg);
-    return cfg;
-  }
-  if (cfg.arch == Arch::MiniMax) {
+  else if (cfg.arch == Arch::MiniMax)
     parse_minimax(f, cfg);
-    return cfg;
-  }
-  parse_qwen(f, cfg);
+  else
+    parse_qwen(f, cfg);
+  check_state_sizes(f, cfg);
   return cfg;
 }
 

@@ -56,11 +56,15 @@ class Fields {
     bad(field, "an integer", v);
   }
 
+  // Sizes and counts of a config are at most this (2^24: a 16M-token context or vocabulary), so that
+  // the products the engine forms of them (per-layer state, weight shapes) cannot overflow.
+  static constexpr int64_t kMaxSize = int64_t{1} << 24;
   int64_t positive(const std::string& field) const {
     const json& v = need(field);
     if (!v.is_number()) bad(field, "a positive integer", v);
     int64_t x = to_int(field, v);
     if (x <= 0) bad(field, "a positive integer", v);
+    if (x > kMaxSize) bad(field, "a positive integer up to 16777216", v);
     return x;
   }
   int64_t positive_or(const std::string& field, int64_t dflt) const { return find(field) ? positive(field) : dflt; }
@@ -70,6 +74,7 @@ class Fields {
     if (!v->is_number()) bad(field, "a non-negative integer", *v);
     int64_t x = to_int(field, *v);
     if (x < 0) bad(field, "a non-negative integer", *v);
+    if (x > kMaxSize) bad(field, "a non-negative integer up to 16777216", *v);
     return x;
   }
   double number_or(const std::string& field, double dflt, const json* obj = nullptr) const {

@@ -354,11 +354,29 @@ TEST(ModelConfigErrors, PositiveIntegers) {
   EXPECT_THAT(error_of(n), HasSubstr("field 'vocab_size' must be a positive integer, found -1"));
 }
 
+// Sizes are bounded one by one and in the products the engine forms of them (the fuzzer found a
+// linear_value_head_dim of 5.6e18 that overflowed a layer's state size in describe_layer).
+TEST(ModelConfigErrors, SizesAndTheirProductsAreBounded) {
+  json j = qwen3_5_text_legacy();
+  j["linear_value_head_dim"] = int64_t{5555555555555555524};
+  EXPECT_THAT(error_of(j), AllOf(HasSubstr(kPath), HasSubstr("field 'linear_value_head_dim' must be a positive "
+                                                             "integer up to 16777216, found 5555555555555555524")));
+  j["linear_value_head_dim"] = int64_t{1} << 24;  // each within bounds, the state is not
+  j["linear_key_head_dim"] = int64_t{1} << 24;
+  EXPECT_THAT(error_of(j), AllOf(HasSubstr(kPath), HasSubstr("implausible sizes: a linear layer's state would hold "
+                                                             "more than 2^40 values")));
+  j["linear_key_head_dim"] = 16;  // and back within bounds: parsed
+  EXPECT_EQ(parse(j).linear_value_head_dim, int64_t{1} << 24);
+}
+
 // A damaged layer count is refused before it sizes anything (the fuzzer found a 2 GiB allocation).
 TEST(ModelConfigErrors, LayerCountIsBounded) {
   json j = qwen3_5_text_legacy();
   j.erase("layer_types");
   j["num_hidden_layers"] = int64_t{1} << 40;
+  EXPECT_THAT(error_of(j), AllOf(HasSubstr(kPath), HasSubstr("field 'num_hidden_layers' must be a positive integer up "
+                                                             "to 16777216")));
+  j["num_hidden_layers"] = 100000;
   EXPECT_THAT(error_of(j), AllOf(HasSubstr(kPath), HasSubstr("field 'num_hidden_layers' must be at most 4096 layers")));
   j["num_hidden_layers"] = 8;
   EXPECT_EQ(parse(j).num_hidden_layers, 8);
