@@ -34,12 +34,11 @@ uint64_t host_identity() {
 
 SegmentService::SegmentService(uint64_t fingerprint, BuildFn build)
     : fingerprint_(fingerprint), build_(std::move(build)), life_(std::make_shared<Life>()) {
-  node_ = std::make_unique<UcxNode>(
-      [this](Message&& m) { on_message(std::move(m)); },
-      [this](PeerId peer, const std::string& why) {
-        spdlog::debug("segment service: a combine node went away: {}", why);
-        on_down(peer);
-      });
+  node_ = std::make_unique<UcxNode>([this](Message&& m) { on_message(std::move(m)); },
+                                    [this](PeerId peer, const std::string& why) {
+                                      spdlog::debug("segment service: a combine node went away: {}", why);
+                                      on_down(peer);
+                                    });
 }
 
 SegmentService::~SegmentService() {
@@ -125,9 +124,10 @@ void SegmentService::on_message(Message&& m) {
         r.shared = 1;
         ++st_.shared;
         std::lock_guard<std::mutex> hg(held_mu_);
-        held_[{peer, request}] = {std::move(out.keep), std::chrono::steady_clock::now() +
-                                                           std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                                               std::chrono::duration<double>(kSharedHoldSeconds))};
+        held_[{peer, request}] = {
+            std::move(out.keep),
+            std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                   std::chrono::duration<double>(kSharedHoldSeconds))};
       }
     } else {
       ++st_.failed;

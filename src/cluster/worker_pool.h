@@ -67,7 +67,7 @@ struct PoolStats {
   uint64_t errors = 0, timeouts = 0, lost = 0, bad_entries = 0;  // builds that failed, by cause
   uint64_t recoveries = 0;                                       // unhealthy workers back in
   uint64_t shared_failures = 0;  // shared entries that could not be mapped here (that worker then sends bytes)
-  double transfer_seconds = 0;  // sum over replies of (round trip - the worker's own time)
+  double transfer_seconds = 0;   // sum over replies of (round trip - the worker's own time)
 };
 
 class WorkerPool {

@@ -77,9 +77,9 @@ struct Job {
   int64_t completion_tokens = 0;
   CacheReport report;  // hit/miss segments, reused / computed prompt tokens for THIS request
   double ttft_ms = -1, total_ms = 0;
-  nlohmann::json segments_result;  // Segments jobs: [{"id", "tokens", "bytes", "cached"}]
-  std::string wire;                // Segments jobs with segs.encode: the entry, encoded
-  bool wire_cached = false;        // ... found in the cache rather than built
+  nlohmann::json segments_result;   // Segments jobs: [{"id", "tokens", "bytes", "cached"}]
+  std::string wire;                 // Segments jobs with segs.encode: the entry, encoded
+  bool wire_cached = false;         // ... found in the cache rather than built
   std::shared_ptr<void> wire_keep;  // ... in the shared form (segs.share): its buffer
   // Called once on the engine thread when the job is done (failed too), after the waiters are woken.
   std::function<void(Job&)> on_done;
