@@ -553,6 +553,108 @@ TEST_P(Pic, CompactBodiesComposeAsTransitions) {
   EXPECT_LT(c6->bytes, c11->bytes);
 }
 
+// Selective recompute: the seam deviation is what a plain forward gives, the plan recomputes the
+// highest-scoring segments whole within its budget, and the answer keeps PIC's guarantees.
+TEST_P(Pic, SelectiveRecomputePicksByDeviationWithinItsBudget) {
+  Model& m = *lm_->model;
+  Backend& be = *lm_->backend;
+  const int64_t H = m.config().hidden_size;
+  PicEngine eng(m, 64 << 20);
+  PicOptions o{PicMode::Pic, 8};
+  o.recompute = 0.5;
+  PicPlan plan = eng.plan(segs_, o);
+  for (size_t i = plan.next_missing(); i < plan.parts.size(); i = plan.next_missing()) eng.build(plan, i);
+  const std::vector<double> dev = eng.seam_deviation(segs_, plan);
+  ASSERT_EQ(dev.size(), 4u);
+  EXPECT_EQ(dev[0], -1.0) << "the first segment has no seam";
+  // Reference for part 1: the last layer's hidden rows of a plain forward over the first segment
+  // and the seam (the first segment is exact from its entry), and of the seam alone.
+  auto hidden = [&](const std::vector<int32_t>& ids) {
+    SequenceState st = m.new_state(static_cast<int64_t>(ids.size()));
+    Tensor x = m.embed(ids);
+    for (int64_t l = 0; l < m.config().num_hidden_layers; ++l) m.layer_forward(l, x, st.layers[l], 0);
+    return be.to_host(x).to_f32();
+  };
+  std::vector<int32_t> ctx = segs_[0];
+  ctx.insert(ctx.end(), segs_[1].begin(), segs_[1].begin() + 8);
+  const Tensor hc = hidden(ctx), hi = hidden(std::vector<int32_t>(segs_[1].begin(), segs_[1].begin() + 8));
+  double want = 0;
+  for (int64_t r = 0; r < 8; ++r) {
+    double d2 = 0, n2 = 0;
+    for (int64_t k = 0; k < H; ++k) {
+      const double a = hc.data<float>()[(20 + r) * H + k], b = hi.data<float>()[r * H + k];
+      d2 += (a - b) * (a - b);
+      n2 += a * a;
+    }
+    want += std::sqrt(d2 / n2) / 8;
+  }
+  EXPECT_GT(want, 1e-3) << "context must move the seam rows";
+  EXPECT_NEAR(dev[1], want, 1e-3 * want + 1e-6);
+  for (size_t i = 1; i < 4; ++i) EXPECT_GT(dev[i], 0.0) << i;
+
+  // Budget: half of the 70 + 41 + 90 reused tokens; the best scores first, each while it fits.
+  eng.select_recompute(segs_, plan);
+  std::vector<size_t> order = {1, 2, 3};
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return dev[a] > dev[b]; });
+  int64_t budget = (70 + 41 + 90) / 2, recomputed = 0;
+  std::vector<bool> want_whole(4, false);
+  for (size_t i : order)
+    if (static_cast<int64_t>(segs_[i].size()) <= budget) budget -= segs_[i].size(), want_whole[i] = true;
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(plan.parts[i].recomputed, want_whole[i]) << i;
+    if (plan.parts[i].recomputed) {
+      EXPECT_FALSE(plan.parts[i].has_body());
+      EXPECT_EQ(plan.parts[i].entry, nullptr);
+      recomputed += plan.parts[i].len;
+    }
+  }
+  EXPECT_GT(recomputed, 0);
+  EXPECT_LE(recomputed, (70 + 41 + 90) / 2);
+
+  // The same answer from prefill(), cold or warm, and bitwise again from its own snapshot.
+  PicEngine cold(m, 64 << 20);
+  CacheReport rc, rw, rr;
+  auto a = run(cold, segs_, o, nullptr, &rc);
+  EXPECT_EQ(max_abs(a, host_logprobs(be, eng.compose(segs_, plan).logits)), 0.0);
+  auto swapped = segs_;
+  std::swap(swapped[1], swapped[3]);
+  run(eng, swapped, o);  // entries of the documents at other positions
+  PicEngine warm(m, 64 << 20);
+  run(warm, swapped, o);
+  auto b = run(warm, segs_, o, nullptr, &rw);
+  EXPECT_EQ(max_abs(a, b), 0.0);
+  auto c = run(warm, segs_, o, nullptr, &rr);
+  EXPECT_EQ(max_abs(a, c), 0.0);
+  EXPECT_GT(rr.prefix_tokens, 0) << "a repeat starts from its snapshot";
+  // Recomputed tokens show in the report: the question, the other parts' seams, the whole parts.
+  int64_t seams = 0;
+  for (size_t i = 1; i < 4; ++i) seams += want_whole[i] ? 0 : 8;
+  EXPECT_EQ(rw.computed_tokens, 12 + seams + recomputed);
+  // Everything recomputed is full (part-way, random weights promise no order between the modes).
+  auto full = run(eng, segs_, {PicMode::Full});
+  auto plain = run(eng, segs_, {PicMode::Pic, 8});
+  EXPECT_GT(max_abs(plain, a), 0.0) << "recomputing changed nothing";
+  PicOptions all = o;
+  all.recompute = 1;
+  EXPECT_LE(max_abs(full, run(eng, segs_, all)), 5e-4);  // rounding, as SeamCoveringEverySegment
+  // A plain pic request never starts from a snapshot that selective recompute composed.
+  PicEngine fresh(m, 64 << 20);
+  EXPECT_EQ(max_abs(plain, run(fresh, segs_, {PicMode::Pic, 8})), 0.0);
+  EXPECT_EQ(max_abs(plain, run(warm, segs_, {PicMode::Pic, 8})), 0.0);
+
+  // Recency: the last segments first (90 fits half the budget, then neither 41 nor 70 does).
+  PicOptions rec = o;
+  rec.recompute_by = PicOptions::RecomputeBy::Recency;
+  PicPlan rp = eng.plan(segs_, rec);
+  eng.select_recompute(segs_, rp);
+  EXPECT_FALSE(rp.parts[1].recomputed);
+  EXPECT_FALSE(rp.parts[2].recomputed);
+  EXPECT_TRUE(rp.parts[3].recomputed);
+  PicOptions bad = o;
+  bad.recompute = 1.5;
+  EXPECT_THROW(eng.prefill(segs_, bad), std::invalid_argument);
+}
+
 INSTANTIATE_TEST_SUITE_P(Models, Pic,
                          ::testing::Values("qwen3_5_dense", "qwen3_5_moe", "qwen3_next", "nemotron_h", "minimax",
                                            "kimi_linear"),
