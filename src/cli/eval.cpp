@@ -24,7 +24,7 @@ void register_eval(CLI::App& app) {
   auto* c = app.add_subcommand("eval", "Score full / prefix / pic / naive prefill on multi-document tasks");
   c->add_option("--model", o->model, "Model folder, or a GGUF file (qwen35 / qwen35moe)")->capture_default_str();
   c->add_option("--task", o->task, "lookup, twohop, aggregate or all")->capture_default_str();
-  c->add_option("--set", o->set, "Held-out set: smoke, moderate, long, full")->capture_default_str();
+  c->add_option("--set", o->set, "Held-out set: smoke, moderate, long (more documents), longdocs (longer documents), full")->capture_default_str();
   c->add_option("--n", o->n, "Prompts per task (default: the set's size)");
   c->add_option("--data", o->data, "Examples JSONL instead of a generated set");
   c->add_option("--modes", o->modes, "Modes to compare")->capture_default_str();

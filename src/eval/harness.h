@@ -24,7 +24,7 @@ std::vector<Example> load_examples(const std::string& jsonl_path);
 struct SetSpec {
   int seed, min_docs, max_docs, min_doc_tokens, max_doc_tokens, n;
 };
-SetSpec eval_set(const std::string& name);  // "smoke", "moderate", "long", "full"
+SetSpec eval_set(const std::string& name);  // "smoke", "moderate", "long", "longdocs", "full"
 // Runs `python3 tools/tasks/rag_tasks.py` (standard library only) and parses its output.
 std::vector<Example> generate_examples(const std::string& task, const SetSpec& s);
 

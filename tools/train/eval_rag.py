@@ -32,6 +32,7 @@ import rag_tasks as R  # noqa: E402
 EVAL_SETS = {
     "moderate": dict(seed=7001, min_docs=4, max_docs=16, min_doc_tokens=100, max_doc_tokens=400, n=100),
     "long": dict(seed=7002, min_docs=16, max_docs=32, min_doc_tokens=100, max_doc_tokens=400, n=30),
+    "longdocs": dict(seed=7005, min_docs=3, max_docs=6, min_doc_tokens=1000, max_doc_tokens=2500, n=30),
     "smoke": dict(seed=7003, min_docs=2, max_docs=4, min_doc_tokens=50, max_doc_tokens=100, n=2),
 }
 CHANCE = {"lookup": (0.043, 0.306), "twohop": (0.027, 0.303), "aggregate": (0.101, 0.0)}
