@@ -15,7 +15,7 @@ void register_eval(CLI::App& app) {
   struct Opts {
     std::string quantize, activations;
     std::string model = default_model_dir(), task = "all", set = "moderate", data, modes = "full,prefix,pic,naive",
-                seams = "8", predictions, recompute, recompute_by = "deviation";
+                seams = "8", predictions;
     int n = 0, threads = 0;
     bool json = false, no_warm = false, no_extra = false, mask_padded = false;
     double cache_mib = 4096;
@@ -29,11 +29,6 @@ void register_eval(CLI::App& app) {
   c->add_option("--data", o->data, "Examples JSONL instead of a generated set");
   c->add_option("--modes", o->modes, "Modes to compare")->capture_default_str();
   c->add_option("--seams", o->seams, "Seam widths for pic")->capture_default_str();
-  c->add_option("--recompute", o->recompute,
-                 "Selective recompute rows for pic: shares (0-1) of the reused segments' tokens recomputed "
-                 "whole in context, at the first seam width");
-  c->add_option("--recompute-by", o->recompute_by, "How those segments are picked: deviation, recency or both")
-      ->capture_default_str();
   c->add_flag("--no-warm", o->no_warm, "Do not serve each prompt's documents in another order first");
   c->add_flag("--no-extra-rows", o->no_extra,
               "Skip the rows pic without RoPE re-rotation and pic with both-ends seams");
@@ -56,28 +51,6 @@ void register_eval(CLI::App& app) {
         PicMode mode = parse_pic_mode(ms);
         if (mode == PicMode::Pic) {
           for (int w : seams) configs.push_back({"pic/seam=" + std::to_string(w), {PicMode::Pic, w}});
-          for (const auto& share : split_csv(o->recompute)) {
-            double f = 0;
-            try {
-              size_t used = 0;
-              f = std::stod(share, &used);
-              if (used != share.size()) throw std::invalid_argument("");
-            } catch (const std::exception&) {
-              throw std::invalid_argument("--recompute: '" + share + "' is not a number");
-            }
-            if (!(f > 0 && f <= 1)) throw std::invalid_argument("--recompute: " + share + " is not in (0, 1]");
-            const std::string by = o->recompute_by;
-            if (by != "deviation" && by != "recency" && by != "both")
-              throw std::invalid_argument("--recompute-by: expected deviation, recency or both, got '" + by + "'");
-            for (auto [name, kind] : {std::pair{"deviation", PicOptions::RecomputeBy::Deviation},
-                                      std::pair{"recency", PicOptions::RecomputeBy::Recency}}) {
-              if (by != "both" && by != name) continue;
-              PicOptions ro{PicMode::Pic, seams.front()};
-              ro.recompute = f;
-              ro.recompute_by = kind;
-              configs.push_back({std::string("pic/recompute-") + name + "=" + share, ro});
-            }
-          }
           if (!o->no_extra) {
             const int w = seams.front();
             PicOptions nr{PicMode::Pic, w};
@@ -141,12 +114,12 @@ void register_eval(CLI::App& app) {
                                .c_str());
         }
         if (!o->json) {
-          std::printf("task %s (%zu prompts, %s)\n  %-26s %8s %10s %12s\n", task.c_str(), ex.size(),
+          std::printf("task %s (%zu prompts, %s)\n  %-18s %8s %10s %12s\n", task.c_str(), ex.size(),
                       ex.empty() ? "" : ex[0].metric.c_str(), "config", "score", "vs full", "TTFT p50 ms");
           for (auto& r : results) {
             char diff[32] = "-";
             if (has_full) std::snprintf(diff, sizeof diff, "%+.1f", 100 * (r.score - full));
-            std::printf("  %-26s %8.1f %10s %12.1f\n", r.config.c_str(), 100 * r.score, diff, r.ttft_ms_median);
+            std::printf("  %-18s %8.1f %10s %12.1f\n", r.config.c_str(), 100 * r.score, diff, r.ttft_ms_median);
           }
         }
       }

@@ -3,7 +3,6 @@
 #include <xxhash.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <deque>
 #include <functional>
@@ -136,16 +135,6 @@ uint64_t composed_tag(const PicOptions& o) {
                      static_cast<uint64_t>(o.rerotate)})
     h = (h ^ v) * 0x100000001b3ull;
   return h | 1;  // never 0, the tag of exact snapshots
-}
-
-// The same for a plan: selective recompute makes the state depend on which parts ran whole, and
-// that choice depends on the whole context, so it is part of the tag.
-uint64_t composed_tag(const PicPlan& p) {
-  uint64_t h = composed_tag(p.opt);
-  if (p.opt.recompute <= 0) return h;
-  for (size_t i = 0; i < p.parts.size(); ++i)
-    if (p.parts[i].recomputed) h = (h ^ (i + 1)) * 0x100000001b3ull;
-  return h | 1;
 }
 
 // A copy of st holding exactly its n_past KV rows.
@@ -485,8 +474,6 @@ namespace {
 void check_options(const PicOptions& opt) {
   if (opt.seam < 0) throw std::invalid_argument("seam must be >= 0, got " + std::to_string(opt.seam));
   if (opt.tail_seam < 0) throw std::invalid_argument("tail seam must be >= 0, got " + std::to_string(opt.tail_seam));
-  if (!(opt.recompute >= 0 && opt.recompute <= 1))
-    throw std::invalid_argument("recompute must be a share between 0 and 1, got " + std::to_string(opt.recompute));
 }
 }  // namespace
 
@@ -569,7 +556,6 @@ PrefillResult PicEngine::prefill(const std::vector<std::vector<int32_t>>& segs, 
     case PicMode::Naive: {
       PicPlan p = plan(segs, opt);
       for (size_t i = p.next_missing(); i < p.parts.size(); i = p.next_missing()) build(p, i);
-      select_recompute(segs, p);
       return compose(segs, p);
     }
   }
@@ -696,10 +682,6 @@ struct ComposeRun {
   size_t first = 0;    // parts the snapshot covers (their seam rows are spliced in one step)
   int64_t pos = 0;     // the context's length
   int64_t seam_rows = 0;
-  // A measuring run (seam_deviation): no snapshot restored or kept; the context rows' hidden
-  // states after the last layer are kept in `hidden`.
-  bool measure = false;
-  Tensor hidden;
   // The snapshot of this context for the next request that starts with these segments.
   bool keep = false;
   SequenceState end;
@@ -717,11 +699,6 @@ PrefillResult PicEngine::compose(const std::vector<std::vector<int32_t>>& segs, 
 
 std::shared_ptr<ComposeRun> PicEngine::start_compose(const std::vector<std::vector<int32_t>>& segs, const PicPlan& plan,
                                                      bool allow_pending) {
-  return start_compose_run(segs, plan, allow_pending, false);
-}
-
-std::shared_ptr<ComposeRun> PicEngine::start_compose_run(const std::vector<std::vector<int32_t>>& segs,
-                                                         const PicPlan& plan, bool allow_pending, bool measure) {
   Model& m = model_;
   Backend& be = m.backend();
   const auto& cfg = m.config();
@@ -751,10 +728,9 @@ std::shared_ptr<ComposeRun> PicEngine::start_compose_run(const std::vector<std::
     c.ctx.insert(c.ctx.end(), segs[i].begin(), segs[i].end());
     c.bounds.push_back(c.ctx.size());
   }
-  c.tag = composed_tag(plan);
-  c.measure = measure;
+  c.tag = composed_tag(opt);
   size_t first = 0;
-  if (!measure) {
+  {
     std::lock_guard<std::mutex> g(prefix_->mu);
     if (const auto* s = prefix_->longest(c.ctx, c.bounds, c.tag)) {
       first = s->bounds.size();
@@ -809,7 +785,7 @@ std::shared_ptr<ComposeRun> PicEngine::start_compose_run(const std::vector<std::
     c.question = segs.back();
     r.report.computed_tokens += static_cast<int64_t>(c.question.size());
   }
-  c.keep = first < n_ctx && !measure;  // kept when this request composes any segment itself
+  c.keep = first < n_ctx;  // kept when this request composes any segment itself
   if (c.keep) {
     c.end.layers.resize(st.layers.size());
     c.end.n_past = pos;
@@ -1019,107 +995,12 @@ std::optional<PrefillResult> PicEngine::step_compose(ComposeRun& c, int64_t max_
   c.finished = true;
   st.n_past = c.pos + (with_q ? Q : 0);
   if (q_here) c.r.logits = m.logits(x.slice_rows(x.dim(0) - 1, x.dim(0)));
-  if (c.measure) c.hidden = x;  // one step (max_rows unbounded): every context row
   if (c.keep) {
     std::lock_guard<std::mutex> g(prefix_->mu);
     prefix_->put(std::move(c.ctx), std::move(c.end), c.tag, std::move(c.bounds));
   }
   c.parts.clear();  // unpins the entries
   return std::move(c.r);
-}
-
-std::vector<double> PicEngine::seam_deviation(const std::vector<std::vector<int32_t>>& segs, const PicPlan& plan) {
-  Model& m = model_;
-  Backend& be = m.backend();
-  const size_t n = plan.parts.size();
-  std::vector<double> dev(n, -1.0);
-  std::vector<size_t> measured;
-  for (size_t i = 0; i < n; ++i)
-    if (plan.parts[i].head > 0) measured.push_back(i);
-  if (measured.empty()) return dev;
-  // In context: the plan composed without its question (no snapshot restored or kept).
-  PicPlan ctx_plan = plan;
-  ctx_plan.opt.skip_question = true;
-  auto run = start_compose_run(segs, ctx_plan, false, true);
-  while (!step_compose(*run, std::numeric_limits<int64_t>::max())) {
-  }
-  const Tensor in_ctx = be.to_host(run->hidden).to_f32();
-  // In isolation: every measured part's head rows from position 0 on a fresh state, one span each
-  // (the rows its entry's build computed before the body).
-  std::vector<int32_t> rows;
-  std::vector<SequenceState> states;
-  for (size_t i : measured) {
-    const PicPart& p = plan.parts[i];
-    rows.insert(rows.end(), segs[i].begin(), segs[i].begin() + p.head);
-    states.push_back(m.new_state(p.head));
-  }
-  Tensor x = m.embed(rows);
-  std::vector<LayerSpan> spans;
-  for (int64_t l = 0; l < m.config().num_hidden_layers; ++l) {
-    spans.clear();
-    for (size_t j = 0; j < measured.size(); ++j) {
-      LayerSpan& sp = spans.emplace_back();
-      sp.state = &states[j].layers[static_cast<size_t>(l)];
-      sp.rows = plan.parts[measured[j]].head;
-    }
-    m.layer_forward(l, x, spans);
-  }
-  const Tensor alone = be.to_host(x).to_f32();
-  const int64_t H = alone.dim(1);
-  int64_t ctx_row = 0, iso_row = 0;
-  size_t j = 0;
-  for (size_t i = 0; i < n; ++i) {
-    const PicPart& p = plan.parts[i];
-    if (j < measured.size() && measured[j] == i) {
-      double sum = 0;
-      for (int64_t r = 0; r < p.head; ++r) {
-        const float* a = in_ctx.data<float>() + (ctx_row + r) * H;
-        const float* b = alone.data<float>() + (iso_row + r) * H;
-        double d2 = 0, n2 = 0;
-        for (int64_t k = 0; k < H; ++k) {
-          d2 += (double(a[k]) - b[k]) * (double(a[k]) - b[k]);
-          n2 += double(a[k]) * a[k];
-        }
-        sum += std::sqrt(d2 / std::max(n2, 1e-30));
-      }
-      dev[i] = sum / static_cast<double>(p.head);
-      iso_row += p.head;
-      ++j;
-    }
-    ctx_row += p.head + p.tail;
-  }
-  return dev;
-}
-
-void PicEngine::select_recompute(const std::vector<std::vector<int32_t>>& segs, PicPlan& plan) {
-  const PicOptions& opt = plan.opt;
-  if (opt.mode != PicMode::Pic || opt.recompute <= 0) return;
-  // Candidates: the parts with a cached body (the first segment is exact from its entry already).
-  std::vector<size_t> cand;
-  int64_t reused = 0;
-  for (size_t i = 1; i < plan.parts.size(); ++i)
-    if (plan.parts[i].has_body() && !plan.parts[i].recomputed) cand.push_back(i), reused += plan.parts[i].len;
-  if (cand.empty()) return;
-  std::vector<double> score(plan.parts.size());
-  if (opt.recompute_by == PicOptions::RecomputeBy::Deviation)
-    score = seam_deviation(segs, plan);
-  else
-    for (size_t i = 0; i < score.size(); ++i) score[i] = static_cast<double>(i);
-  // Best score first (ties: the later segment); each part taken while it fits the budget.
-  std::stable_sort(cand.begin(), cand.end(), [&](size_t a, size_t b) {
-    return score[a] != score[b] ? score[a] > score[b] : a > b;
-  });
-  int64_t budget = static_cast<int64_t>(std::floor(opt.recompute * static_cast<double>(reused)));
-  for (size_t i : cand) {
-    PicPart& p = plan.parts[i];
-    if (p.len > budget) continue;
-    budget -= p.len;
-    p.recomputed = true;
-    p.head = p.len;  // no body left: the whole segment runs in context, its entry is let go
-    p.tail = 0;
-    p.entry.reset();
-    p.building.reset();
-  }
 }
 
 }  // namespace hypic

@@ -39,14 +39,6 @@ struct PicOptions {
   int seam = 8;          // recomputed head tokens of each reused segment after the first
   int tail_seam = 0;     // recomputed last tokens of those segments too (both-ends seams; off by default)
   bool rerotate = true;  // re-rotate cached keys to the segment's real start (pic only)
-  // Selective recompute (pic only; 0: off): up to this share of the reused segments' tokens is
-  // recomputed in context, whole segments picked by `recompute_by` (PicEngine::select_recompute).
-  double recompute = 0;
-  // deviation: the segments whose seam rows' last hidden state moves most between isolation and
-  //            context (CacheBlend's criterion at segment granularity; costs a measuring pass);
-  // recency:   the segments nearest the question (no measuring pass).
-  enum class RecomputeBy { Deviation, Recency };
-  RecomputeBy recompute_by = RecomputeBy::Deviation;
   // Stop after the context, leaving the question (last segment) unprocessed: the state then
   // holds the context only and logits is undefined. For drift measurements.
   bool skip_question = false;
@@ -79,7 +71,6 @@ struct PicPart {
   int64_t pos = 0, len = 0, head = 0, tail = 0;  // cached body: [head, len - tail)
   std::shared_ptr<const SegmentEntry> entry;     // pinned; null while missing, and without a body
   bool built = false;                            // made for this request (not a cache hit)
-  bool recomputed = false;                       // picked by selective recompute: runs whole in context
   std::shared_ptr<EntryBuild> building;          // a build in steps under way (build_step)
   // A segment no longer than its seams is recomputed whole in context: nothing of it is worth
   // caching, so it has no entry (and costs no memory or isolated prefill).
@@ -119,14 +110,6 @@ class PicEngine {
   // part's key and this model's layer layout, moved to the device and cached as a build of this
   // request. Throws std::invalid_argument naming what does not fit; nothing is cached then.
   void adopt(PicPlan& plan, size_t part, std::shared_ptr<SegmentEntry> entry);
-  // Selective recompute (plan.opt.recompute > 0): marks the parts to recompute whole in context
-  // (their entries are let go) within the budget, best score first. With recompute_by deviation
-  // every part with a body needs its entry (a measuring composition runs first).
-  void select_recompute(const std::vector<std::vector<int32_t>>& segments, PicPlan& plan);
-  // Per context part: the mean over its head seam rows of |h_context - h_isolated| / |h_context|,
-  // h the hidden state after the last layer, in context as the plan composes it and in isolation
-  // from position 0 as its entry was built; -1 for parts without head rows (the first segment).
-  std::vector<double> seam_deviation(const std::vector<std::vector<int32_t>>& segments, const PicPlan& plan);
   // Every part with a body must have its entry (throws otherwise). opt.skip_question is the plan's.
   PrefillResult compose(const std::vector<std::vector<int32_t>>& segments, const PicPlan& plan);
   // The same in steps (the server's fairness: a prompt of many segments does not hold the engine):
@@ -210,8 +193,6 @@ class PicEngine {
                                                    CacheReport& rep);
 
  private:
-  std::shared_ptr<ComposeRun> start_compose_run(const std::vector<std::vector<int32_t>>& segments,
-                                                const PicPlan& plan, bool allow_pending, bool measure);
   PrefillResult prefill_full(const std::vector<std::vector<int32_t>>& segs, bool skip_question);
   PrefillResult prefill_prefix(const std::vector<std::vector<int32_t>>& segs, bool skip_question);
   std::shared_ptr<const SegmentEntry> lookup(const SegmentKey& key);  // memory, then disk (verified)
