@@ -28,9 +28,12 @@ using json = nlohmann::json;
 struct Source {
   std::string tensor;
   int64_t expert = -1;  // a slice of the stacked experts
-  enum class Fix { None, MinusOne, LogNeg } fix = Fix::None;
+  // Qkvz: Qwen3-Next's in_proj_qkvz, interleaved per key head again from the converter's q|k|v
+  // (`tensor`) and z (`second`) halves.
+  enum class Fix { None, MinusOne, LogNeg, Qkvz } fix = Fix::None;
   int axis = -1;             // value heads regrouped along rows (0) or columns (1)
   int64_t from = 0, hd = 0;  // from this index, in blocks of hd
+  std::string second;        // Qkvz: the z half
 };
 
 // The file's tensor for a Hugging Face name under config c, and what undoes the converter's change.
@@ -46,8 +49,9 @@ std::optional<Source> resolve(const ModelConfig& c_, const std::string& name) {
   const std::string idx = name.substr(L.size(), dot - L.size());
   if (idx.empty() || idx.find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
   const std::string blk = "blk." + idx + ".", rest = name.substr(dot + 1);
-  // Value-head regrouping only exists when key heads are repeated over value heads.
-  const bool regroup = c_.linear_num_key_heads != c_.linear_num_value_heads;
+  // Value-head regrouping only exists when key heads are repeated over value heads, and only in
+  // the qwen35 converters (qwen3next keeps each key head's value heads together, as Hugging Face).
+  const bool regroup = c_.linear_num_key_heads != c_.linear_num_value_heads && c_.arch != Arch::Qwen3Next;
   const int64_t qk = 2 * c_.linear_num_key_heads * c_.linear_key_head_dim, dv = c_.linear_value_head_dim;
   auto heads = [&](const std::string& t, int axis, int64_t from, int64_t hd, Fix fix = Fix::None) {
     Source s{blk + t, -1, fix};
@@ -79,6 +83,17 @@ std::optional<Source> resolve(const ModelConfig& c_, const std::string& name) {
   };
   for (auto [hf, gg] : kPlusOne)
     if (rest == hf) return Source{blk + gg, -1, Fix::MinusOne};
+  if (c_.arch == Arch::Qwen3Next) {  // packed per key head in Hugging Face's checkpoints
+    if (rest == "linear_attn.in_proj_qkvz.weight") {
+      Source s{blk + "attn_qkv.weight", -1, Fix::Qkvz};
+      s.second = blk + "attn_gate.weight";
+      return s;
+    }
+    if (rest == "linear_attn.in_proj_ba.weight") return Source{blk + "ssm_ba.weight"};  // stored as is
+    if (rest == "linear_attn.in_proj_qkv.weight" || rest == "linear_attn.in_proj_z.weight" ||
+        rest == "linear_attn.in_proj_b.weight" || rest == "linear_attn.in_proj_a.weight")
+      return std::nullopt;
+  }
   if (rest == "linear_attn.in_proj_qkv.weight") return heads("attn_qkv.weight", 0, qk, dv);
   if (rest == "linear_attn.in_proj_z.weight") return heads("attn_gate.weight", 0, 0, dv);
   if (rest == "linear_attn.in_proj_b.weight") return heads("ssm_beta.weight", 0, 0, 1);
@@ -109,15 +124,47 @@ class GgufWeights : public WeightSource {
   GgufWeights(std::shared_ptr<const GgufFile> f, const ModelConfig& c) : f_(std::move(f)), c_(c) {}
   bool has(const std::string& name) const override {
     auto s = resolve(c_, name);
-    return s && f_->find(s->tensor);
+    return s && f_->find(s->tensor) && (s->second.empty() || f_->find(s->second));
   }
   Tensor get(const std::string& name, const Shape& expected) const override;
   std::string describe() const override { return "gguf " + f_->path(); }
 
  private:
+  Tensor interleave_qkvz(const GgufFile& f, const Source& s, Tensor qkv) const;
   std::shared_ptr<const GgufFile> f_;
   ModelConfig c_;
 };
+
+// Hugging Face's in_proj_qkvz rows, per key head g: [q_g dk | k_g dk | v_g r*dv | z_g r*dv], from the
+// converter's [q all | k all | v all] (qkv) and [z all] (the file's `second` tensor). Whole rows
+// move, so quantized blocks stay as they are.
+Tensor GgufWeights::interleave_qkvz(const GgufFile& f, const Source& s, Tensor qkv) const {
+  const GgufTensorInfo* zi = f.find(s.second);
+  if (!zi) fail(f, "missing tensor " + s.second + " (the z half of in_proj_qkvz)");
+  Tensor z = f.get(s.second);
+  if (qkv.dtype() != z.dtype()) qkv = qkv.to_f32(), z = z.to_f32();
+  const int64_t nk = c_.linear_num_key_heads, dk = c_.linear_key_head_dim;
+  const int64_t vg = c_.linear_num_value_heads / nk * c_.linear_value_head_dim;  // value rows per key head
+  const int64_t H = c_.hidden_size;
+  if (qkv.ndim() != 2 || z.ndim() != 2 || qkv.dim(1) != H || z.dim(1) != H || qkv.dim(0) != 2 * nk * dk + nk * vg ||
+      z.dim(0) != nk * vg)
+    fail(f, s.tensor + " " + shape_str(qkv.shape()) + " and " + s.second + " " + shape_str(z.shape()) +
+                " do not make in_proj_qkvz of " + std::to_string(nk) + " key heads");
+  Tensor out = Tensor::empty(qkv.dtype(), {nk * (2 * dk + 2 * vg), H});
+  const size_t rb = dtype_bytes(qkv.dtype(), H);
+  auto* o = static_cast<char*>(out.raw());
+  auto rows = [&](const Tensor& src, int64_t r0, int64_t n) {
+    std::memcpy(o, static_cast<const char*>(src.raw()) + r0 * rb, n * rb);
+    o += n * rb;
+  };
+  for (int64_t g = 0; g < nk; ++g) {
+    rows(qkv, g * dk, dk);
+    rows(qkv, nk * dk + g * dk, dk);
+    rows(qkv, 2 * nk * dk + g * vg, vg);
+    rows(z, g * vg, vg);
+  }
+  return out;
+}
 
 Tensor GgufWeights::get(const std::string& name, const Shape& expected) const {
   const GgufFile& f = *f_;
@@ -133,13 +180,14 @@ Tensor GgufWeights::get(const std::string& name, const Shape& expected) const {
   // other tensor is used as f32.
   if (dtype_is_quantized(t.dtype()) && expected.size() != 2) t = t.to_f32();
 
+  if (s->fix == Source::Fix::Qkvz) t = interleave_qkvz(f, *s, t);
   if (s->expert >= 0) {
     const Shape sh = t.shape();
     if (sh.size() != 3 || s->expert >= sh[0])
       fail(f, "tensor " + s->tensor + " " + shape_str(sh) + " has no expert " + std::to_string(s->expert));
     t = t.reshape({sh[0] * sh[1], sh[2]}).slice_rows(s->expert * sh[1], (s->expert + 1) * sh[1]);
   }
-  if (s->fix != Source::Fix::None) {
+  if (s->fix == Source::Fix::MinusOne || s->fix == Source::Fix::LogNeg) {
     t = t.dtype() == DType::F32 ? t.clone() : t.to_f32();  // a copy: views of the mapping are read-only
     float* p = t.data<float>();
     for (int64_t i = 0; i < t.numel(); ++i) {
@@ -216,11 +264,10 @@ ModelConfig gguf_model_config(const GgufFile& f) {
     c.arch = Arch::Qwen3_5Moe;
     c.architecture = "Qwen3_5MoeForCausalLM";
   } else if (a == "qwen3next") {
-    fail(f,
-         "architecture qwen3next is not supported yet (llama.cpp's converter cannot write the mlp-only "
-         "layers of hypic's Qwen3-Next reference checkpoint, so there is no file to test a mapping against)");
+    c.arch = Arch::Qwen3Next;
+    c.architecture = "Qwen3NextForCausalLM";
   } else {
-    fail(f, "architecture '" + a + "' is not one hypic runs from GGUF (qwen35, qwen35moe)");
+    fail(f, "architecture '" + a + "' is not one hypic runs from GGUF (qwen35, qwen35moe, qwen3next)");
   }
   auto positive = [&](const std::string& k) {
     const int64_t v = f.get_int(a + "." + k);
@@ -257,13 +304,17 @@ ModelConfig gguf_model_config(const GgufFile& f) {
   const int64_t every = positive("full_attention_interval");
   for (int64_t i = 0; i < c.num_hidden_layers; ++i)
     c.layer_types.push_back((i + 1) % every == 0 ? LayerKind::Attention : LayerKind::Linear);
-  if (c.arch == Arch::Qwen3_5Moe) {
+  if (c.arch == Arch::Qwen3_5Moe || c.arch == Arch::Qwen3Next) {
     c.num_experts = positive("expert_count");
     c.num_experts_per_tok = positive("expert_used_count");
     c.moe_intermediate_size = positive("expert_feed_forward_length");
     if (f.has(a + ".expert_shared_feed_forward_length"))
       c.shared_expert_intermediate_size = positive("expert_shared_feed_forward_length");
-    c.norm_topk_prob = true;  // Qwen3.5-MoE renormalises its top-k; the converter writes no key for it
+    c.norm_topk_prob = true;  // both renormalise their top-k; the converter writes no key for it
+    // llama.cpp's qwen3next has a sparse MLP in every layer (no mlp_only_layers, no sparse step).
+    c.decoder_sparse_step = 1;
+    if (c.arch == Arch::Qwen3Next && f.has(a + ".feed_forward_length"))
+      c.intermediate_size = positive("feed_forward_length");
   } else {
     c.intermediate_size = positive("feed_forward_length");
   }
@@ -530,7 +581,9 @@ void write_gguf_checkpoint(const ModelConfig& cfg, const WeightSource& w, const 
   if (!(type == DType::F32 || type == DType::BF16 || dtype_is_quantized(type)))
     bad(std::string("cannot write matrices as ") + dtype_name(type) + " (f32, bf16, q8_0, q4_k or q6_k)");
   const char* arch = cfg.arch == Arch::Qwen3_5 ? "qwen35" : cfg.arch == Arch::Qwen3_5Moe ? "qwen35moe" : nullptr;
-  if (!arch) bad("architecture " + cfg.architecture + " has no GGUF mapping here (qwen35, qwen35moe)");
+  if (!arch)
+    bad("architecture " + cfg.architecture +
+        " is not written as GGUF here (qwen35, qwen35moe; qwen3next files are read, not written)");
   // Full attention every n-th layer is all llama.cpp's qwen35 metadata can say.
   int64_t every = 0;
   for (size_t i = 0; i < cfg.layer_types.size(); ++i)
@@ -597,7 +650,7 @@ void write_gguf_checkpoint(const ModelConfig& cfg, const WeightSource& w, const 
     const auto s = resolve(cfg, name);
     if (!s) bad("no GGUF tensor corresponds to " + name);
     Tensor f = as_f32(w.get(name, shape));
-    if (s->fix != Source::Fix::None) {
+    if (s->fix == Source::Fix::MinusOne || s->fix == Source::Fix::LogNeg) {
       float* p = f.data<float>();
       for (int64_t i = 0; i < f.numel(); ++i) p[i] = s->fix == Source::Fix::MinusOne ? p[i] + 1.0f : -std::exp(p[i]);
     }

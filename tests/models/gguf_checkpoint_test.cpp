@@ -198,6 +198,147 @@ TEST(GgufCheckpoint, ModelsAnswerAsTheReference) {
   }
 }
 
+namespace {
+// The reference Qwen3-Next checkpoint as llama.cpp's qwen3next holds it (every layer sparse): layer
+// 1's dense MLP read as layer 0's sparse one, as tools/gguf/qwen3_next_all_moe.py derived the folder
+// that the committed file was converted from.
+class AllMoeQwen3Next : public WeightSource {
+ public:
+  explicit AllMoeQwen3Next(const std::string& dir) : store_(dir), inner_(weights_from_store(store_)) {}
+  static std::string alias(const std::string& n) {
+    const std::string l1 = "model.layers.1.mlp.";
+    return n.rfind(l1, 0) == 0 ? "model.layers.0.mlp." + n.substr(l1.size()) : n;
+  }
+  bool has(const std::string& n) const override { return inner_->has(alias(n)); }
+  Tensor get(const std::string& n, const Shape& s) const override { return inner_->get(alias(n), s); }
+  std::string describe() const override { return "qwen3_next, every layer sparse"; }
+
+ private:
+  WeightStore store_;
+  std::unique_ptr<WeightSource> inner_;
+};
+}  // namespace
+
+// llama.cpp's qwen3next (Qwen3-Next): the config from the metadata, in_proj_qkvz interleaved per key
+// head again from the file's q|k|v and z halves (no value-head regrouping, unlike qwen35), and the
+// model answering as the same checkpoint quantized to Q8_0 as it loads from the Hugging Face folder.
+TEST(GgufCheckpoint, Qwen3NextFileHoldsTheCheckpoint) {
+  auto file = std::make_shared<GgufFile>(gguf("qwen3_next_moe-q8_0.gguf"));
+  const ModelConfig c = gguf_model_config(*file);
+  ModelConfig want = load_model_config(model("qwen3_next") + "/config.json");
+  want.mlp_only_layers.clear();
+  EXPECT_EQ(c.arch, Arch::Qwen3Next);
+  EXPECT_EQ(c.architecture, want.architecture);
+  EXPECT_EQ(c.layer_types, want.layer_types);
+  EXPECT_EQ(c.num_experts, want.num_experts);
+  EXPECT_EQ(c.num_experts_per_tok, want.num_experts_per_tok);
+  EXPECT_EQ(c.moe_intermediate_size, want.moe_intermediate_size);
+  EXPECT_EQ(c.shared_expert_intermediate_size, want.shared_expert_intermediate_size);
+  EXPECT_EQ(c.linear_num_key_heads, want.linear_num_key_heads);
+  EXPECT_EQ(c.linear_num_value_heads, want.linear_num_value_heads);
+  EXPECT_EQ(c.linear_value_head_dim, want.linear_value_head_dim);
+  EXPECT_EQ(c.rotary_dim(), want.rotary_dim());
+  EXPECT_TRUE(c.mlp_only_layers.empty());
+  ASSERT_NE(c.linear_num_key_heads, c.linear_num_value_heads) << "several value heads per key head";
+
+  // Every tensor the model loads, against the checkpoint's within Q8_0's rounding (half a block
+  // scale plus the scale's f16 rounding; f16 and f32 tensors to f16's precision). A row of another
+  // head or half lands whole weights away.
+  auto ws = weights_from_gguf(file, c);
+  AllMoeQwen3Next ref(model("qwen3_next"));
+  struct Names : WeightSource {
+    const WeightSource& in;
+    mutable std::vector<std::pair<std::string, Shape>> seen;
+    explicit Names(const WeightSource& i) : in(i) {}
+    bool has(const std::string& n) const override { return in.has(n); }
+    Tensor get(const std::string& n, const Shape& s) const override {
+      seen.emplace_back(n, s);
+      return in.get(n, s);
+    }
+    std::string describe() const override { return in.describe(); }
+  } names(ref);
+  auto cpu = make_backend("cpu", 1);
+  { Model probe(want, names, *cpu); }
+  int q8 = 0;
+  bool qkvz = false;
+  for (const auto& [key, shape] : names.seen) {
+    ASSERT_TRUE(ws->has(key)) << "no GGUF tensor for " << key;
+    const GgufTensorInfo* info = gguf_tensor_for(*file, c, key);
+    ASSERT_NE(info, nullptr) << key;
+    const bool q = std::string(info->type->name) == "Q8_0";
+    q8 += q;
+    qkvz |= key.find("in_proj_qkvz") != std::string::npos;
+    Tensor a = ref.get(key, shape).to_f32(), b = ws->get(key, shape).to_f32();
+    ASSERT_EQ(a.numel(), b.numel()) << key;
+    const int64_t rows = a.shape().empty() ? 1 : a.shape()[0], cols = a.numel() / rows;
+    double worst = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      double rowmax = 0;
+      for (int64_t j = 0; j < cols; ++j) rowmax = std::max(rowmax, std::abs(double(a.data<float>()[r * cols + j])));
+      for (int64_t j = 0; j < cols; ++j) {
+        const double x = a.data<float>()[r * cols + j], y = b.data<float>()[r * cols + j];
+        const double bound =
+            q ? rowmax / 254.0 + rowmax * std::ldexp(1.0, -10) : std::abs(x) * std::ldexp(1.0, -10) + 1e-6;
+        worst = std::max(worst, std::abs(x - y) / bound);
+      }
+    }
+    EXPECT_LE(worst, 1.0) << key << " (" << info->type->name << ")";
+  }
+  EXPECT_TRUE(qkvz);
+  EXPECT_GT(q8, 20);
+
+  // Answers: every position's log-probs of both reference prompts against the checkpoint quantized
+  // to Q8_0 as it loads (hypic's quantizer writes gguf-py's bytes), and the greedy tokens.
+  LoadedModel lm = load_model(gguf("qwen3_next_moe-q8_0.gguf"), "cpu", 2);
+  lm.backend->set_precise(true);
+  auto be = make_backend("cpu", 2);
+  be->set_precise(true);
+  // The converter wrote the shared experts' down projections (48 columns: no whole Q8_0 blocks) as
+  // f16, where quantizing at load keeps f32: round those through f16 as the file did.
+  struct LikeTheFile : WeightSource {
+    AllMoeQwen3Next in;
+    const GgufFile& file;
+    const ModelConfig& cfg;
+    LikeTheFile(const std::string& dir, const GgufFile& f, const ModelConfig& c) : in(dir), file(f), cfg(c) {}
+    bool has(const std::string& n) const override { return in.has(n); }
+    Tensor get(const std::string& n, const Shape& sh) const override {
+      Tensor t = in.get(n, sh);
+      const GgufTensorInfo* i = gguf_tensor_for(file, cfg, n);
+      if (!i || std::string(i->type->name) != "F16") return t;
+      Tensor h = Tensor::empty(DType::F16, t.shape()), f = t.to_f32().clone();
+      convert_from_f32(f.data<float>(), DType::F16, h.raw(), static_cast<size_t>(f.numel()));
+      return h.to_f32();
+    }
+    std::string describe() const override { return in.describe(); }
+  };
+  int f16 = 0;
+  for (const auto& [key, shape] : names.seen) f16 += std::string(gguf_tensor_for(*file, c, key)->type->name) == "F16";
+  EXPECT_GT(f16, 0) << "the rounding above is exercised";
+  Model hf(want, *quantized_weights(std::make_unique<LikeTheFile>(model("qwen3_next"), *file, c), DType::Q8_0), *be);
+  SafetensorsFile prompts(model("qwen3_next") + "/reference.safetensors");
+  double worst = 0;
+  for (std::string s : {"a", "b"}) {
+    const auto ids = ids_of(prompts.get("prompt_" + s));
+    SequenceState sa = lm.model->new_state(), sb = hf.new_state();
+    Tensor la = lm.backend->to_host(lm.model->forward(ids, sa, {.all_logits = true}));
+    Tensor lb = be->to_host(hf.forward(ids, sb, {.all_logits = true}));
+    ASSERT_EQ(la.shape(), lb.shape());
+    const int64_t V = la.dim(1);
+    for (int64_t r = 0; r < la.dim(0); ++r) {
+      auto pa = log_softmax(std::span<const float>(la.data<float>() + r * V, static_cast<size_t>(V)));
+      auto pb = log_softmax(std::span<const float>(lb.data<float>() + r * V, static_cast<size_t>(V)));
+      for (int64_t j = 0; j < V; ++j) worst = std::max(worst, std::abs(double(pa[j]) - pb[j]));
+    }
+    GenerateRequest req;
+    req.prompt = ids;
+    req.max_tokens = 24;
+    EXPECT_EQ(generate(*lm.model, nullptr, req).ids, generate(hf, nullptr, req).ids) << "prompt " << s;
+  }
+  std::printf("qwen3_next_moe-q8_0.gguf against the checkpoint quantized as it loads: max |log-prob error| %.3g\n",
+              worst);
+  EXPECT_LE(worst, 1e-3);
+}
+
 // The tokenizer rebuilt from the GGUF metadata gives tokenizer.json's ids on the whole corpus.
 TEST(GgufCheckpoint, TokenizerMatchesTokenizerJson) {
   LoadedModel lm = load_model(gguf("qwen3_5_dense-q8_0.gguf"), "cpu", 1);
