@@ -171,6 +171,9 @@ std::string Metrics::render(const SegmentCacheStats& c) const {
     scalar(out, "hypic_remote_import_seconds_total", "counter",
            "Time spent copying shared entries out of workers' memory (part of the transfer)",
            static_cast<double>(remote_import_us.load()) / 1e6);
+    scalar(out, "hypic_remote_shared_failures_total", "counter",
+           "Shared entries that could not be mapped here (that worker sends bytes from then on)",
+           static_cast<double>(remote_shared_failures.load()));
     scalar(out, "hypic_remote_timeouts_total", "counter", "Worker builds that missed their deadline",
            static_cast<double>(remote_timeouts.load()));
     scalar(out, "hypic_remote_lost_total", "counter", "Worker builds lost with their connection",
@@ -192,6 +195,9 @@ std::string Metrics::render(const SegmentCacheStats& c) const {
          static_cast<double>(served_builds.load()));
   scalar(out, "hypic_served_bytes_total", "counter", "Bytes of entries sent to combine nodes",
          static_cast<double>(served_bytes.load()));
+  scalar(out, "hypic_served_shared_total", "counter",
+         "Of the entries sent to combine nodes: in their shared form (device to device, same host)",
+         static_cast<double>(served_shared.load()));
   scalar(out, "hypic_queue_depth", "gauge", "Requests waiting for the engine", static_cast<double>(queue_depth.load()));
   scalar(out, "hypic_running_requests", "gauge", "Requests being prefilled or decoded",
          static_cast<double>(running.load()));

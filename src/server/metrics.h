@@ -52,6 +52,9 @@ struct Metrics {
   std::atomic<uint64_t> remote_overlap_steps{0};  // composition steps run while workers still built
   // Entries that came in their shared form (device to device), and the time spent copying them in.
   std::atomic<uint64_t> remote_shared_entries{0}, remote_import_us{0};
+  // Shared entries this node could not map (their worker sends bytes from then on); worker side:
+  // entries served in their shared form.
+  std::atomic<uint64_t> remote_shared_failures{0}, served_shared{0};
   std::atomic<int64_t> workers{0}, workers_healthy{0};
 
  private:

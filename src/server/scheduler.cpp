@@ -790,6 +790,7 @@ void Scheduler::submit_remote_build(SegmentKey key, bool shared, std::function<v
     if (out.ok) {
       metrics_.served_builds++;
       metrics_.served_bytes += out.bytes.size();
+      if (out.shared) metrics_.served_shared++;
     }
     reply(std::move(out));
   };
@@ -956,6 +957,7 @@ void Scheduler::sync_pool_metrics() {
   metrics_.remote_errors = st.errors;
   metrics_.remote_bad_entries = st.bad_entries;
   metrics_.remote_recoveries = st.recoveries;
+  metrics_.remote_shared_failures = st.shared_failures;
   metrics_.remote_transfer_us = static_cast<uint64_t>(st.transfer_seconds * 1e6);
   metrics_.workers_healthy = pool_->healthy();
 }

@@ -185,6 +185,10 @@ TEST(SegmentWorkers, EntriesAndAnswersEqualALocalBuild) {
   EXPECT_EQ(metric(combine.port(), "hypic_segment_workers_healthy"), 2);
   EXPECT_GT(metric(w1.proc->port(), "hypic_served_builds_total") + metric(w2.proc->port(), "hypic_served_builds_total"),
             0);
+  // Host memory on the CPU: nothing goes device to device, nothing fails to map.
+  EXPECT_EQ(metric(w1.proc->port(), "hypic_served_shared_total") + metric(w2.proc->port(), "hypic_served_shared_total"),
+            0);
+  EXPECT_EQ(metric(combine.port(), "hypic_remote_shared_failures_total"), 0);
   // Warm: every entry is in the combine node's cache now.
   const Answer warm = ask(combine.port(), body);
   EXPECT_EQ(warm, want);
@@ -244,6 +248,8 @@ TEST(SegmentWorkers, GpuEntriesMoveDeviceToDevice) {
   const double remote = metric(combine.port(), "hypic_remote_entries_total");
   EXPECT_GE(remote, 1) << "LPT gave the worker nothing";
   EXPECT_EQ(metric(combine.port(), "hypic_remote_shared_entries_total"), remote) << combine.log();
+  EXPECT_EQ(metric(combine.port(), "hypic_remote_shared_failures_total"), 0) << combine.log();
+  EXPECT_GE(metric(w.proc->port(), "hypic_served_shared_total"), remote) << "the fetches above count too";
   EXPECT_EQ(metric(combine.port(), "hypic_remote_fallbacks_total"), 0) << combine.log();
   EXPECT_EQ(WEXITSTATUS(combine.stop(SIGTERM)), 0) << combine.log();
 }
