@@ -11,6 +11,41 @@
 
 namespace hypic::cli {
 
+namespace {
+// Every task side by side, as docs/quality.md shows them (markdown): each configuration's score and
+// its difference from full per task, their means, and the first task's median TTFT.
+void print_summary(const nlohmann::json& out, const std::vector<std::string>& tasks, bool has_full) {
+  std::printf("\n| config |");
+  for (const auto& t : tasks) {
+    std::printf(" %s %s |", t.c_str(), out["tasks"][t]["metric"].get<std::string>().c_str());
+    if (has_full) std::printf(" vs full |");
+  }
+  std::printf(" mean |%s TTFT p50 ms (%s) |\n|---|", has_full ? " mean vs full |" : "", tasks.front().c_str());
+  for (size_t i = 0; i < tasks.size() * (has_full ? 2 : 1) + (has_full ? 3 : 2); ++i) std::printf("---:|");
+  std::printf("\n");
+  const auto& first = out["tasks"][tasks.front()]["rows"];
+  for (size_t r = 0; r < first.size(); ++r) {
+    const std::string config = first[r]["config"];
+    std::printf("| %s |", config.c_str());
+    double mean = 0, mean_diff = 0;
+    for (const auto& t : tasks) {
+      const auto& row = out["tasks"][t]["rows"][r];
+      const double score = row["score"];
+      mean += score / static_cast<double>(tasks.size());
+      std::printf(" %.1f |", score);
+      if (has_full) {
+        const double d = row["diff_vs_full"];
+        mean_diff += d / static_cast<double>(tasks.size());
+        std::printf(" %+.1f |", d);
+      }
+    }
+    std::printf(" %.1f |", mean);
+    if (has_full) std::printf(" %+.1f |", mean_diff);
+    std::printf(" %.1f |\n", first[r]["ttft_ms_median"].get<double>());
+  }
+}
+}  // namespace
+
 void register_eval(CLI::App& app) {
   struct Opts {
     std::string quantize, activations;
@@ -22,9 +57,12 @@ void register_eval(CLI::App& app) {
   };
   auto o = std::make_shared<Opts>();
   auto* c = app.add_subcommand("eval", "Score full / prefix / pic / naive prefill on multi-document tasks");
-  c->add_option("--model", o->model, "Model folder, or a GGUF file (qwen35 / qwen35moe)")->capture_default_str();
+  c->add_option("--model", o->model, "Model folder, or a GGUF file (qwen35 / qwen35moe / qwen3next)")
+      ->capture_default_str();
   c->add_option("--task", o->task, "lookup, twohop, aggregate or all")->capture_default_str();
-  c->add_option("--set", o->set, "Held-out set: smoke, moderate, long (more documents), longdocs (longer documents), full")->capture_default_str();
+  c->add_option("--set", o->set,
+                "Held-out set: smoke, moderate, long (more documents), longdocs (longer documents), full")
+      ->capture_default_str();
   c->add_option("--n", o->n, "Prompts per task (default: the set's size)");
   c->add_option("--data", o->data, "Examples JSONL instead of a generated set");
   c->add_option("--modes", o->modes, "Modes to compare")->capture_default_str();
@@ -124,6 +162,7 @@ void register_eval(CLI::App& app) {
         }
       }
       if (pred) std::fclose(pred);
+      if (!o->json && tasks.size() > 1) print_summary(out, tasks, has_full);
       if (o->json) std::cout << out.dump(-1) << "\n";
     });
   });

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -356,3 +357,48 @@ TEST(Cli, MaskPaddedIds) {
 }
 
 }  // namespace
+
+// `hypic eval` over every task ends with the table docs/quality.md shows: each configuration's
+// per-task scores as the task tables printed them, their mean, and the difference from full.
+TEST(Cli, EvalSummarisesEveryTask) {
+  const std::string dflt = std::string(HYPIC_SOURCE_DIR) + "/models/default";
+  auto r = run("eval --model " + dflt + " --task all --set smoke --n 2 --modes full,naive --threads 1");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  // Per-task rows: "  <config> <score> <vs full> <ttft>" after "task <name> (...)".
+  std::map<std::string, std::map<std::string, double>> score;
+  std::istringstream in(r.out);
+  std::string line, task;
+  std::vector<std::string> summary;
+  while (std::getline(in, line)) {
+    if (line.rfind("task ", 0) == 0) task = line.substr(5, line.find(' ', 5) - 5);
+    std::istringstream ls(line);
+    std::string config;
+    double s = 0;
+    if (line.rfind("  ", 0) == 0 && (ls >> config >> s) && config != "config") score[config][task] = s;
+    if (line.rfind("| ", 0) == 0) summary.push_back(line);
+  }
+  ASSERT_EQ(summary.size(), 3u) << r.out;  // header, full, naive
+  EXPECT_NE(summary[0].find("lookup"), std::string::npos);
+  EXPECT_NE(summary[0].find("mean vs full"), std::string::npos);
+  for (size_t i = 1; i < summary.size(); ++i) {
+    std::vector<std::string> cells;
+    std::istringstream cs(summary[i]);
+    for (std::string c; std::getline(cs, c, '|');)
+      if (c.find_first_not_of(' ') != std::string::npos) cells.push_back(c.substr(c.find_first_not_of(' ')));
+    ASSERT_EQ(cells.size(), 10u) << summary[i];  // config, 3 x (score, vs full), mean, mean vs full, TTFT
+    const std::string config = cells[0].substr(0, cells[0].find(' '));
+    double mean = 0;
+    int k = 1;
+    for (const char* t : {"lookup", "twohop", "aggregate"}) {
+      ASSERT_TRUE(score[config].count(t)) << config << " " << t << "\n" << r.out;
+      EXPECT_NEAR(std::stod(cells[k]), score[config][t], 0.051) << config << " " << t;
+      EXPECT_NEAR(std::stod(cells[k + 1]), score[config][t] - score["full"][t], 0.11) << config << " " << t;
+      mean += score[config][t] / 3;
+      k += 2;
+    }
+    EXPECT_NEAR(std::stod(cells[7]), mean, 0.051) << summary[i];
+  }
+  auto bad = run("eval --model " + dflt + " --set huge");
+  EXPECT_NE(bad.rc, 0);
+  EXPECT_NE(bad.out.find("longdocs"), std::string::npos) << bad.out;
+}
