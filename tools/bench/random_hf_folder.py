@@ -50,6 +50,36 @@ def bf16(x):
     return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest even
 
 
+def trim_tokenizer(path, vocab_size):
+    """A config whose vocabulary is smaller than the tokenizer's (the 100M bench config: 32,000) gets
+    the tokenizer cut to it: the first tokens in id order (a byte-level BPE vocabulary grows in merge
+    order, so every kept token's merge parts are kept too) with the merges that make them, and the
+    added tokens moved to the last ids. Still a valid BPE tokenizer, with the same pre-tokenizer."""
+    t = json.load(open(path, encoding="utf-8"))
+    vocab, added = t["model"]["vocab"], t.get("added_tokens", [])
+    if len(vocab) + len(added) <= vocab_size:
+        return
+    keep = vocab_size - len(added)
+    kept = {tok: i for tok, i in vocab.items() if i < keep}
+    merges = []
+    for m in t["model"]["merges"]:
+        a, b = m.split(" ", 1) if isinstance(m, str) else m
+        if a + b in kept and a in kept and b in kept:
+            merges.append(m)
+    t["model"]["vocab"], t["model"]["merges"] = kept, merges
+    for j, tok in enumerate(sorted(added, key=lambda x: x["id"])):
+        tok["id"] = keep + j
+    json.dump(t, open(path, "w", encoding="utf-8"), ensure_ascii=False)
+    # tokenizer_config.json names the added tokens by id too.
+    cpath = os.path.join(os.path.dirname(path), "tokenizer_config.json")
+    cfg = json.load(open(cpath, encoding="utf-8"))
+    if "added_tokens_decoder" in cfg:
+        new_id = {tok["content"]: tok["id"] for tok in added}
+        cfg["added_tokens_decoder"] = {str(new_id[v["content"]]): v for v in cfg["added_tokens_decoder"].values()}
+        json.dump(cfg, open(cpath, "w", encoding="utf-8"), ensure_ascii=False, indent=2)
+    print(f"{path}: cut to {vocab_size} tokens ({len(kept)} + {len(added)} added, {len(merges)} merges)")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", required=True)
@@ -91,6 +121,7 @@ def main():
     shutil.copy(a.config, os.path.join(a.out, "config.json"))
     for t in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(a.tokenizer, t), os.path.join(a.out, t))
+    trim_tokenizer(os.path.join(a.out, "tokenizer.json"), c["vocab_size"])  # after both files are there
     print(f"{a.out}: {off / 2**30:.2f} GiB of bf16 weights")
 
 
