@@ -151,16 +151,21 @@ float dot_q4_k(const BlockQ4_K* w, const BlockQ8_K* x, int64_t nb) {
         (u[0] & 0x3f3f3f3fu) | static_cast<uint64_t>((u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4)) << 32;
     const uint64_t mn = (u[1] & 0x3f3f3f3fu) |
                         static_cast<uint64_t>(((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4)) << 32;
+    // The eight scales as 16-bit lanes in both halves; each is broadcast by one byte shuffle (a
+    // scalar extract and broadcast per scale cost ~4 instructions each, nearly half the block's).
+    const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(sc))));
     __m256i isum = _mm256_setzero_si256();
     for (int c = 0; c < 4; ++c) {
       const __m256i v = load(w[k].qs + 32 * c);
       const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
       const __m256i plo = _mm256_maddubs_epi16(lo, load(x[k].q + 64 * c));
       const __m256i phi = _mm256_maddubs_epi16(hi, load(x[k].q + 64 * c + 32));
-      const auto s_lo = static_cast<int16_t>((sc >> (16 * c)) & 0xff),
-                 s_hi = static_cast<int16_t>((sc >> (16 * c + 8)) & 0xff);
-      isum = _mm256_add_epi32(isum, _mm256_madd_epi16(plo, _mm256_set1_epi16(s_lo)));
-      isum = _mm256_add_epi32(isum, _mm256_madd_epi16(phi, _mm256_set1_epi16(s_hi)));
+      const __m256i s_lo =
+          _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(static_cast<int16_t>(((4 * c + 1) << 8) | (4 * c))));
+      const __m256i s_hi =
+          _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(static_cast<int16_t>(((4 * c + 3) << 8) | (4 * c + 2))));
+      isum = _mm256_add_epi32(isum, _mm256_madd_epi16(plo, s_lo));
+      isum = _mm256_add_epi32(isum, _mm256_madd_epi16(phi, s_hi));
     }
     // x's 16 sums of 16 values against the mins, each min twice (a sub-block is 32 values).
     const __m256i mins = _mm256_cvtepu8_epi16(
@@ -177,9 +182,16 @@ float dot_q4_k(const BlockQ4_K* w, const BlockQ8_K* x, int64_t nb) {
 // then times the two 16-value sub-blocks' scales into int32.
 float dot_q6_k(const BlockQ6_K* w, const BlockQ8_K* x, int64_t nb) {
   const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+  // Even scales to the low half's 16-bit lanes, odd ones to the high half's: scales s and s + 1 of
+  // a 32-value stretch are then one byte shuffle away (lane s / 2 of each half).
+  const __m128i even_odd = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
   float acc = 0.f;
   for (int64_t k = 0; k < nb; ++k) {
-    __m256i isum = _mm256_setzero_si256();
+    const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[k].scales));
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, even_odd));
+    // The -32 offset: sum over the 16 sub-blocks of scale * x's sub-block sum, in one madd.
+    __m256i isum = _mm256_slli_epi32(_mm256_madd_epi16(load(x[k].bsums), _mm256_cvtepi8_epi16(sc8)), 5);
+    isum = _mm256_sub_epi32(_mm256_setzero_si256(), isum);
     for (int h = 0; h < 2; ++h) {
       const __m256i ql0 = load(w[k].ql + 64 * h), ql1 = load(w[k].ql + 64 * h + 32), qh = load(w[k].qh + 32 * h);
       const __m256i v[4] = {_mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30)),
@@ -189,14 +201,13 @@ float dot_q6_k(const BlockQ6_K* w, const BlockQ8_K* x, int64_t nb) {
                                             _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30))};
       for (int i = 0; i < 4; ++i) {
         const __m256i p = _mm256_maddubs_epi16(v[i], load(x[k].q + 128 * h + 32 * i));
-        const int s = 8 * h + 2 * i;
-        const __m256i scv = _mm256_set_m128i(_mm_set1_epi16(w[k].scales[s + 1]), _mm_set1_epi16(w[k].scales[s]));
+        const int e = 4 * h + i;  // scales 2e (low half) and 2e + 1 (high half)
+        const __m256i scv =
+            _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(static_cast<int16_t>(((2 * e + 1) << 8) | (2 * e))));
         isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, scv));
       }
     }
-    int32_t corr = 0;
-    for (int s = 0; s < 16; ++s) corr += w[k].scales[s] * x[k].bsums[s];
-    acc += x[k].d * _cvtsh_ss(w[k].d) * static_cast<float>(hsum_i32(isum) - 32 * corr);
+    acc += x[k].d * _cvtsh_ss(w[k].d) * static_cast<float>(hsum_i32(isum));
   }
   return acc;
 }
