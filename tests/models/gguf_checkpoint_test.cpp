@@ -42,6 +42,23 @@ double max_abs_f32(const Tensor& a, const Tensor& b) {
   return e;
 }
 
+// The worst element of b against a, as a share of what its storage may round: Q8_0 half a block
+// scale (at most max|row| / 254) plus the f16 rounding of the scale; otherwise |a| * rel + 1e-6.
+double worst_over_rounding(const Tensor& a, const Tensor& b, bool q8_0, double rel) {
+  const int64_t rows = a.shape().empty() ? 1 : a.shape()[0], cols = a.numel() / rows;
+  double worst = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    double rowmax = 0;
+    for (int64_t j = 0; j < cols; ++j) rowmax = std::max(rowmax, std::abs(double(a.data<float>()[r * cols + j])));
+    for (int64_t j = 0; j < cols; ++j) {
+      const double x = a.data<float>()[r * cols + j], y = b.data<float>()[r * cols + j];
+      const double bound = q8_0 ? rowmax / 254.0 + rowmax * std::ldexp(1.0, -10) : std::abs(x) * rel + 1e-6;
+      worst = std::max(worst, std::abs(x - y) / bound);
+    }
+  }
+  return worst;
+}
+
 // Every position's log-probs of both reference prompts: the worst max-abs error over the vocabulary,
 // and the share of positions whose top token is the reference's.
 std::pair<double, double> prompt_error(LoadedModel& lm, const SafetensorsFile& ref) {
@@ -142,21 +159,11 @@ TEST(GgufCheckpoint, QuantizedFilesHoldTheCheckpointWithinTheirRounding) {
       const GgufTensorInfo* info = gguf_tensor_for(*file, c, key);
       ASSERT_NE(info, nullptr) << key;
       Tensor a = st.get(key).to_f32(), b = ws->get(key, st.get(key).shape()).to_f32();
-      const int64_t rows = a.shape().empty() ? 1 : a.shape()[0], cols = a.numel() / rows;
       const bool q = std::string(info->type->name) == "Q8_0";
       q8 += q;
-      double worst = 0;  // error over the bound, worst element
-      for (int64_t r = 0; r < rows; ++r) {
-        double rowmax = 0;
-        for (int64_t j = 0; j < cols; ++j) rowmax = std::max(rowmax, std::abs(double(a.data<float>()[r * cols + j])));
-        for (int64_t j = 0; j < cols; ++j) {
-          const double x = a.data<float>()[r * cols + j], y = b.data<float>()[r * cols + j];
-          const double bound = q ? rowmax / 254.0 + rowmax * std::ldexp(1.0, -10)
-                                 : std::abs(x) * std::ldexp(1.0, -7) + 1e-6;  // bf16, f16 and the f32 +1 / A_log
-          worst = std::max(worst, std::abs(x - y) / bound);
-        }
-      }
-      EXPECT_LE(worst, 1.0) << fname << " " << key << " (" << info->type->name << ")";
+      // bf16, f16 and the f32 +1 / A_log to bf16's precision
+      EXPECT_LE(worst_over_rounding(a, b, q, std::ldexp(1.0, -7)), 1.0)
+          << fname << " " << key << " (" << info->type->name << ")";
     }
     if (std::string(fname).find("q8_0") != std::string::npos) EXPECT_GT(q8, 10) << fname;
   }
@@ -270,19 +277,7 @@ TEST(GgufCheckpoint, Qwen3NextFileHoldsTheCheckpoint) {
     qkvz |= key.find("in_proj_qkvz") != std::string::npos;
     Tensor a = ref.get(key, shape).to_f32(), b = ws->get(key, shape).to_f32();
     ASSERT_EQ(a.numel(), b.numel()) << key;
-    const int64_t rows = a.shape().empty() ? 1 : a.shape()[0], cols = a.numel() / rows;
-    double worst = 0;
-    for (int64_t r = 0; r < rows; ++r) {
-      double rowmax = 0;
-      for (int64_t j = 0; j < cols; ++j) rowmax = std::max(rowmax, std::abs(double(a.data<float>()[r * cols + j])));
-      for (int64_t j = 0; j < cols; ++j) {
-        const double x = a.data<float>()[r * cols + j], y = b.data<float>()[r * cols + j];
-        const double bound =
-            q ? rowmax / 254.0 + rowmax * std::ldexp(1.0, -10) : std::abs(x) * std::ldexp(1.0, -10) + 1e-6;
-        worst = std::max(worst, std::abs(x - y) / bound);
-      }
-    }
-    EXPECT_LE(worst, 1.0) << key << " (" << info->type->name << ")";
+    EXPECT_LE(worst_over_rounding(a, b, q, std::ldexp(1.0, -10)), 1.0) << key << " (" << info->type->name << ")";
   }
   EXPECT_TRUE(qkvz);
   EXPECT_GT(q8, 20);
