@@ -116,18 +116,24 @@ void register_eval(CLI::App& app) {
           {"model", o->model}, {"set", o->data.empty() ? o->set : o->data}, {"tasks", nlohmann::json::object()}};
       std::FILE* pred = o->predictions.empty() ? nullptr : std::fopen(o->predictions.c_str(), "w");
       if (!o->predictions.empty() && !pred) throw std::invalid_argument("cannot write " + o->predictions);
+      std::vector<std::string> ran;  // the tasks with examples
       for (const auto& task : tasks) {
         std::vector<eval::Example> ex;
         if (!o->data.empty()) {
+          // Each task scores its own examples of the file (with --task all too: every task in turn).
           ex = eval::load_examples(o->data);
-          if (o->task != "all")
-            ex.erase(std::remove_if(ex.begin(), ex.end(), [&](const auto& e) { return e.task != task; }), ex.end());
+          ex.erase(std::remove_if(ex.begin(), ex.end(), [&](const auto& e) { return e.task != task; }), ex.end());
           if (o->n > 0 && static_cast<size_t>(o->n) < ex.size()) ex.resize(static_cast<size_t>(o->n));
+          if (ex.empty()) {
+            if (!o->json) std::printf("task %s: no examples in %s\n", task.c_str(), o->data.c_str());
+            continue;
+          }
         } else {
           eval::SetSpec s = eval::eval_set(o->set);
           if (o->n > 0) s.n = o->n;
           ex = eval::generate_examples(task, s);
         }
+        ran.push_back(task);
         auto results = eval::run(lm, ex, configs, ro);
         double full = 0;
         for (auto& r : results)
@@ -162,7 +168,8 @@ void register_eval(CLI::App& app) {
         }
       }
       if (pred) std::fclose(pred);
-      if (!o->json && tasks.size() > 1) print_summary(out, tasks, has_full);
+      if (ran.empty()) throw std::invalid_argument("no examples of task '" + o->task + "' in " + o->data);
+      if (!o->json && ran.size() > 1) print_summary(out, ran, has_full);
       if (o->json) std::cout << out.dump(-1) << "\n";
     });
   });

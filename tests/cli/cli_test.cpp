@@ -398,6 +398,22 @@ TEST(Cli, EvalSummarisesEveryTask) {
     }
     EXPECT_NEAR(std::stod(cells[7]), mean, 0.051) << summary[i];
   }
+  // A --data file scores each task on its own examples; a task without any is said and skipped.
+  const std::string data = ::testing::TempDir() + "/hypic_eval_one_lookup.jsonl";
+  ASSERT_EQ(run_cmd("python3 " + std::string(HYPIC_SOURCE_DIR) +
+                    "/tools/tasks/rag_tasks.py --task lookup --n 1 --seed 7003 --min-docs 2 --max-docs 3 "
+                    "--min-doc-tokens 50 --max-doc-tokens 80 > " +
+                    data)
+                .rc,
+            0);
+  auto one = run("eval --model " + dflt + " --data " + data + " --task all --modes full --threads 1");
+  ASSERT_EQ(one.rc, 0) << one.out;
+  EXPECT_NE(one.out.find("task lookup (1 prompts"), std::string::npos) << one.out;
+  EXPECT_NE(one.out.find("task twohop: no examples"), std::string::npos) << one.out;
+  EXPECT_EQ(one.out.find("| config |"), std::string::npos) << "one task: no summary\n" << one.out;
+  auto none = run("eval --model " + dflt + " --data " + data + " --task twohop --modes full --threads 1");
+  EXPECT_NE(none.rc, 0);
+  EXPECT_NE(none.out.find("no examples of task 'twohop'"), std::string::npos) << none.out;
   auto bad = run("eval --model " + dflt + " --set huge");
   EXPECT_NE(bad.rc, 0);
   EXPECT_NE(bad.out.find("longdocs"), std::string::npos) << bad.out;
