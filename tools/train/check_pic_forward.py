@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(REPO, "tools", "tasks"))
 
 import rag_tasks as R  # noqa: E402
 from hybrid import load_folder  # noqa: E402
-from pic_forward import pic_logits  # noqa: E402
+from pic_forward import pic_logits, pic_logits_batch  # noqa: E402
 
 
 def tokenize(hypic, model, text):
@@ -69,6 +69,7 @@ def main():
     model = load_folder(a.model).float()
     ok = True
     rows = []
+    batch, singles = [], []
     with torch.no_grad():
         for i in range(a.n):
             ex = R.example(a.task, 7003, i, 2, 4, 50, 100)
@@ -78,6 +79,8 @@ def main():
             # Teacher-forced on the engine's own greedy tokens: row j predicts step j.
             q_pic = segs[-1] + ids_pic[:-1]
             lg_pic = pic_logits(model, segs[:-1] + [q_pic], seam=a.seam)[len(segs[-1]) - 1:]
+            batch.append(segs[:-1] + [q_pic])
+            singles.append(lg_pic)
             flat = [t for s in segs[:-1] for t in s]
             q_full = segs[-1] + ids_full[:-1]
             lg_full = model(torch.tensor([flat + q_full]))[0, len(flat) + len(segs[-1]) - 1:]
@@ -90,6 +93,13 @@ def main():
                          "full_vs_engine": d_full, "pic_vs_full": d_cross})
             print(json.dumps(rows[-1]))
             ok &= d_pic <= a.tol and d_full <= a.tol
+        # The batched forward the fine-tuning trains through: every prompt at once, against one by one
+        # (same math, other summation orders: float32 rounding only).
+        lgs = pic_logits_batch(model, batch, seam=a.seam)
+        d_batch = max((torch.log_softmax(lg[len(b[-1]) - len(s):].double(), -1) - torch.log_softmax(s.double(), -1))
+                      .abs().max().item() for lg, b, s in zip(lgs, batch, singles))
+    print(f"batched pic forward vs one prompt at a time: {d_batch:.2e} (every id; tolerance {a.tol:g})")
+    ok &= d_batch <= a.tol
     sep = max(r["pic_vs_full"] for r in rows)
     print(f"max |log-prob diff|: pic forward vs engine {max(r['pic_vs_engine'] for r in rows):.2e}, "
           f"full vs engine {max(r['full_vs_engine'] for r in rows):.2e} (tolerance {a.tol:g}); "

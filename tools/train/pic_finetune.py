@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.join(REPO, "tools", "tasks"))
 
 import rag_tasks as R  # noqa: E402
 from hybrid import load_folder, save_folder  # noqa: E402
-from pic_forward import pic_logits  # noqa: E402
+from pic_forward import pic_logits, pic_logits_batch  # noqa: E402
 from train import load_tokenizer  # noqa: E402
 
 # Prompt sizes of the held-out "moderate" set (eval_rag.py): 4-16 documents of 100-400 tokens.
@@ -53,12 +53,20 @@ def example(rng, encode, eos, task):
 
 def answer_logits(model, segs, ans, mode, seam):
     """Logits of the rows that predict each answer token, under `mode` (full or pic)."""
-    q = segs[-1] + ans[:-1]
+    return answer_logits_batch(model, [(segs, ans)], mode, seam)[0]
+
+
+def answer_logits_batch(model, exs, mode, seam):
+    """answer_logits() of several examples [(segs, ans)] in one forward (right-padded for full)."""
+    qs = [segs[-1] + ans[:-1] for segs, ans in exs]
     if mode == "pic":
-        return pic_logits(model, segs[:-1] + [q], seam=seam)[len(segs[-1]) - 1:]
-    flat = [t for s in segs[:-1] for t in s] + q
+        lgs = pic_logits_batch(model, [segs[:-1] + [q] for (segs, _), q in zip(exs, qs)], seam=seam)
+        return [lg[len(segs[-1]) - 1:] for lg, (segs, _) in zip(lgs, exs)]
+    flats = [[t for s in segs[:-1] for t in s] + q for (segs, _), q in zip(exs, qs)]
     dev = model.model.embed_tokens.weight.device
-    return model(torch.tensor([flat], device=dev))[0, len(flat) - len(ans):]
+    L = max(len(f) for f in flats)
+    h = model.hidden(torch.tensor([f + [0] * (L - len(f)) for f in flats], device=dev))
+    return [model.logits(h[b, len(f) - len(ans):len(f)]) for b, (f, (_, ans)) in enumerate(zip(flats, exs))]
 
 
 def main():
@@ -68,6 +76,7 @@ def main():
     ap.add_argument("--seconds", type=float, required=True)
     ap.add_argument("--lr", type=float, default=2e-4)
     ap.add_argument("--accum", type=int, default=8, help="examples per optimizer step")
+    ap.add_argument("--micro", type=int, default=8, help="examples per forward (pic and full ones batched apart)")
     ap.add_argument("--pic-frac", type=float, default=0.5, help="share of examples trained in pic mode")
     ap.add_argument("--kd", type=float, default=0.5, help="weight of KL(full || pic) on pic examples' answers")
     ap.add_argument("--seam", type=int, default=8)
@@ -75,6 +84,10 @@ def main():
     ap.add_argument("--eval-every", type=float, default=120)
     ap.add_argument("--eval-n", type=int, default=30)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=0, help="optimizer steps of linear lr warm-up")
+    ap.add_argument("--decay-seconds", type=float, default=0, help="lr decays linearly to 10%% over the last S seconds")
+    ap.add_argument("--resume", help="a --save-state file to continue from (weights and optimizer), if it exists")
+    ap.add_argument("--save-state", help="write fp32 weights and optimizer state here at the end")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = ap.parse_args()
 
@@ -87,6 +100,11 @@ def main():
     cfg = json.load(open(os.path.join(a.model, "config.json")))
     mix = [(t, float(w)) for t, w in (kv.split("=") for kv in a.task_mix.split(","))]
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
+    if a.resume and os.path.exists(a.resume):
+        st = torch.load(a.resume, map_location=a.device)
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["opt"])
+        print(f"resumed from {a.resume}", flush=True)
     os.makedirs(a.out, exist_ok=True)
     logf = open(os.path.join(a.out, "log.jsonl"), "w")
     held = [(t, example(random.Random(f"heldout/{t}/{i}"), encode, eos, t)) for t, _ in mix for i in range(a.eval_n)]
@@ -105,13 +123,13 @@ def main():
         with torch.no_grad():
             for mode in ("full", "pic"):
                 for t, _ in mix:
+                    exs = [e for tt, e in held if tt == t]
                     hit = tot = 0
-                    for tt, (segs, ans) in held:
-                        if tt != t:
-                            continue
-                        pred = answer_logits(model, segs, ans, mode, a.seam).argmax(-1).tolist()
-                        hit += sum(int(p == y) for p, y in zip(pred, ans))
-                        tot += len(ans)
+                    for i in range(0, len(exs), a.micro):
+                        part = exs[i:i + a.micro]
+                        for lg, (_, ans) in zip(answer_logits_batch(model, part, mode, a.seam), part):
+                            hit += sum(int(p == y) for p, y in zip(lg.argmax(-1).tolist(), ans))
+                            tot += len(ans)
                     res[f"{mode}/{t}"] = round(hit / max(tot, 1), 4)
         model.train()
         return res
@@ -123,30 +141,42 @@ def main():
     step, last_eval = 0, time.time()
     while time.time() - t0 < a.seconds:
         opt.zero_grad(set_to_none=True)
+        left = a.seconds - (time.time() - t0)
+        scale = min(1.0, (step + 1) / a.warmup) if a.warmup else 1.0
+        if a.decay_seconds and left < a.decay_seconds:
+            scale *= 0.1 + 0.9 * max(left, 0.0) / a.decay_seconds
+        for grp in opt.param_groups:
+            grp["lr"] = a.lr * scale
         losses = {"full": [], "pic": [], "kd": []}
-        for _ in range(a.accum):
-            segs, ans = example(rng, encode, eos, pick())
-            y = torch.tensor(ans, device=a.device)
-            if rng.random() < a.pic_frac:
-                lg = answer_logits(model, segs, ans, "pic", a.seam)
-                loss = F.cross_entropy(lg.float(), y)
-                losses["pic"].append(loss.item())
-                if a.kd > 0:
+        for i in range(0, a.accum, a.micro):
+            exs = [example(rng, encode, eos, pick()) for _ in range(min(a.micro, a.accum - i))]
+            pic = [rng.random() < a.pic_frac for _ in exs]
+            loss = 0.0
+            for mode in ("pic", "full"):
+                part = [e for e, p in zip(exs, pic) if p == (mode == "pic")]
+                if not part:
+                    continue
+                lgs = answer_logits_batch(model, part, mode, a.seam)
+                if mode == "pic" and a.kd > 0:
                     with torch.no_grad():
-                        ref = answer_logits(model, segs, ans, "full", a.seam)
-                    kd = F.kl_div(F.log_softmax(lg.float(), -1), F.log_softmax(ref.float(), -1), log_target=True,
-                                  reduction="batchmean")
-                    losses["kd"].append(kd.item())
-                    loss = loss + a.kd * kd
-            else:
-                loss = F.cross_entropy(answer_logits(model, segs, ans, "full", a.seam).float(), y)
-                losses["full"].append(loss.item())
+                        refs = answer_logits_batch(model, part, "full", a.seam)
+                for j, (lg, (_, ans)) in enumerate(zip(lgs, part)):
+                    l = F.cross_entropy(lg.float(), torch.tensor(ans, device=a.device))
+                    losses[mode].append(l.detach())
+                    if mode == "pic" and a.kd > 0:
+                        kd = F.kl_div(F.log_softmax(lg.float(), -1), F.log_softmax(refs[j].float(), -1),
+                                      log_target=True, reduction="batchmean")
+                        losses["kd"].append(kd.detach())
+                        l = l + a.kd * kd
+                    loss = loss + l
             (loss / a.accum).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
-        rec = {"step": step, "seconds": round(time.time() - t0, 1)}
-        rec.update({k: round(sum(v) / len(v), 4) for k, v in losses.items() if v})
+        rec = {"step": step, "seconds": round(time.time() - t0, 1), "lr": round(a.lr * scale, 7)}
+        rec.update({k: round(torch.stack(v).mean().item(), 4) for k, v in losses.items() if v})
+        if step % 25 == 0:
+            print(json.dumps(rec), flush=True)
         if time.time() - last_eval > a.eval_every:
             last_eval = time.time()
             rec["eval"] = evaluate()
@@ -156,6 +186,8 @@ def main():
     final = evaluate()
     logf.write(json.dumps({"step": step, "seconds": round(time.time() - t0, 1), "eval": final}) + "\n")
     print("after:", json.dumps(final), f"({step} steps, {time.time() - t0:.0f} s)", flush=True)
+    if a.save_state:
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, a.save_state)
     model.cpu()
     save_folder(model, os.path.join(a.out, "model"), a.model, eos, cfg.get("pad_token_id"),
                 dtype=cfg.get("dtype", "float32"), config=cfg)

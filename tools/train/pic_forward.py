@@ -213,3 +213,213 @@ def _attention_layer(a, h, pos_t, owner, iso, li, heads, lens, starts):
     o = s.softmax(-1).to(v.dtype) @ v
     o = o.transpose(1, 2).reshape(R, a.hq * a.D)
     return a.o_proj(o * gate.sigmoid())
+
+
+# ------------------------------------------------------------------------------------------------
+# Many prompts at once. pic_logits() runs one prompt and is bound by kernel launches (every
+# document's seam is a scan of its own in every linear layer); training wants dozens of prompts a
+# step. Here the prompts of a batch share one slot layout: N context slots (a prompt with fewer
+# context segments leaves its first slots empty), each with `seam` rows, then the question rows.
+# Empty slots and the prefix's slot hold invalid rows (zero inputs, decay 1, beta 0: a linear
+# layer's state and conv stay as they are; attention masks them out), and all of them come before
+# the prefix's body, where the running state is still zero. So every linear layer runs N + 1 scans
+# for the whole batch, and pic_logits_batch() equals pic_logits() prompt by prompt
+# (check_pic_forward.py --batch checks it). Every document must be longer than the seam.
+
+
+def _gdn_inputs_b(m, proj, h):
+    """pic's _gdn_inputs for rows of several prompts: proj [B, n, C], h [B, n, H]."""
+    B, n = proj.shape[:2]
+    nk = m.hk * m.dk
+    q = proj[..., :nk].reshape(B, n, m.hk, m.dk)
+    k = proj[..., nk:2 * nk].reshape(B, n, m.hk, m.dk)
+    v = proj[..., 2 * nk:].reshape(B, n, m.hv, m.dv)
+    beta = m.in_proj_b(h).sigmoid()
+    g = -m.A_log.float().exp() * F.softplus(m.in_proj_a(h).float() + m.dt_bias)
+    return q, k, v, g, beta
+
+
+def _conv_b(m, prev, x):
+    """Depthwise causal conv + SiLU of rows x [B, n, C] after prev [B, K-1, C]."""
+    full = torch.cat([prev, x], dim=1).transpose(1, 2)  # [B, C, K-1+n]
+    return F.silu(F.conv1d(full, m.conv1d.weight, groups=full.shape[1]).transpose(1, 2))
+
+
+def pic_logits_batch(model, batch, seam=8):
+    """pic_logits() of every prompt in `batch` (a list of segment lists), as a list of [Q_b, V]."""
+    dev = model.model.embed_tokens.weight.device
+    B = len(batch)
+    ctxs = [ex[:-1] for ex in batch]
+    if any(len(s) <= seam for c in ctxs for s in c[1:]):
+        return [pic_logits(model, ex, seam) for ex in batch]  # a document within its seam: one by one
+    N = max(len(c) for c in ctxs)
+    segs = [s for c in ctxs for s in c]  # every context segment, prompt by prompt
+    D = len(segs)
+    lens = torch.tensor([len(s) for s in segs], device=dev)
+    heads = torch.tensor([0 if j == 0 else seam for c in ctxs for j in range(len(c))], device=dev)
+    starts, slot_of, first = [], torch.full((B, N), D, dtype=torch.long), 0
+    for b, c in enumerate(ctxs):
+        off = N - len(c)
+        for j, s in enumerate(c):
+            slot_of[b, off + j] = first + j
+            starts.append(sum(len(t) for t in c[:j]))
+        first += len(c)
+    slot_of = slot_of.to(dev)
+    starts = torch.tensor(starts, device=dev)
+    real = slot_of < D  # [B, N]
+
+    # 1. Every context segment alone from position 0, one right-padded batch.
+    L = int(lens.max())
+    x = model.model.embed_tokens(torch.tensor([s + [0] * (L - len(s)) for s in segs], device=dev))
+    iso = []
+    for layer in model.model.layers:
+        h = layer.input_layernorm(x)
+        iso.append(h)
+        x = x + (layer.linear_attn(h) if layer.kind == "linear_attention" else layer.self_attn(h))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    t = torch.arange(L, device=dev)
+    body = (t[None] >= heads[:, None]) & (t[None] < lens[:, None])  # [D, L]
+
+    # 2. The rows in context: per slot `seam` rows (a document's first tokens), then the question.
+    Qmax = max(len(ex[-1]) for ex in batch)
+    R = N * seam + Qmax
+    ids = torch.zeros(B, R, dtype=torch.long)
+    pos = torch.zeros(B, R, dtype=torch.long)
+    valid = torch.zeros(B, R, dtype=torch.bool)
+    for b, c in enumerate(ctxs):
+        off = N - len(c)
+        p = 0
+        for j, s in enumerate(c):
+            if j > 0:
+                r0 = (off + j) * seam
+                ids[b, r0:r0 + seam] = torch.tensor(s[:seam])
+                pos[b, r0:r0 + seam] = torch.arange(p, p + seam)
+                valid[b, r0:r0 + seam] = True
+            p += len(s)
+        qn = len(batch[b][-1])
+        ids[b, N * seam:N * seam + qn] = torch.tensor(batch[b][-1])
+        pos[b, N * seam:N * seam + qn] = torch.arange(p, p + qn)
+        valid[b, N * seam:N * seam + qn] = True
+    ids, pos, valid = ids.to(dev), pos.to(dev), valid.to(dev)
+    geo = dict(N=N, seam=seam, D=D, lens=lens, heads=heads, starts=starts, slot_of=slot_of, real=real, body=body,
+               pos=pos, valid=valid)
+    x = model.model.embed_tokens(ids)
+    for li, layer in enumerate(model.model.layers):
+        h = layer.input_layernorm(x)
+        if layer.kind == "linear_attention":
+            mix = _linear_layer_b(layer.linear_attn, h, iso[li], geo)
+        else:
+            mix = _attention_layer_b(layer.self_attn, h, iso[li], geo)
+        x = x + mix
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    x = model.model.norm(x[:, N * seam:])
+    return [model.logits(x[b, :len(batch[b][-1])]) for b in range(B)]
+
+
+def _linear_layer_b(m, h, hi, geo):
+    N, seam, D = geo["N"], geo["seam"], geo["D"]
+    B, R, _ = h.shape
+    K1 = m.K - 1
+    # Every segment's summary in one scan over the isolated rows: the rows outside the body get
+    # decay 1 and beta 0; state columns [S | T] start at [0 | I] with values [v | 0], so the final
+    # state is [S(body|0) | T_body] (the recurrence is linear in the state, column by column).
+    proj = m.in_proj_qkv(hi)  # [D, L, C]
+    C = proj.shape[-1]
+    q, k, v, g, beta = _gdn_inputs_b(m, _conv_b(m, proj.new_zeros(D, K1, C), proj), hi)
+    mask = geo["body"].to(g.dtype)
+    g, beta = g * mask[..., None], beta * mask[..., None]
+    v2 = torch.cat([v, v.new_zeros(*v.shape[:3], m.dk)], dim=-1)
+    init = torch.cat([h.new_zeros(D, m.hv, m.dk, m.dv, dtype=torch.float32),
+                      torch.eye(m.dk, device=h.device).expand(D, m.hv, m.dk, m.dk)], dim=-1)
+    _, fin = chunk_gated_delta_rule_scan(q, k, v2, g=g, beta=beta, initial_state=init, output_final_state=True,
+                                         use_qk_l2norm_in_kernel=True)
+    Sb, T = fin[..., :m.dv], fin[..., m.dv:]
+    # conv tails: each segment's last K-1 rows of projections, zero before its first row
+    idx = geo["lens"][:, None] - K1 + torch.arange(K1, device=h.device)[None]  # [D, K1]
+    tails = proj.gather(1, idx.clamp(min=0)[..., None].expand(D, K1, C)) * (idx >= 0)[..., None].to(proj.dtype)
+    # slot tables (index D: an empty slot, identity and zeros)
+    T = torch.cat([T, torch.eye(m.dk, device=h.device).expand(1, m.hv, m.dk, m.dk)], dim=0)[geo["slot_of"]]
+    Sb = torch.cat([Sb, Sb.new_zeros(1, *Sb.shape[1:])], dim=0)[geo["slot_of"]]
+    tails = torch.cat([tails, tails.new_zeros(1, K1, C)], dim=0)[geo["slot_of"]]  # [B, N, K1, C]
+
+    valid = geo["valid"]
+    vf = valid.to(h.dtype)[..., None]
+    conv = h.new_zeros(B, K1, C)
+    S = h.new_zeros(B, m.hv, m.dk, m.dv, dtype=torch.float32)
+    outs = []
+
+    def run(r0, r1, conv, S):
+        rows = h[:, r0:r1]
+        p = m.in_proj_qkv(rows) * vf[:, r0:r1]
+        q, k, v, g, beta = _gdn_inputs_b(m, _conv_b(m, conv, p), rows)
+        keep = valid[:, r0:r1].to(g.dtype)[..., None]
+        o, S = chunk_gated_delta_rule_scan(q, k, v, g=g * keep, beta=beta * keep, initial_state=S,
+                                           output_final_state=True, use_qk_l2norm_in_kernel=True)
+        return o, torch.cat([conv, p], dim=1)[:, -K1:], S
+
+    for j in range(N):
+        o, conv, S = run(j * seam, (j + 1) * seam, conv, S)
+        outs.append(o)
+        S = T[:, j] @ S + Sb[:, j]
+        conv = torch.where(geo["real"][:, j, None, None], tails[:, j], conv)
+    o, _, _ = run(N * seam, R, conv, S)
+    outs.append(o)
+    o = torch.cat(outs, dim=1)  # [B, R, hv, dv]
+    z = m.in_proj_z(h).reshape(B * R * m.hv, m.dv)
+    o = m.norm(o.reshape(B * R * m.hv, m.dv).to(h.dtype), z)
+    return m.out_proj(o.reshape(B, R, m.hv * m.dv))
+
+
+def _attention_layer_b(a, h, hi, geo):
+    B, R, _ = h.shape
+    D, L, _ = hi.shape
+    N = geo["N"]
+
+    def qkv(x, p):  # x [n, l, H], p [n, l] -> q [n, hq, l, D], k, v [n, hkv, l, D], gate [n, l, hq*D]
+        n, l = x.shape[:2]
+        qg = a.q_proj(x).reshape(n, l, a.hq, 2 * a.D)
+        q, gate = qg[..., :a.D], qg[..., a.D:].reshape(n, l, a.hq * a.D)
+        q = _rope_b(a, a.q_norm(q).transpose(1, 2), p)
+        k = _rope_b(a, a.k_norm(a.k_proj(x).reshape(n, l, a.hkv, a.D)).transpose(1, 2), p)
+        v = a.v_proj(x).reshape(n, l, a.hkv, a.D).transpose(1, 2)
+        return q, k, v, gate
+
+    q, k_rows, v_rows, gate = qkv(h, geo["pos"])
+    # the bodies' K/V as prefilled alone, at their real positions, gathered into the prompts' slots
+    bpos = geo["starts"][:, None] + torch.arange(L, device=h.device)[None]
+    _, kb, vb, _ = qkv(hi, bpos)
+    slot = geo["slot_of"]
+
+    def slots(x, fill):  # [D, ...] -> [B, N*L, ...] along the rows, index D = an empty slot
+        x = torch.cat([x, torch.full_like(x[:1], fill)], dim=0)[slot]  # [B, N, ...]
+        return x
+
+    kb = slots(kb, 0).permute(0, 2, 1, 3, 4).reshape(B, a.hkv, N * L, a.D)
+    vb = slots(vb, 0).permute(0, 2, 1, 3, 4).reshape(B, a.hkv, N * L, a.D)
+    kpos_b = slots(bpos, 0).reshape(B, N * L)
+    kval_b = slots(geo["body"], False).reshape(B, N * L)
+    k = torch.cat([k_rows, kb], dim=2)
+    v = torch.cat([v_rows, vb], dim=2)
+    kpos = torch.cat([geo["pos"], kpos_b], dim=1)  # [B, P]
+    kval = torch.cat([geo["valid"], kval_b], dim=1)
+    allow = kval[:, None, :] & (kpos[:, None, :] <= geo["pos"][:, :, None])  # [B, R, P]
+    # an invalid row attends to itself alone (no row is without keys; valid rows never see it)
+    allow[:, :, :R] |= torch.eye(R, dtype=torch.bool, device=h.device)[None] & ~geo["valid"][:, :, None]
+    rep = a.hq // a.hkv
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    s = (q @ k.transpose(-1, -2)) * a.D ** -0.5  # [B, hq, R, P]
+    s = s.float().masked_fill(~allow[:, None], float("-inf"))
+    o = s.softmax(-1).to(v.dtype) @ v
+    o = o.transpose(1, 2).reshape(B, R, a.hq * a.D)
+    return a.o_proj(o * gate.sigmoid())
+
+
+def _rope_b(attn, x, pos):
+    """x [n, heads, l, D] rotated at positions pos [n, l]."""
+    inv = 1.0 / (attn.theta ** (torch.arange(0, attn.rot, 2, device=x.device, dtype=torch.float32) / attn.rot))
+    f = pos.to(torch.float32)[..., None] * inv  # [n, l, rot/2]
+    emb = torch.cat([f, f], dim=-1)[:, None]  # [n, 1, l, rot]
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    xr, xp = x[..., : attn.rot], x[..., attn.rot:]
+    return torch.cat([xr * cos + rotate_half(xr) * sin, xp], dim=-1)
