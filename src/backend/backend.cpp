@@ -187,6 +187,17 @@ void Backend::copy_rows(std::span<const RowCopy> pieces, int rot_dim, double the
   }
 }
 
+void Backend::gather_col_blocks(const Tensor& src, std::span<const int64_t> order, Tensor& dst) {
+  checks::check_gather_col_blocks(src, order, dst, device().kind);
+  const int64_t C = checks::last_dim(src), w = C / static_cast<int64_t>(order.size());
+  const Tensor s2 = src.reshape({checks::rows_of(src), C});
+  Tensor d2 = dst.reshape({checks::rows_of(dst), C}), block = alloc_uninit(src.dtype(), {s2.dim(0), w});
+  for (size_t p = 0; p < order.size(); ++p) {
+    copy_cols(s2, order[p] * w, block);
+    set_cols(block, static_cast<int64_t>(p) * w, d2);
+  }
+}
+
 void Backend::moe_experts_add(const Tensor& xn, const Tensor& router_logits, int top_k, bool norm_topk,
                               const ExpertWeights& experts, const Tensor& shared, const Tensor& shared_gate,
                               Tensor& x) {

@@ -179,6 +179,11 @@ class Backend {
   virtual void copy_cols(const Tensor& src, int64_t col, Tensor& dst) = 0;
   // Writes src[R, width] into columns [col, col + width) of dst[R, C].
   virtual void set_cols(const Tensor& src, int64_t col, Tensor& dst) = 0;
+  // Column blocks of every row in another order: src and dst [R, C] (rows = numel / last dim),
+  // C = order.size() blocks of C / order.size() columns; dst's block p <- src's block order[p]
+  // (`order` a permutation). The activations of a weight whose input columns stay in a file's
+  // order of blocks (WeightSource::get_with_col_order).
+  virtual void gather_col_blocks(const Tensor& src, std::span<const int64_t> order, Tensor& dst);
   // Row ranges copied between tensors in one call (one launch on the GPU): dst rows [dst_row,
   // dst_row + rows) <- src rows [src_row, src_row + rows), a row being everything after dim 0 (src
   // and dst of a piece share dtype and row size). A piece with a rope_shift (f32 [*, H, D] rows) is

@@ -88,6 +88,7 @@ void check_conv1d(const Tensor& x, const Tensor& w, const Tensor& state, const T
 void check_conv1d_spans(const Tensor& x, const Tensor& w, std::span<const Backend::ConvSpan> spans, const Tensor& state,
                         std::span<const Tensor> out, DeviceKind dev);
 void check_copy_rows(std::span<const Backend::RowCopy> pieces, int rot_dim, double theta, DeviceKind dev);
+void check_gather_col_blocks(const Tensor& src, std::span<const int64_t> order, const Tensor& dst, DeviceKind dev);
 void check_convert(const Tensor& src, const Tensor& dst, DeviceKind dev);
 void check_gdn_gates(const Tensor& a, const Tensor& b, const Tensor& A_log, const Tensor& dt_bias, const Tensor& g,
                      const Tensor& beta, DeviceKind dev);

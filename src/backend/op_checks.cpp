@@ -86,6 +86,26 @@ void check_cols(const char* op, const Tensor& wide, const Tensor& narrow, int64_
   if (overlaps(wide, narrow)) fail(op, "src and dst overlap");
 }
 
+void check_gather_col_blocks(const Tensor& src, std::span<const int64_t> order, const Tensor& dst, DeviceKind dev) {
+  const char* op = "gather_col_blocks";
+  need_float(op, "src", src, dev);
+  need_def(op, "dst", dst, dev);
+  if (src.dtype() != dst.dtype()) fail(op, "src " + src.str() + " and dst " + dst.str() + ": dtypes differ");
+  if (src.ndim() < 1 || dst.ndim() < 1) fail(op, "tensors need at least one dim");
+  if (last_dim(src) != last_dim(dst) || rows_of(src) != rows_of(dst))
+    fail(op, "src " + src.str() + " and dst " + dst.str() + " differ in rows or columns");
+  const int64_t n = static_cast<int64_t>(order.size()), C = last_dim(src);
+  if (n == 0 || C % n != 0)
+    fail(op, std::to_string(n) + " blocks do not divide the " + std::to_string(C) + " columns of src " + src.str());
+  std::vector<bool> seen(static_cast<size_t>(n));
+  for (int64_t b : order) {
+    if (b < 0 || b >= n || seen[static_cast<size_t>(b)])
+      fail(op, "the block order is not a permutation of " + std::to_string(n) + " blocks");
+    seen[static_cast<size_t>(b)] = true;
+  }
+  if (overlaps(src, dst)) fail(op, "src and dst overlap");
+}
+
 void check_rope(const Tensor& x, size_t positions, int rot_dim, double theta, DeviceKind dev) {
   const char* op = "rope_neox";
   need_f32(op, "x", x, dev);

@@ -126,10 +126,18 @@ class GgufWeights : public WeightSource {
     auto s = resolve(c_, name);
     return s && f_->find(s->tensor) && (s->second.empty() || f_->find(s->second));
   }
-  Tensor get(const std::string& name, const Shape& expected) const override;
+  Tensor get(const std::string& name, const Shape& expected) const override { return read(name, expected, nullptr); }
+  Tensor get_with_col_order(const std::string& name, const Shape& expected,
+                            std::vector<int64_t>& col_order) const override {
+    col_order.clear();
+    return read(name, expected, &col_order);
+  }
   std::string describe() const override { return "gguf " + f_->path(); }
 
  private:
+  // col_order: where not null, value heads along the columns that a block of the file's type
+  // straddles stay in the file's order, and col_order says it (WeightSource::get_with_col_order).
+  Tensor read(const std::string& name, const Shape& expected, std::vector<int64_t>* col_order) const;
   Tensor interleave_qkvz(const GgufFile& f, const Source& s, Tensor qkv) const;
   std::shared_ptr<const GgufFile> f_;
   ModelConfig c_;
@@ -166,7 +174,7 @@ Tensor GgufWeights::interleave_qkvz(const GgufFile& f, const Source& s, Tensor q
   return out;
 }
 
-Tensor GgufWeights::get(const std::string& name, const Shape& expected) const {
+Tensor GgufWeights::read(const std::string& name, const Shape& expected, std::vector<int64_t>* col_order) const {
   const GgufFile& f = *f_;
   const auto s = resolve(c_, name);
   if (!s) fail(f, "no GGUF tensor corresponds to " + name);
@@ -208,22 +216,30 @@ Tensor GgufWeights::get(const std::string& name, const Shape& expected) const {
     if (s->from + nv * s->hd > along)
       fail(f, "tensor " + s->tensor + " " + shape_str(sh) + " is too small for " + std::to_string(nv) +
                   " value heads of " + std::to_string(s->hd));
-    // Quantized columns move in whole blocks only; heads narrower than a block go through f32.
-    if (s->axis == 1 && s->hd % dtype_block(t.dtype()) != 0) t = t.to_f32();
-    const Tensor src = t;
-    t = src.clone();
-    const DType dt = src.dtype();
-    auto bytes = [dt](int64_t n) { return dtype_bytes(dt, n); };  // n: a whole number of blocks
-    const auto* in = static_cast<const char*>(src.raw());
-    auto* out = static_cast<char*>(t.raw());
-    for (int64_t h = 0; h < nv; ++h) {
-      const int64_t g = h / r, j = h % r, p = j * nk + g;
-      const int64_t dst0 = s->from + h * s->hd, src0 = s->from + p * s->hd;
-      if (s->axis == 0) {
-        std::memcpy(out + bytes(dst0 * cols), in + bytes(src0 * cols), bytes(s->hd * cols));
-      } else {
-        for (int64_t row = 0; row < rows; ++row)
-          std::memcpy(out + bytes(row * cols + dst0), in + bytes(row * cols + src0), bytes(s->hd));
+    // Quantized columns move in whole blocks only. Heads narrower than a block: where the caller
+    // takes the columns in the file's order and they are the heads and nothing else, the blocks
+    // stay as they are and col_order says which head each column block holds (stored p holds
+    // head h = g * r + j); otherwise the tensor goes through f32 and its heads move.
+    const bool straddled = s->axis == 1 && s->hd % dtype_block(t.dtype()) != 0;
+    if (straddled && col_order && s->from == 0 && nv * s->hd == cols) {
+      for (int64_t p = 0; p < nv; ++p) col_order->push_back(p % nk * r + p / nk);
+    } else {
+      if (straddled) t = t.to_f32();
+      const Tensor src = t;
+      t = src.clone();
+      const DType dt = src.dtype();
+      auto bytes = [dt](int64_t n) { return dtype_bytes(dt, n); };  // n: a whole number of blocks
+      const auto* in = static_cast<const char*>(src.raw());
+      auto* out = static_cast<char*>(t.raw());
+      for (int64_t h = 0; h < nv; ++h) {
+        const int64_t g = h / r, j = h % r, p = j * nk + g;
+        const int64_t dst0 = s->from + h * s->hd, src0 = s->from + p * s->hd;
+        if (s->axis == 0) {
+          std::memcpy(out + bytes(dst0 * cols), in + bytes(src0 * cols), bytes(s->hd * cols));
+        } else {
+          for (int64_t row = 0; row < rows; ++row)
+            std::memcpy(out + bytes(row * cols + dst0), in + bytes(row * cols + src0), bytes(s->hd));
+        }
       }
     }
   }

@@ -10,7 +10,8 @@
 //  - with fewer key than value heads, a linear layer's value heads are stored in (repeat, key head)
 //    order instead of (key head, repeat): in the v rows of in_proj_qkv, the rows of in_proj_z,
 //    in_proj_b and in_proj_a, in A_log and dt_bias, the v channels of conv1d and the columns of
-//    out_proj; they are put back;
+//    out_proj; they are put back (out_proj's columns, where a quantized block is wider than a head,
+//    only through f32 in get(); get_with_col_order() keeps the blocks and names their heads);
 //  - conv1d [C, 1, K] is stored [C, K]; the experts of a layer are stacked [E, I, H] (served as
 //    per-expert views); a model with tied embeddings has no output.weight.
 // Q8_0, Q4_K and Q6_K matrices stay quantized (products and embeddings on the CPU backend run on

@@ -22,6 +22,17 @@ class WeightSource {
   virtual bool has(const std::string& name) const = 0;
   // Host tensor; throws naming the tensor, expected and found shape on mismatch.
   virtual Tensor get(const std::string& name, const Shape& expected) const = 0;
+  // A matrix [N, K] whose K input columns may stay in the source's own order of column blocks where
+  // putting them in Hugging Face's order would change its values (quantized blocks wider than the
+  // blocks to move). When `col_order` comes back non-empty, the columns are col_order.size() equal
+  // blocks and block p holds Hugging Face's block col_order[p]: x's columns go through
+  // Backend::gather_col_blocks(x, col_order) before the product. Empty: get()'s tensor, in order
+  // (the default).
+  virtual Tensor get_with_col_order(const std::string& name, const Shape& expected,
+                                    std::vector<int64_t>& col_order) const {
+    col_order.clear();
+    return get(name, expected);
+  }
   virtual std::string describe() const = 0;
 };
 

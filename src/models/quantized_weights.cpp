@@ -19,7 +19,17 @@ class QuantizedSource : public WeightSource {
   std::string describe() const override { return inner_->describe() + " quantized to " + dtype_name(to_); }
 
   Tensor get(const std::string& name, const Shape& shape) const override {
-    Tensor t = inner_->get(name, shape);
+    return quantize(name, inner_->get(name, shape));
+  }
+  // The inner source's column order passes through (a file's quantized blocks stay as they are;
+  // float columns in any order of whole blocks quantize as well as in order).
+  Tensor get_with_col_order(const std::string& name, const Shape& shape,
+                            std::vector<int64_t>& col_order) const override {
+    return quantize(name, inner_->get_with_col_order(name, shape, col_order));
+  }
+
+ private:
+  Tensor quantize(const std::string& name, Tensor t) const {
     const bool router = name.ends_with("mlp.gate.weight") || name.ends_with("shared_expert_gate.weight");
     // At 4 bits the token embedding (also the head when tied) is kept at 6, as llama.cpp's Q4_K_M
     // does: it is the most sensitive matrix (docs/gguf.md).
@@ -49,7 +59,6 @@ class QuantizedSource : public WeightSource {
     return q;
   }
 
- private:
   std::unique_ptr<WeightSource> inner_;
   DType to_;
 };

@@ -133,6 +133,9 @@ struct GdnWeights {
   Tensor in_qkv, in_z, in_b, in_a;  // [C, H], [Hv*dv, H], [Hv, H], [Hv, H]
   Tensor conv;                      // [C, K]
   Tensor A_log, dt_bias, norm, out_proj;
+  // out_proj's input columns in a file's order of value heads (WeightSource::get_with_col_order):
+  // its block p is head out_order[p]; empty: in order.
+  std::vector<int64_t> out_order;
 };
 struct AttnWeights {
   Tensor q, gate, k, v, o;  // q and gate split out of the packed q_proj
@@ -219,8 +222,7 @@ Model::Model(ModelConfig cfg, const WeightSource& ws, Backend& be)
                              std::to_string(cfg_.hidden_size) + "/" + std::to_string(cfg_.rope_theta);
     XXH64_update(fp, arch.data(), arch.size());
   }
-  auto load = [&](const std::string& name, const Shape& shape) {
-    Tensor t = ws.get(name, shape);
+  auto record = [&](const std::string& name, Tensor t) {
     n_params_ += t.numel();
     weight_bytes_ += t.nbytes();
     // Name, shape, dtype and the first and last 64 bytes: cheap, and different weights differ.
@@ -233,6 +235,7 @@ Model::Model(ModelConfig cfg, const WeightSource& ws, Backend& be)
     XXH64_update(fp, static_cast<const char*>(t.raw()) + nb - s, s);
     return t;
   };
+  auto load = [&](const std::string& name, const Shape& shape) { return record(name, ws.get(name, shape)); };
   auto dev = [&](const Tensor& t) { return be_.to_device(t); };
   auto W = [&](const std::string& name, const Shape& shape) { return dev(load(name, shape)); };
   // gate_proj / up_proj [I, H] and down_proj [H, I] under `prefix` (dense MLP, shared expert).
@@ -306,7 +309,17 @@ Model::Model(ModelConfig cfg, const WeightSource& ws, Backend& be)
       g.A_log = W(q + "A_log", {m.Hv});
       g.dt_bias = W(q + "dt_bias", {m.Hv});
       g.norm = W(q + "norm.weight", {m.dv});
-      g.out_proj = W(q + "out_proj.weight", {m.H, m.Hv * m.dv});
+      // Its columns may stay in a GGUF file's order of value heads (quantized blocks wider than a
+      // head); the layer then puts its activations in that order.
+      g.out_proj = dev(
+          record(q + "out_proj.weight", ws.get_with_col_order(q + "out_proj.weight", {m.H, m.Hv * m.dv}, g.out_order)));
+      if (!g.out_order.empty()) {
+        if (static_cast<int64_t>(g.out_order.size()) != m.Hv)
+          throw std::runtime_error(ws.describe() + ": " + q + "out_proj.weight comes in " +
+                                   std::to_string(g.out_order.size()) + " column blocks, not " + std::to_string(m.Hv) +
+                                   " value heads");
+        XXH64_update(fp, g.out_order.data(), g.out_order.size() * sizeof(int64_t));
+      }
     } else {
       const std::string q = p + "self_attn.";
       auto& a = L.attn;
@@ -618,7 +631,13 @@ void Model::layer_forward(int64_t layer, Tensor& x, std::span<const LayerSpan> s
     }
     Tensor o2 = o.reshape({T * m.Hv, m.dv});
     be_.rms_norm_gated(o2, z.reshape({T * m.Hv, m.dv}), g.norm, eps, o2);
-    be_.matmul(o.reshape({T, m.Hv * m.dv}), g.out_proj, mix);
+    Tensor on = o.reshape({T, m.Hv * m.dv});
+    if (!g.out_order.empty()) {  // the heads in the order of out_proj's columns
+      Tensor op = be_.alloc_uninit(DType::F32, {T, m.Hv * m.dv});
+      be_.gather_col_blocks(on, g.out_order, op);
+      on = op;
+    }
+    be_.matmul(on, g.out_proj, mix);
   } else {
     auto& at = L.attn;
     Tensor q = be_.alloc_uninit(DType::F32, {T, m.Hq, m.D});

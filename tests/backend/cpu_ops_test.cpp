@@ -443,6 +443,29 @@ TEST_F(CpuOps, CopyAndSetCols) {
             "copy_cols: src f32[5, 3, 11] and dst bf16[15, 4]: dtypes differ");
 }
 
+// Column blocks in another order (a weight's input columns in a file's order of heads): CpuBackend's
+// kernel and Backend's generic one (copy_cols / set_cols, what the GPU runs) give the same bits.
+TEST_F(CpuOps, GatherColBlocks) {
+  Tensor src = randn({3, 5, 24}, 15);  // rows = 15, 4 blocks of 6 columns
+  const std::vector<int64_t> order = {2, 0, 3, 1};
+  Tensor dst = be->alloc(DType::F32, {15, 24}), dst2 = be->alloc(DType::F32, {15, 24});
+  be->gather_col_blocks(src, order, dst);
+  be->Backend::gather_col_blocks(src, order, dst2);
+  Vec sv = vals(src), dv = vals(dst), dv2 = vals(dst2);
+  for (int r = 0; r < 15; ++r)
+    for (int p = 0; p < 4; ++p)
+      for (int j = 0; j < 6; ++j) EXPECT_EQ(dv[r * 24 + p * 6 + j], sv[r * 24 + order[p] * 6 + j]);
+  EXPECT_EQ(dv, dv2);
+  const std::vector<int64_t> twice = {0, 1, 1, 3}, five = {0, 2, 1, 3, 4};
+  EXPECT_EQ(error_of([&] { be->gather_col_blocks(src, twice, dst); }),
+            "gather_col_blocks: the block order is not a permutation of 4 blocks");
+  EXPECT_EQ(error_of([&] { be->gather_col_blocks(src, five, dst); }),
+            "gather_col_blocks: 5 blocks do not divide the 24 columns of src f32[3, 5, 24]");
+  Tensor narrow = be->alloc(DType::F32, {15, 12});
+  EXPECT_EQ(error_of([&] { be->gather_col_blocks(src, order, narrow); }),
+            "gather_col_blocks: src f32[3, 5, 24] and dst f32[15, 12] differ in rows or columns");
+}
+
 // ---- rope ---------------------------------------------------------------------------------------
 TEST_F(CpuOps, RopeNeoxPartial) {
   const int64_t T = 6, H = 3, D = 42;

@@ -5,17 +5,22 @@
 #include "models/gguf_checkpoint.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <random>
 
+#include "backend/cpu/quant_dot.h"
 #include "engine/generate.h"
 #include "engine/loader.h"
 #include "engine/sampler.h"
 #include "io/gguf_writer.h"
 #include "io/safetensors.h"
+#include "tensor/quant.h"
 
 namespace fs = std::filesystem;
 using namespace hypic;
@@ -410,4 +415,206 @@ TEST(GgufCheckpoint, CliGeneratesFromAGgufFile) {
   const std::string folder = run(model("qwen3_5_dense_bf16"));
   EXPECT_EQ(run(gguf("qwen3_5_dense_bf16-bf16.gguf")), folder);
   EXPECT_EQ(folder.rfind("no answer", 0), std::string::npos) << folder;
+}
+
+namespace {
+// A source that takes every matrix in Hugging Face's column order (the default of
+// WeightSource::get_with_col_order): a GGUF's out_proj through f32, as before value heads narrower
+// than a block stayed quantized.
+struct InOrder : WeightSource {
+  const WeightSource& in;
+  explicit InOrder(const WeightSource& i) : in(i) {}
+  bool has(const std::string& n) const override { return in.has(n); }
+  Tensor get(const std::string& n, const Shape& s) const override { return in.get(n, s); }
+  std::string describe() const override { return in.describe() + " in order"; }
+};
+
+// Log-probs [rows, V]: every position of one forward (all_logits), or, stepwise, the positions
+// from `head` on fed one token at a time after a forward of the first `head` (products of one row).
+std::vector<float> logprobs_of(Model& m, Backend& be, const std::vector<int32_t>& ids, bool stepwise, int64_t head) {
+  std::vector<float> out;
+  auto take = [&](const Tensor& logits) {
+    Tensor lg = be.to_host(logits);
+    const int64_t V = lg.dim(1);
+    for (int64_t r = 0; r < lg.dim(0); ++r) {
+      auto lp = log_softmax(std::span<const float>(lg.data<float>() + r * V, static_cast<size_t>(V)));
+      out.insert(out.end(), lp.begin(), lp.end());
+    }
+  };
+  SequenceState st = m.new_state();
+  if (!stepwise) {
+    take(m.forward(ids, st, {.all_logits = true}));
+    return out;
+  }
+  m.forward(std::span<const int32_t>(ids.data(), static_cast<size_t>(head)), st);
+  for (size_t i = static_cast<size_t>(head); i < ids.size(); ++i)
+    take(m.forward(std::span<const int32_t>(&ids[i], 1), st));
+  return out;
+}
+
+// The worst |a - b| over the rows of [rows, V] log-probs, the mean KL(a || b) per row, and the share
+// of rows whose top token agrees.
+struct LpDiff {
+  double worst = 0, kl = 0, agree = 0;
+};
+LpDiff lp_diff(const std::vector<float>& a, const std::vector<float>& b, int64_t V) {
+  LpDiff d;
+  const int64_t R = static_cast<int64_t>(a.size()) / V;
+  for (int64_t r = 0; r < R; ++r) {
+    const float *x = a.data() + r * V, *y = b.data() + r * V;
+    int64_t tx = 0, ty = 0;
+    for (int64_t v = 0; v < V; ++v) {
+      d.worst = std::max(d.worst, std::abs(double(x[v]) - y[v]));
+      d.kl += std::exp(double(x[v])) * (double(x[v]) - y[v]) / double(R);
+      if (x[v] > x[tx]) tx = v;
+      if (y[v] > y[ty]) ty = v;
+    }
+    d.agree += (tx == ty ? 1.0 : 0.0) / double(R);
+  }
+  return d;
+}
+}  // namespace
+
+// qwen35 files store the linear layers' value heads in (repeat, key head) order. out_proj's columns
+// are value heads, and where a block of the file's type is wider than a head (Q4_K and Q6_K blocks
+// of 256 over heads of 64 or 128, Q8_0 blocks of 32 over heads of 24) they cannot move without
+// changing the weights: the reader keeps the blocks in the file's order and names each head's place
+// (get_with_col_order), and the layer gathers its activations' heads into that order before the
+// product. Checked on llama.cpp's files (its Q4_K_M of the default model; Q8_0 of the dense and MoE
+// reference checkpoints) and on a Q4_K and a Q6_K file of 4 key heads over 8 value heads (an order
+// that is not its own inverse, unlike 2 over 4):
+//  - the blocks are the file's, and the order maps them bit for bit onto get()'s f32 matrix (the
+//    path before: dequantized, heads moved); the model holds exactly the difference fewer bytes;
+//  - the products: one row (decode: the integer GEMV) equals get()'s f32 matrix times the
+//    activations as the kernel rounds them (8-bit blocks, taken in the file's order); 40 rows
+//    (prefill: dequantized panels, f32 activations) equal the f32 product to f32 summation;
+//  - the model: prefill log-probs as the f32 path's to the products' summation order (not for the
+//    MoE file, whose router turns such differences into another expert at some positions), and on
+//    the trained default model decode as well within the activations' rounding (KL, top token).
+TEST(GgufCheckpoint, OutProjStaysQuantizedWhereBlocksStraddleHeads) {
+  // The synthetic files: the dense reference config with 4 key heads, 8 value heads of 32 (out_proj
+  // [64, 256]: one K-quant block a row), random weights.
+  ModelConfig wide = load_model_config(model("qwen3_5_dense") + "/config.json");
+  wide.linear_num_key_heads = 4;
+  wide.linear_num_value_heads = 8;
+  wide.linear_value_head_dim = 32;
+  std::vector<std::string> files = {gguf("default-q4_k_m.gguf"), gguf("qwen3_5_dense-q8_0.gguf"),
+                                    gguf("qwen3_5_moe-q8_0.gguf")};
+  for (DType t : {DType::Q4_K, DType::Q6_K}) {
+    files.push_back((fs::temp_directory_path() /
+                     ("hypic_wide_" + std::string(dtype_name(t)) + "_" + std::to_string(::getpid()) + ".gguf"))
+                        .string());
+    write_gguf_checkpoint(wide, *random_weights(7, DType::F32), nullptr, t, files.back());
+  }
+  auto be = make_backend("cpu", 2);
+  be->set_precise(true);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal;
+  for (const std::string& path : files) {
+    SCOPED_TRACE(path);
+    auto file = std::make_shared<GgufFile>(path);
+    const ModelConfig c = gguf_model_config(*file);
+    ASSERT_NE(c.linear_num_key_heads, c.linear_num_value_heads);
+    auto ws = weights_from_gguf(file, c);
+    const int64_t nv = c.linear_num_value_heads, dv = c.linear_value_head_dim, H = c.hidden_size, K = nv * dv;
+    const std::string P = c.nested_text ? "model.language_model." : "model.";
+    size_t saved = 0;
+    int kept = 0;
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+      if (c.layer_types[static_cast<size_t>(i)] != LayerKind::Linear) continue;
+      const std::string name = P + "layers." + std::to_string(i) + ".linear_attn.out_proj.weight";
+      const GgufTensorInfo* info = gguf_tensor_for(*file, c, name);
+      ASSERT_NE(info, nullptr) << name;
+      std::vector<int64_t> order;
+      const Tensor q = ws->get_with_col_order(name, {H, K}, order);
+      const Tensor f = ws->get(name, {H, K});
+      ASSERT_TRUE(dtype_is_quantized(q.dtype())) << name << " is " << dtype_name(q.dtype());
+      EXPECT_EQ(dtype_from_name(info->type->name), q.dtype()) << name << ": the file's blocks";
+      ASSERT_NE(dv % dtype_block(q.dtype()), 0) << name << ": a block straddles heads";
+      EXPECT_EQ(f.dtype(), DType::F32) << name << ": get() in Hugging Face's order, through f32";
+      // A permutation of the heads, not the identity; the file's block p is Hugging Face's head
+      // order[p], to the bit.
+      ASSERT_EQ(static_cast<int64_t>(order.size()), nv) << name;
+      std::vector<int64_t> sorted = order;
+      std::sort(sorted.begin(), sorted.end());
+      for (int64_t h = 0; h < nv; ++h) ASSERT_EQ(sorted[static_cast<size_t>(h)], h) << name;
+      EXPECT_FALSE(std::is_sorted(order.begin(), order.end())) << name;
+      const Tensor d = q.to_f32();
+      double worst = 0;
+      for (int64_t r = 0; r < H; ++r)
+        for (int64_t p = 0; p < nv; ++p)
+          for (int64_t j = 0; j < dv; ++j)
+            worst = std::max(worst, std::abs(double(d.data<float>()[r * K + p * dv + j]) -
+                                             f.data<float>()[r * K + order[static_cast<size_t>(p)] * dv + j]));
+      EXPECT_EQ(worst, 0.0) << name;
+      saved += f.nbytes() - q.nbytes();
+      ++kept;
+      // --quantize over the file keeps the file's blocks and their order.
+      std::vector<int64_t> order2;
+      auto requant = quantized_weights(weights_from_gguf(file, c), DType::Q8_0);
+      EXPECT_EQ(requant->get_with_col_order(name, {H, K}, order2).dtype(), q.dtype()) << name;
+      EXPECT_EQ(order2, order) << name;
+      if (kept > 1) continue;
+
+      // The products, on activations whose heads differ in scale (as the gated norm's do).
+      for (const int64_t M : {int64_t{1}, int64_t{40}}) {
+        Tensor x = Tensor::empty(DType::F32, {M, K});
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t k = 0; k < K; ++k)
+            x.data<float>()[m * K + k] = normal(rng) * static_cast<float>(1 + (k / dv) % 3);
+        Tensor xg = be->alloc(DType::F32, {M, K}), y = be->alloc(DType::F32, {M, H});
+        be->gather_col_blocks(x, order, xg);
+        be->matmul(xg, q, y);
+        // The activations the product sees: for one row, rounded as the kernel rounds them, in the
+        // file's order, then put back in Hugging Face's order.
+        std::vector<float> xr(static_cast<size_t>(M * K));
+        for (int64_t m = 0; m < M; ++m) {
+          std::vector<float> xp(xg.data<float>() + m * K, xg.data<float>() + (m + 1) * K), xh(static_cast<size_t>(K));
+          if (M == 1) {
+            std::vector<char> xq(quant::act_bytes(q.dtype(), K));
+            quant::quantize_act(q.dtype(), xp.data(), K, xq.data());
+            if (q.dtype() == DType::Q8_0)
+              quant::dequantize(DType::Q8_0, xq.data(), K, xp.data());
+            else
+              quant::dequantize_q8_k(reinterpret_cast<const quant::BlockQ8_K*>(xq.data()), K, xp.data());
+          }
+          for (int64_t p = 0; p < nv; ++p)
+            std::copy_n(xp.data() + p * dv, dv, xr.data() + m * K + order[static_cast<size_t>(p)] * dv);
+        }
+        double over = 0;
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t n = 0; n < H; ++n) {
+            double want = 0, mag = 0;
+            for (int64_t k = 0; k < K; ++k) {
+              want += double(f.data<float>()[n * K + k]) * xr[static_cast<size_t>(m * K + k)];
+              mag += std::abs(double(f.data<float>()[n * K + k]) * xr[static_cast<size_t>(m * K + k)]);
+            }
+            over = std::max(over, std::abs(y.data<float>()[m * H + n] - want) / (1e-5 * mag + 1e-6));
+          }
+        EXPECT_LE(over, 1.0) << name << ", " << M << " rows: the product against f32 arithmetic";
+      }
+    }
+    EXPECT_GT(kept, 0);
+
+    InOrder f32_path(*ws);
+    Model a(c, *ws, *be), b(c, f32_path, *be);
+    EXPECT_EQ(b.weight_bytes() - a.weight_bytes(), saved) << "out_proj held quantized";
+    EXPECT_NE(a.fingerprint(), b.fingerprint());
+    // 40 tokens: prefill's products take dequantized panels from 32 rows; the last 8 decoded.
+    std::vector<int32_t> ids;
+    for (int i = 0; i < 40; ++i) ids.push_back(static_cast<int32_t>((i * 7919 + 13) % c.vocab_size));
+    const int64_t V = c.vocab_size;
+    const LpDiff pre = lp_diff(logprobs_of(b, *be, ids, false, 0), logprobs_of(a, *be, ids, false, 0), V);
+    const LpDiff dec = lp_diff(logprobs_of(b, *be, ids, true, 32), logprobs_of(a, *be, ids, true, 32), V);
+    std::printf(
+        "%s: out_proj quantized in %d layers (%zu bytes fewer); against the f32 path: prefill max "
+        "|log-prob difference| %.3g, decode %.3g (KL %.2g, top token agrees at %.0f%%)\n",
+        fs::path(path).filename().c_str(), kept, saved, pre.worst, dec.worst, dec.kl, 100 * dec.agree);
+    if (c.arch != Arch::Qwen3_5Moe) EXPECT_LE(pre.worst, 1e-3);
+    if (path == files[0]) {  // the trained model: decode within its activations' rounding
+      EXPECT_LT(dec.kl, 0.01);
+      EXPECT_EQ(dec.agree, 1.0);
+    }
+  }
+  for (size_t i = 3; i < files.size(); ++i) fs::remove(files[i]);
 }

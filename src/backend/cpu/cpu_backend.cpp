@@ -690,6 +690,22 @@ void CpuBackend::set_cols(const Tensor& src, int64_t col, Tensor& dst) {
       std::max<int64_t>(1, 8192 / std::max<int64_t>(W, 1)));
 }
 
+void CpuBackend::gather_col_blocks(const Tensor& src, std::span<const int64_t> order, Tensor& dst) {
+  check_gather_col_blocks(src, order, dst, DeviceKind::CPU);
+  const int64_t R = rows_of(src), C = last_dim(src), n = static_cast<int64_t>(order.size());
+  const size_t wb = dtype_size(src.dtype()) * static_cast<size_t>(C / n), rb = wb * static_cast<size_t>(n);
+  const char* s = static_cast<const char*>(src.raw());
+  char* d = static_cast<char*>(dst.raw());
+  pool_.parallel_for(
+      R,
+      [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; ++r)
+          for (int64_t p = 0; p < n; ++p)
+            std::memcpy(d + r * rb + p * wb, s + r * rb + order[static_cast<size_t>(p)] * wb, wb);
+      },
+      std::max<int64_t>(1, 8192 / std::max<int64_t>(C, 1)));
+}
+
 // ================================================================================================
 // Rotary embedding (NeoX half split, partial). inv_freq and angles follow transformers' fp32
 // arithmetic: inv_freq = 1 / theta ** (arange(0, rot, 2) / rot) in f32, angle = f32(pos) * inv_freq.

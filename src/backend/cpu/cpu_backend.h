@@ -58,6 +58,7 @@ class CpuBackend : public Backend {
   void sigmoid_mul(const Tensor& x, const Tensor& gate, Tensor& out) override;
   void copy_cols(const Tensor& src, int64_t col, Tensor& dst) override;
   void set_cols(const Tensor& src, int64_t col, Tensor& dst) override;
+  void gather_col_blocks(const Tensor& src, std::span<const int64_t> order, Tensor& dst) override;
 
   void rope_neox(Tensor& x, std::span<const int64_t> positions, int rot_dim, double theta) override;
 
