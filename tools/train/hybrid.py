@@ -69,16 +69,23 @@ class GatedDeltaNet(nn.Module):
         self.norm = RMSNormGated(self.dv, c["rms_norm_eps"])
         self.out_proj = nn.Linear(self.hv * self.dv, H, bias=False)
 
-    def forward(self, x):
-        B, L, _ = x.shape
-        qkv = self.in_proj_qkv(x).transpose(1, 2)
-        qkv = F.silu(self.conv1d(qkv)[..., :L]).transpose(1, 2)
+    def heads_and_gates(self, qkv, x):
+        """q, k, v [B, L, heads, d] of the conv'd projections qkv [B, L, C]; g (log decay), beta
+        [B, L, hv] of the layer's input x [B, L, H]."""
+        B, L = qkv.shape[:2]
         nk = self.hk * self.dk
         q = qkv[..., :nk].reshape(B, L, self.hk, self.dk)
         k = qkv[..., nk : 2 * nk].reshape(B, L, self.hk, self.dk)
         v = qkv[..., 2 * nk :].reshape(B, L, self.hv, self.dv)
         beta = self.in_proj_b(x).sigmoid()
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        return q, k, v, g, beta
+
+    def forward(self, x):
+        B, L, _ = x.shape
+        qkv = self.in_proj_qkv(x).transpose(1, 2)
+        qkv = F.silu(self.conv1d(qkv)[..., :L]).transpose(1, 2)
+        q, k, v, g, beta = self.heads_and_gates(qkv, x)
         o, _ = chunk_gated_delta_rule_scan(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
         z = self.in_proj_z(x).reshape(B * L * self.hv, self.dv)
         o = self.norm(o.reshape(B * L * self.hv, self.dv).to(x.dtype), z)

@@ -37,14 +37,7 @@ def _rope(attn, x, pos):
 
 def _gdn_inputs(m, proj, h):
     """q, k, v [1, n, heads, d], g, beta [1, n, hv] of conv'd projections proj [n, C] and normed input h [n, H]."""
-    n = proj.shape[0]
-    nk = m.hk * m.dk
-    q = proj[:, :nk].reshape(1, n, m.hk, m.dk)
-    k = proj[:, nk:2 * nk].reshape(1, n, m.hk, m.dk)
-    v = proj[:, 2 * nk:].reshape(1, n, m.hv, m.dv)
-    beta = m.in_proj_b(h).sigmoid()[None]
-    g = (-m.A_log.float().exp() * F.softplus(m.in_proj_a(h).float() + m.dt_bias))[None]
-    return q, k, v, g, beta
+    return m.heads_and_gates(proj[None], h[None])
 
 
 def _conv(m, prev, x):
@@ -224,19 +217,7 @@ def _attention_layer(a, h, pos_t, owner, iso, li, heads, lens, starts):
 # layer's state and conv stay as they are; attention masks them out), and all of them come before
 # the prefix's body, where the running state is still zero. So every linear layer runs N + 1 scans
 # for the whole batch, and pic_logits_batch() equals pic_logits() prompt by prompt
-# (check_pic_forward.py --batch checks it). Every document must be longer than the seam.
-
-
-def _gdn_inputs_b(m, proj, h):
-    """pic's _gdn_inputs for rows of several prompts: proj [B, n, C], h [B, n, H]."""
-    B, n = proj.shape[:2]
-    nk = m.hk * m.dk
-    q = proj[..., :nk].reshape(B, n, m.hk, m.dk)
-    k = proj[..., nk:2 * nk].reshape(B, n, m.hk, m.dk)
-    v = proj[..., 2 * nk:].reshape(B, n, m.hv, m.dv)
-    beta = m.in_proj_b(h).sigmoid()
-    g = -m.A_log.float().exp() * F.softplus(m.in_proj_a(h).float() + m.dt_bias)
-    return q, k, v, g, beta
+# (check_pic_forward.py checks it). Every document must be longer than the seam.
 
 
 def _conv_b(m, prev, x):
@@ -325,7 +306,7 @@ def _linear_layer_b(m, h, hi, geo):
     # state is [S(body|0) | T_body] (the recurrence is linear in the state, column by column).
     proj = m.in_proj_qkv(hi)  # [D, L, C]
     C = proj.shape[-1]
-    q, k, v, g, beta = _gdn_inputs_b(m, _conv_b(m, proj.new_zeros(D, K1, C), proj), hi)
+    q, k, v, g, beta = m.heads_and_gates(_conv_b(m, proj.new_zeros(D, K1, C), proj), hi)
     mask = geo["body"].to(g.dtype)
     g, beta = g * mask[..., None], beta * mask[..., None]
     v2 = torch.cat([v, v.new_zeros(*v.shape[:3], m.dk)], dim=-1)
@@ -351,7 +332,7 @@ def _linear_layer_b(m, h, hi, geo):
     def run(r0, r1, conv, S):
         rows = h[:, r0:r1]
         p = m.in_proj_qkv(rows) * vf[:, r0:r1]
-        q, k, v, g, beta = _gdn_inputs_b(m, _conv_b(m, conv, p), rows)
+        q, k, v, g, beta = m.heads_and_gates(_conv_b(m, conv, p), rows)
         keep = valid[:, r0:r1].to(g.dtype)[..., None]
         o, S = chunk_gated_delta_rule_scan(q, k, v, g=g * keep, beta=beta * keep, initial_state=S,
                                            output_final_state=True, use_qk_l2norm_in_kernel=True)
