@@ -15,9 +15,10 @@
 //  - conv1d [C, 1, K] is stored [C, K]; the experts of a layer are stacked [E, I, H] (served as
 //    per-expert views); a model with tied embeddings has no output.weight.
 // Q8_0, Q4_K and Q6_K matrices stay quantized (products and embeddings on the CPU backend run on
-// the blocks); quantized tensors of other ranks are dequantized at load. Qwen3-Next GGUFs (`qwen3next`) are refused:
-// llama.cpp's converter cannot write the mlp-only layers of the committed reference checkpoint, so there is nothing to
-// test a mapping against.
+// the blocks); quantized tensors of other ranks are dequantized at load. Qwen3-Next GGUFs (`qwen3next`) are read
+// too: their linear layers keep each key head's value heads together (nothing to regroup), in_proj_qkvz is
+// interleaved back from attn_qkv and attn_gate, and every layer's MLP is sparse (llama.cpp's converter cannot write
+// mlp-only layers; the test file comes from an all-MoE derivative of the reference checkpoint).
 #pragma once
 #include <memory>
 #include <string>
