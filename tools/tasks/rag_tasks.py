@@ -357,7 +357,12 @@ def gen_lookup(rng, doc_words, attrs=None):
     return docs, qa
 
 
-def gen_twohop(rng, doc_words):
+def gen_twohop(rng, doc_words, attrs=None, e1_distractor=0.5):
+    """attrs: the attribute pool of the chains and the background facts (default: all). Training's
+    two-hop drill passes one or two attributes and e1_distractor 1.0, so that every candidate value
+    carries the asked attribute and only the bridge entity tells them apart (as gen_lookup's attrs
+    does for one hop). The defaults draw exactly what the held-out sets always drew."""
+    pool = attrs or ATTR_NAMES
     n = len(doc_words)
     m = max(1, min(8, n // 2))  # relation chains
     ents = unique_names(rng, 2 * m + n + 2)
@@ -369,23 +374,23 @@ def gen_twohop(rng, doc_words):
         d_link = rng.randrange(n)
         rel = rng.choice(RELATIONS)
         doc_facts[d_link].append(rng.choice(LINK_TEMPLATES).format(rel=rel, e1=e1s[i], e2=e2s[i]))
-        attrs = rng.sample(ATTR_NAMES, rng.randint(1, 2))
+        chain_attrs = rng.sample(pool, rng.randint(1, min(2, len(pool))))
         asked = []
-        for a in attrs:
+        for a in chain_attrs:
             v = value_of(rng, a)
             d = rng.choice([x for x in range(n) if x != d_link])
             doc_facts[d].append(fact_sentence(rng, e2s[i], a, v))
             used.add((e2s[i], a))
             asked.append((a, v, d))
             # distractor: the same attribute of E1 itself, half of the time
-            if rng.random() < 0.5 and (e1s[i], a) not in used:
+            if rng.random() < e1_distractor and (e1s[i], a) not in used:
                 used.add((e1s[i], a))
                 doc_facts[rng.randrange(n)].append(fact_sentence(rng, e1s[i], a, value_of(rng, a)))
         chains.append((e1s[i], rel, e2s[i], d_link, asked))
     # background facts about other entities (the same attributes: distractors)
     for d in range(n):
         for _ in range(rng.randint(0, 2)):
-            e, a = rng.choice(others), rng.choice(ATTR_NAMES)
+            e, a = rng.choice(others), rng.choice(pool)
             if (e, a) in used:
                 continue
             used.add((e, a))

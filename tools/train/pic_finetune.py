@@ -44,7 +44,11 @@ def example(rng, encode, eos, task):
     """segments (ids; the last is the question), answer ids (+ eos)."""
     n = rng.randint(*DOCS)
     words = [max(8, int(round(rng.randint(*DOC_TOK) / R.TOKENS_PER_WORD))) for _ in range(n)]
-    segs, qa = R.make_prompt(rng, task, words)
+    if task == "twohop_drill":  # every candidate value carries the asked attribute (rag_tasks.gen_twohop)
+        segs, qa = R.make_prompt(rng, "twohop", words, attrs=rng.sample(R.ATTR_NAMES, rng.randint(1, 2)),
+                                 e1_distractor=1.0)
+    else:
+        segs, qa = R.make_prompt(rng, task, words)
     q, ans = qa[0][0], qa[0][1]
     texts = [s + "\n" for s in segs[:-1]] + [R.question_segment(q) + "\n", ans]
     enc = encode(texts)
@@ -80,7 +84,9 @@ def main():
     ap.add_argument("--pic-frac", type=float, default=0.5, help="share of examples trained in pic mode")
     ap.add_argument("--kd", type=float, default=0.5, help="weight of KL(full || pic) on pic examples' answers")
     ap.add_argument("--seam", type=int, default=8)
-    ap.add_argument("--task-mix", default="lookup=0.3,twohop=0.2,aggregate=0.5")
+    ap.add_argument("--task-mix", default="lookup=0.3,twohop=0.2,aggregate=0.5",
+                    help="tasks of tools/tasks/rag_tasks.py, and twohop_drill: two-hop prompts whose facts share "
+                    "one or two attributes, so that only the bridge entity tells the candidates apart")
     ap.add_argument("--eval-every", type=float, default=120)
     ap.add_argument("--eval-n", type=int, default=30)
     ap.add_argument("--seed", type=int, default=1)
