@@ -42,9 +42,7 @@ def _gdn_inputs(m, proj, h):
 
 def _conv(m, prev, x):
     """Depthwise causal conv + SiLU of rows x [n, C] after the K-1 rows prev [K-1, C]."""
-    full = torch.cat([prev, x], dim=0).t()[None]  # [1, C, K-1+n]
-    y = F.conv1d(full, m.conv1d.weight, groups=full.shape[1])  # valid: n outputs
-    return F.silu(y[0].t())
+    return _conv_b(m, prev[None], x[None])[0]
 
 
 def _tail(m, rows):
