@@ -11,7 +11,7 @@ Usage (a GPU machine with torch; CPU works for a smoke run):
     python3 tools/train/pic_finetune.py --model models/default --out /tmp/ft --seconds 600
         [--pic-frac 0.5] [--kd 0.5] [--seam 8] [--lr 2e-4] [--task-mix lookup=0.3,twohop=0.2,aggregate=0.5]
 Writes OUT/model (the fine-tuned folder, bf16 weights as the input's), OUT/log.jsonl (per step:
-loss by mode; every --eval-every seconds: held-out teacher-forced answer accuracy under full and
+loss by mode; every --eval-every seconds: held-out teacher-forced answer accuracy (per token and whole answers) under full and
 pic), and prints a summary. Cost: one pic example costs an isolated prefill of every document plus
 a composition pass (about two full forwards), so a step of pic examples costs ~2x a full step.
 """
@@ -130,13 +130,15 @@ def main():
             for mode in ("full", "pic"):
                 for t, _ in mix:
                     exs = [e for tt, e in held if tt == t]
-                    hit = tot = 0
+                    hit = tot = whole = 0
                     for i in range(0, len(exs), a.micro):
                         part = exs[i:i + a.micro]
                         for lg, (_, ans) in zip(answer_logits_batch(model, part, mode, a.seam), part):
-                            hit += sum(int(p == y) for p, y in zip(lg.argmax(-1).tolist(), ans))
-                            tot += len(ans)
+                            right = [int(p == y) for p, y in zip(lg.argmax(-1).tolist(), ans)]
+                            hit, tot, whole = hit + sum(right), tot + len(ans), whole + int(all(right))
                     res[f"{mode}/{t}"] = round(hit / max(tot, 1), 4)
+                    # every answer token right, teacher-forced: close to what greedy exact match scores
+                    res[f"{mode}/{t}/exact"] = round(whole / max(len(exs), 1), 4)
         model.train()
         return res
 
