@@ -5,6 +5,9 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 namespace hypic::quant {
 
@@ -25,6 +28,10 @@ void quantize_q8_0(const float* x, int64_t n, BlockQ8_0* out) {
   }
 }
 
+// GCC 12 warns inside its own AVX-512 intrinsics (their _mm512_undefined_* operands) at -O3.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 void quantize_q8_k(const float* x, int64_t n, BlockQ8_K* out) {
   for (int64_t b = 0; b < n / kQK; ++b) {
     const float* v = x + b * kQK;
@@ -33,7 +40,24 @@ void quantize_q8_k(const float* x, int64_t n, BlockQ8_K* out) {
     for (int i = 0; i < kQK; ++i) amax = std::max(amax, std::fabs(v[i]));
     const float id = amax > 0.f ? 127.f / amax : 0.f;
     o.d = amax / 127.f;
+#ifdef __AVX512F__
+    // lround (half away from zero) exactly: truncate, then step away from zero where the dropped
+    // fraction is at least one half (|v * id| <= 127, so no clamp is needed). Decode quantizes each
+    // product's activations once; lroundf one value at a time was ~2% of a one-thread decode step.
+    const __m512 vid = _mm512_set1_ps(id), half = _mm512_set1_ps(0.5f);
+    for (int i = 0; i < kQK; i += 16) {
+      const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(v + i), vid);
+      const __m512 t = _mm512_roundscale_ps(y, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+      const __mmask16 up = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(y, t)), half, _CMP_GE_OQ);
+      const __m512i r = _mm512_cvttps_epi32(
+          _mm512_mask_add_ps(t, up, t,
+                             _mm512_mask_blend_ps(_mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_LT_OQ),
+                                                  _mm512_set1_ps(1.f), _mm512_set1_ps(-1.f))));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o.q + i), _mm512_cvtsepi32_epi8(r));
+    }
+#else
     for (int i = 0; i < kQK; ++i) o.q[i] = static_cast<int8_t>(round_clamp(v[i] * id, -127, 127));
+#endif
     for (int s = 0; s < kQK / 16; ++s) {
       int sum = 0;
       for (int i = 0; i < 16; ++i) sum += o.q[s * 16 + i];
@@ -41,6 +65,7 @@ void quantize_q8_k(const float* x, int64_t n, BlockQ8_K* out) {
     }
   }
 }
+#pragma GCC diagnostic pop
 
 void quantize_q4_k(const float* x, int64_t n, BlockQ4_K* out) {
   for (int64_t b = 0; b < n / kQK; ++b) {

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -159,6 +160,41 @@ TEST(Quant, KQuantLayoutsPlaceEachValue) {
   for (int e = 0; e < 256; ++e)
     EXPECT_EQ(y[static_cast<size_t>(e)], 0.25f * static_cast<float>(b.scales[e / 16]) * static_cast<float>(q6(e) - 32))
         << e;
+}
+
+// Activations' Q8_K blocks round half away from zero (std::lround), also where the vectorised
+// quantizer runs: ties, values just below a tie, the extremes, and the 16-value sums.
+TEST(Quant, ActivationBlocksRoundHalfAwayFromZero) {
+  std::vector<float> x(quant::kQK * 2);
+  std::mt19937 rng(9);
+  std::uniform_real_distribution<float> u(-126.f, 126.f);
+  for (auto& v : x) v = u(rng);
+  x[0] = 127.f;  // amax 127: the scale is exactly 1, so each value is its own rounding input
+  const float ties[] = {0.5f, -0.5f, 1.5f, -1.5f, 2.5f, -2.5f, 126.5f, -126.5f, 0.49999997f, -0.49999997f, -127.f, 0.f};
+  for (size_t i = 0; i < std::size(ties); ++i) x[1 + i] = ties[i];
+  x[quant::kQK] = -3.f;  // second block: amax 3, scale 127 / 3
+  std::vector<quant::BlockQ8_K> q(2);
+  quant::quantize_act(DType::Q4_K, x.data(), static_cast<int64_t>(x.size()), q.data());
+  for (int b = 0; b < 2; ++b) {
+    float amax = 0.f;
+    for (int i = 0; i < quant::kQK; ++i) amax = std::max(amax, std::fabs(x[static_cast<size_t>(b * quant::kQK + i)]));
+    const float id = 127.f / amax;
+    EXPECT_EQ(q[static_cast<size_t>(b)].d, amax / 127.f);
+    for (int i = 0; i < quant::kQK; ++i) {
+      const float y = x[static_cast<size_t>(b * quant::kQK + i)] * id;
+      EXPECT_EQ(q[static_cast<size_t>(b)].q[i], static_cast<int8_t>(std::clamp<long>(std::lround(y), -127, 127)))
+          << "block " << b << " value " << i << " (" << y << ")";
+    }
+    for (int s = 0; s < quant::kQK / 16; ++s) {
+      int sum = 0;
+      for (int i = 0; i < 16; ++i) sum += q[static_cast<size_t>(b)].q[s * 16 + i];
+      EXPECT_EQ(q[static_cast<size_t>(b)].bsums[s], sum);
+    }
+  }
+  EXPECT_EQ(q[0].q[1], 1);  // 0.5 -> 1, -0.5 -> -1, 2.5 -> 3 (not to even)
+  EXPECT_EQ(q[0].q[2], -1);
+  EXPECT_EQ(q[0].q[5], 3);
+  EXPECT_EQ(q[0].q[9], 0);  // 0.49999997 stays 0
 }
 
 // The fast GEMVs against the plain loops, and both against f64 sums of the dequantized operands.

@@ -22,6 +22,6 @@ void quantize_act(DType w, const float* x, int64_t K, void* xq);
 void gemv_rows(DType w, const void* W, const void* xq, int64_t K, int64_t n0, int64_t n1, float* y);
 void gemv_rows_ref(DType w, const void* W, const void* xq, int64_t K, int64_t n0, int64_t n1, float* y);
 
-const char* dot_kernel();  // "avx512-vnni", "avx-vnni", "avx2" or "plain"
+const char* dot_kernel();  // "avx512-vnni, zmm k-quants", "avx512-vnni", "avx-vnni", "avx2" or "plain"
 
 }  // namespace hypic::quant
