@@ -60,6 +60,10 @@ for m in "${models[@]}"; do
 done
 
 [ "${PREPARE_ONLY:-0}" = 1 ] && exit 0
+# Each engine on its best kernels for this CPU: an OPENBLAS_CORETYPE inherited from the shell (this
+# machine's environment sets Haswell) would hold hypic's f32 products to AVX2 sgemm on an AVX-512
+# core; unset, hypic picks the family from the CPU's instruction sets (src/backend/cpu/blas_core.h).
+unset OPENBLAS_CORETYPE
 out="${OUT:-.}/cpu_compare.jsonl"
 echo "llama.cpp $(cat .peer/llama.cpp.commit 2>/dev/null || echo '?'), hypic $(git rev-parse --short HEAD), $(nproc) cores" >&2
 python3 tools/bench/cpu_compare.py --hypic build/hypic --llama-bench "$llama/build/bin/llama-bench" "${specs[@]}" \
