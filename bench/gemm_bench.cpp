@@ -123,9 +123,10 @@ int main(int argc, char** argv) {
     be.set_precise(true);
   }
   // Decode products on one thread, by weight type: weight bytes per second is what bounds decode.
+  // The last shape (a 128k-row head) is larger than the caches: one core's bandwidth from memory.
   {
     cpu::CpuBackend one(1);
-    for (auto [k, n] : {std::pair<int64_t, int64_t>{1024, 3584}, {3584, 1024}, {2048, 2048}}) {
+    for (auto [k, n] : {std::pair<int64_t, int64_t>{1024, 3584}, {3584, 1024}, {2048, 2048}, {1024, 131072}}) {
       Tensor x = randn({1, k}, 1), wf = randn({n, k}, 2), y = Tensor::empty(DType::F32, {1, n});
       for (DType dt : {DType::BF16, DType::Q8_0, DType::Q4_K, DType::Q6_K}) {
         Tensor w = dt == DType::BF16 ? as(wf, dt) : Tensor::empty(dt, {n, k});

@@ -1,5 +1,6 @@
 // hypic bench prefill | decode: throughput figures as JSON plus a short table. Programs, not
 // tests: they print measurements and assert nothing about them.
+#include <spdlog/spdlog.h>
 #include <stdlib.h>
 
 #include <algorithm>
@@ -22,6 +23,19 @@
 namespace hypic::cli {
 
 namespace {
+
+// Says once when OpenBLAS runs older kernels than this CPU allows (an OPENBLAS_CORETYPE from the
+// environment stands): the f32 products of a CPU benchmark are then not what the machine can do.
+void warn_if_blas_held_back(const Backend& be) {
+  static bool said = false;
+  const char* best = be.name() == "cpu" ? cpu::openblas_held_back() : nullptr;
+  if (said || !best) return;
+  said = true;
+  spdlog::warn(
+      "OpenBLAS runs its {} kernels where this CPU runs {} (OPENBLAS_CORETYPE={}): f32 products are "
+      "slower than this machine allows; unset OPENBLAS_CORETYPE to let hypic choose",
+      cpu::openblas_core(), best, std::getenv("OPENBLAS_CORETYPE") ? std::getenv("OPENBLAS_CORETYPE") : "");
+}
 using Clock = std::chrono::steady_clock;
 double secs(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
@@ -287,12 +301,15 @@ void register_bench(CLI::App& app) {
         }
         const double t = median(times);
         const double flops = n_tok * (weight_flops_per_token(cfg) + mixer_flops_per_token(cfg, n_tok / 2.0));
+        warn_if_blas_held_back(m.backend());
         nlohmann::json j{{"bench", "prefill"},
                          {"model", lm.description},
                          {"backend", m.backend().name()},
                          {"threads", m.backend().num_threads()},
                          {"activations", m.backend().precise() ? "f32" : "bf16"},
                          {"openblas_core", m.backend().name() == "cpu" ? cpu::openblas_core() : ""},
+                         {"openblas_core_cpu",
+                          m.backend().name() == "cpu" && cpu::openblas_cpu_core() ? cpu::openblas_cpu_core() : ""},
                          {"parameters", m.parameter_count()},
                          {"tokens", n_tok},
                          {"peak_device_bytes", m.backend().peak_memory_bytes()},
@@ -364,12 +381,15 @@ void register_bench(CLI::App& app) {
         // of B selects), once per step.
         const double step_bytes = m.step_weight_bytes(B);
         const double gbps = step_bytes * o.tokens / t / 1e9;
+        warn_if_blas_held_back(m.backend());
         nlohmann::json j{{"bench", "decode"},
                          {"model", lm.description},
                          {"backend", m.backend().name()},
                          {"threads", m.backend().num_threads()},
                          {"activations", m.backend().precise() ? "f32" : "bf16"},
                          {"openblas_core", m.backend().name() == "cpu" ? cpu::openblas_core() : ""},
+                         {"openblas_core_cpu",
+                          m.backend().name() == "cpu" && cpu::openblas_cpu_core() ? cpu::openblas_cpu_core() : ""},
                          {"parameters", m.parameter_count()},
                          {"context", o.context},
                          {"batch", B},

@@ -212,8 +212,20 @@ TEST(Cli, RunsOnTheOpenBlasKernelsOfItsCpu) {
     EXPECT_TRUE(picked == "SkylakeX" || picked == "Cooperlake" || picked == "SapphireRapids") << picked;
   else
     EXPECT_NE(picked, "?");
-  // The user's choice stands.
+  // The user's choice stands, and bench says what it costs.
   EXPECT_EQ(core_of("env OPENBLAS_CORETYPE=Prescott"), "Prescott");
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  auto r = run_cmd("env OPENBLAS_CORETYPE=Prescott " + std::string(HYPIC_BIN) + " bench prefill --json --model " +
+                   model() + " --tokens 8 --repeats 1");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  auto j = nlohmann::json::parse(r.out.substr(r.out.find('{')));
+  const std::string cpu = avx512 ? "SkylakeX" : avx2 ? "Haswell" : "";
+  EXPECT_EQ(j.value("openblas_core_cpu", std::string("?")), cpu);
+  if (!cpu.empty())
+    EXPECT_NE(r.out.find("OpenBLAS runs its Prescott kernels where this CPU runs " + cpu), std::string::npos) << r.out;
+  auto quiet = run_cmd("env -u OPENBLAS_CORETYPE " + std::string(HYPIC_BIN) + " bench prefill --json --model " +
+                       model() + " --tokens 8 --repeats 1");
+  EXPECT_EQ(quiet.out.find("OpenBLAS runs its"), std::string::npos) << quiet.out;
 }
 
 // Multi-turn: each turn repeats the previous prompt as its exact prefix and adds the previous

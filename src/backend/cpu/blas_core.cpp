@@ -30,20 +30,28 @@ const char* openblas_core() {
   return openblas_get_corename();
 }
 
-const char* openblas_better_core() {
+const char* openblas_cpu_core() {
 #if defined(__x86_64__)
-  if (std::getenv("OPENBLAS_CORETYPE")) return nullptr;  // the user's choice, or our own re-execution
   __builtin_cpu_init();
   const bool has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   const bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  const int want = has512 ? 3 : has2 ? 2 : 0;
-  const char* core = openblas_get_corename();
-  if (!core || want <= rank_of(core)) return nullptr;
-  return want == 3 ? "SkylakeX" : "Haswell";
+  return has512 ? "SkylakeX" : has2 ? "Haswell" : nullptr;
 #else
   return nullptr;
 #endif
+}
+
+const char* openblas_held_back() {
+  const char* cpu = openblas_cpu_core();
+  const char* core = openblas_get_corename();
+  if (!cpu || !core || rank_of(cpu) <= rank_of(core)) return nullptr;
+  return cpu;
+}
+
+const char* openblas_better_core() {
+  if (std::getenv("OPENBLAS_CORETYPE")) return nullptr;  // the user's choice, or our own re-execution
+  return openblas_held_back();
 }
 
 void reexec_for_openblas_core(char** argv) {

@@ -15,6 +15,13 @@ const char* openblas_better_core();
 // The core OpenBLAS runs now (openblas_get_corename()).
 const char* openblas_core();
 
+// The kernel family this CPU's instruction sets allow ("SkylakeX", "Haswell"), or nullptr.
+const char* openblas_cpu_core();
+
+// openblas_cpu_core() when OpenBLAS runs an older family than that (e.g. an OPENBLAS_CORETYPE set in
+// the environment, which hypic leaves standing), else nullptr: for reports that say so.
+const char* openblas_held_back();
+
 // For main(): when openblas_better_core() names a family, sets OPENBLAS_CORETYPE to it and
 // re-executes this program (/proc/self/exe, same arguments and pid). Returns when there is
 // nothing to do or the re-execution failed (the program then runs on the kernels it has).
