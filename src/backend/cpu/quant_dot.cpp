@@ -134,18 +134,6 @@ void gemv_q8_0(const BlockQ8_0* w, const BlockQ8_0* xq, int64_t nb, int64_t n0, 
   for (int64_t n = n0; n < n1; ++n) y[n] = dot_q8_0(w + n * nb, xq, nb);
 }
 
-// Q4_K: the nibbles of 32 bytes are 64 values (two sub-blocks); u8 nibbles x s8 activations
-// through maddubs (|pair sums| <= 2 * 15 * 127), then times the sub-block's scale into int32.
-// The 6-bit scales and mins are unpacked four at a time in 32-bit words, and the mins' correction
-// (sum over sub-blocks of min * x's sub-block sum) is one madd of x's 16-value sums against the
-// mins, kept in a vector across blocks: unpacking them one by one was about as many instructions
-// as the dot products themselves.
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define HYPIC_QUANT_ZMM 1
-// GCC 12 warns inside its own AVX-512 intrinsics (their _mm512_undefined_* operands) at -O3.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
 // The scales and mins of a Q4_K block as bytes j = sub-block j (layout: q4_k_scale_min).
 inline void q4_k_unpack(const uint8_t* scales, uint64_t& sc, uint64_t& mn) {
   uint32_t u[3];
@@ -154,6 +142,19 @@ inline void q4_k_unpack(const uint8_t* scales, uint64_t& sc, uint64_t& mn) {
   mn = (u[1] & 0x3f3f3f3fu) | static_cast<uint64_t>(((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4))
                                   << 32;
 }
+// Q4_K's min correction: x's 16 sums of 16 values against the mins (bytes of mn), each min twice
+// (a sub-block is 32 values), as 8 int32 partial sums.
+inline __m256i q4_k_min_sums(uint64_t mn, const int16_t* bsums) {
+  const __m128i m = _mm_cvtsi64_si128(static_cast<int64_t>(mn));
+  return _mm256_madd_epi16(load(bsums), _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m, m)));
+}
+
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define HYPIC_QUANT_ZMM 1
+// GCC 12 warns inside its own AVX-512 intrinsics (their _mm512_undefined_* operands) at -O3.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 // Index vectors for vpermw: s16 lane i of idx[g] = g * per + i / (32 / per), i.e. `per` scales per
 // 64-value maddubs result, each over its 32 / per pairs (Q4_K: 2 sub-blocks of 32 values; Q6_K: 4 of 16).
 struct ScaleIdx {
@@ -189,10 +190,7 @@ float dot_q4_k(const BlockQ4_K* w, const BlockQ8_K* x, int64_t nb) {
       const __m512i p = _mm512_maddubs_epi16(q, _mm512_loadu_si512(x[k].q + 64 * c));
       isum = _mm512_dpwssd_epi32(isum, p, _mm512_permutexvar_epi16(si.idx[c], sc16));
     }
-    // x's 16 sums of 16 values against the mins, each min twice (a sub-block is 32 values).
-    const __m256i mins = _mm256_cvtepu8_epi16(
-        _mm_unpacklo_epi8(_mm_cvtsi64_si128(static_cast<int64_t>(mn)), _mm_cvtsi64_si128(static_cast<int64_t>(mn))));
-    const __m256i msum = _mm256_madd_epi16(load(x[k].bsums), mins);
+    const __m256i msum = q4_k_min_sums(mn, x[k].bsums);
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(x[k].d * _cvtsh_ss(w[k].d)), acc);
     accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(x[k].d * _cvtsh_ss(w[k].dmin)), accm);
   }
@@ -231,17 +229,18 @@ float dot_q6_k(const BlockQ6_K* w, const BlockQ8_K* x, int64_t nb) {
 }
 #pragma GCC diagnostic pop
 #else
+// Q4_K: the nibbles of 32 bytes are 64 values (two sub-blocks); u8 nibbles x s8 activations
+// through maddubs (|pair sums| <= 2 * 15 * 127), then times the sub-block's scale into int32.
+// The 6-bit scales and mins are unpacked four at a time in 32-bit words, and the mins' correction
+// (sum over sub-blocks of min * x's sub-block sum) is one madd of x's 16-value sums against the
+// mins, kept in a vector across blocks: unpacking them one by one was about as many instructions
+// as the dot products themselves.
 float dot_q4_k(const BlockQ4_K* w, const BlockQ8_K* x, int64_t nb) {
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
   for (int64_t k = 0; k < nb; ++k) {
-    uint32_t u[3];
-    std::memcpy(u, w[k].scales, 12);
-    // Bytes j of sc / mn: sub-block j's scale / min (layout: q4_k_scale_min).
-    const uint64_t sc =
-        (u[0] & 0x3f3f3f3fu) | static_cast<uint64_t>((u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4)) << 32;
-    const uint64_t mn = (u[1] & 0x3f3f3f3fu) |
-                        static_cast<uint64_t>(((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4)) << 32;
+    uint64_t sc, mn;
+    q4_k_unpack(w[k].scales, sc, mn);
     // The eight scales as 16-bit lanes in both halves; each is broadcast by one byte shuffle (a
     // scalar extract and broadcast per scale cost ~4 instructions each, nearly half the block's).
     const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(sc))));
@@ -258,10 +257,7 @@ float dot_q4_k(const BlockQ4_K* w, const BlockQ8_K* x, int64_t nb) {
       isum = _mm256_add_epi32(isum, _mm256_madd_epi16(plo, s_lo));
       isum = _mm256_add_epi32(isum, _mm256_madd_epi16(phi, s_hi));
     }
-    // x's 16 sums of 16 values against the mins, each min twice (a sub-block is 32 values).
-    const __m256i mins = _mm256_cvtepu8_epi16(
-        _mm_unpacklo_epi8(_mm_cvtsi64_si128(static_cast<int64_t>(mn)), _mm_cvtsi64_si128(static_cast<int64_t>(mn))));
-    const __m256i msum = _mm256_madd_epi16(load(x[k].bsums), mins);
+    const __m256i msum = q4_k_min_sums(mn, x[k].bsums);
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(x[k].d * _cvtsh_ss(w[k].d)), acc);
     accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(x[k].d * _cvtsh_ss(w[k].dmin)), accm);
   }
