@@ -187,7 +187,7 @@ TEST_F(CpuOps, MatmulAllDtypesAndShapes) {
   };
   for (C c : {C{1, 67, 45}, C{2, 129, 33}, C{3, 35, 71}, C{5, 1001, 19}, C{7, 9, 13}, C{8, 67, 45}, C{13, 257, 517},
               C{70, 300, 37}, C{1, 3, 5},
-              // decode shapes: whole 32-value blocks with and without a tail, rows not a multiple of 4
+              // decode shapes: K of whole 32-value blocks (the GEMVs' vector loops), with and without a tail
               C{1, 1024, 67}, C{2, 1024 + 37, 35}, C{1, 32, 4}}) {
     Tensor x = randn({c.M, c.K}, 11 + c.M);
     Tensor w32 = randn({c.N, c.K}, 23 + c.N, 0.5f);

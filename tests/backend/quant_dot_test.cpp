@@ -199,8 +199,10 @@ TEST(Quant, ActivationBlocksRoundHalfAwayFromZero) {
 
 // The fast GEMVs against the plain loops, and both against f64 sums of the dequantized operands.
 TEST(Quant, FastGemvMatchesTheReferenceAndExactSums) {
-  for (DType t : {DType::Q8_0, DType::Q4_K, DType::Q6_K}) {
-    const int64_t N = 37, K = 256 * 3;
+  // Q8_0 also with 7 blocks a row: the kernel's four accumulators and its remainder loop.
+  for (auto [t, K] : {std::pair{DType::Q8_0, int64_t{256 * 3}}, std::pair{DType::Q8_0, int64_t{32 * 7}},
+                      std::pair{DType::Q4_K, int64_t{256 * 3}}, std::pair{DType::Q6_K, int64_t{256 * 3}}}) {
+    const int64_t N = 37;
     const auto w = randn(static_cast<size_t>(N * K), 2, 0.05f), x = randn(static_cast<size_t>(K), 3);
     std::vector<char> wq(dtype_bytes(t, N * K)), xq(quant::act_bytes(t, K));
     quant::quantize(t, w.data(), N * K, wq.data());

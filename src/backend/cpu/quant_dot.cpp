@@ -125,8 +125,8 @@ inline __m256 q8_0_block(const BlockQ8_0& a, const BlockQ8_0& b, float bd, __m25
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_signed(_mm256_sign_epi8(va, va), _mm256_sign_epi8(vb, va))), s, acc);
 }
 
-// bd: b's scales as f32 (converted once per product, not once per row). Two accumulators, even and
-// odd blocks: one chain of FMAs bound a row to one block per FMA latency (~25 GB/s in cache).
+// bd: b's scales as f32 (converted once per product, not once per row). Four accumulators (blocks
+// k mod 4): one chain of FMAs bound a row to one block per FMA latency (~25 GB/s in cache).
 float dot_q8_0(const BlockQ8_0* a, const BlockQ8_0* b, const float* bd, int64_t nb) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), acc2 = acc0, acc3 = acc0;
   int64_t k = 0;
