@@ -177,7 +177,7 @@ def main():
         done = 0
         while done < a.accum:
             # a forward holds examples of one size: long ones in smaller groups
-            long = rng.random() < a.long_frac
+            long = a.long_frac > 0 and rng.random() < a.long_frac  # no draw at 0: earlier runs' stream
             k = min(a.long_micro if long else a.micro, a.accum - done)
             exs = [example(rng, encode, eos, pick(), long=long) for _ in range(k)]
             done += k
