@@ -36,13 +36,21 @@ import rag_tasks as R  # noqa: E402
 from hybrid import load_folder, save_folder  # noqa: E402
 from pic_forward import pic_logits, pic_logits_batch  # noqa: E402
 from train import load_tokenizer  # noqa: E402
+from eval_rag import EVAL_SETS  # noqa: E402
 
-# Prompt sizes of the held-out "moderate" set (eval_rag.py): 4-16 documents of 100-400 tokens; and
-# of the "longdocs" set: 3-6 documents of 1,000-2,500 tokens. Training on the moderate sizes alone
-# cost full recompute 25 points of aggregation on long documents (docs/quality.md), so --long-frac
-# mixes long ones in, and the held-out evaluation reports both sizes.
-DOCS, DOC_TOK = (4, 16), (100, 400)
-LONG_DOCS, LONG_DOC_TOK = (3, 6), (1000, 2500)
+
+def sizes(name):
+    """(documents, tokens per document) ranges of one of eval_rag.py's held-out sets."""
+    s = EVAL_SETS[name]
+    return (s["min_docs"], s["max_docs"]), (s["min_doc_tokens"], s["max_doc_tokens"])
+
+
+# Prompt sizes of the held-out "moderate" set: 4-16 documents of 100-400 tokens; and of the
+# "longdocs" set: 3-6 documents of 1,000-2,500 tokens. Training on the moderate sizes alone cost full
+# recompute 25 points of aggregation on long documents (docs/quality.md), so --long-frac mixes long
+# ones in, and the held-out evaluation reports both sizes.
+DOCS, DOC_TOK = sizes("moderate")
+LONG_DOCS, LONG_DOC_TOK = sizes("longdocs")
 
 
 def example(rng, encode, eos, task, long=False):
