@@ -131,10 +131,9 @@ def main():
                 row["speedup"] = round(base / row["ttft_s"], 2)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    if a.out:
-        with open(a.out, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+                if a.out:  # row by row: a run cut short keeps what it measured
+                    with open(a.out, "a") as f:
+                        f.write(json.dumps(row) + "\n")
     print("\n| workload | workers | schedule | prompt tokens | TTFT s | speedup | entries from workers | MiB moved | transfer s | built here s | compose s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
