@@ -12,6 +12,7 @@
 
 #include "backend/backend.h"
 #include "io/gguf_writer.h"
+#include "models/gguf_arch.h"
 #include "tensor/quant.h"
 
 namespace hypic {
@@ -24,21 +25,13 @@ using json = nlohmann::json;
   throw std::runtime_error("gguf " + f.path() + ": " + what);
 }
 
-// Where a Hugging Face tensor comes from in the file, and what undoes the converter's change.
-struct Source {
-  std::string tensor;
-  int64_t expert = -1;  // a slice of the stacked experts
-  // Qkvz: Qwen3-Next's in_proj_qkvz, interleaved per key head again from the converter's q|k|v
-  // (`tensor`) and z (`second`) halves.
-  enum class Fix { None, MinusOne, LogNeg, Qkvz } fix = Fix::None;
-  int axis = -1;             // value heads regrouped along rows (0) or columns (1)
-  int64_t from = 0, hd = 0;  // from this index, in blocks of hd
-  std::string second;        // Qkvz: the z half
-};
+using gguf_detail::Source;
 
 // The file's tensor for a Hugging Face name under config c, and what undoes the converter's change.
 std::optional<Source> resolve(const ModelConfig& c_, const std::string& name) {
   using Fix = Source::Fix;
+  if (c_.arch == Arch::NemotronH) return gguf_detail::nemotron_h_gguf_source(c_, name);
+  if (c_.arch == Arch::KimiLinear) return gguf_detail::kimi_linear_gguf_source(c_, name);
   if (name == "model.embed_tokens.weight") return Source{"token_embd.weight"};
   if (name == "lm_head.weight") return Source{"output.weight"};
   if (name == "model.norm.weight") return Source{"output_norm.weight", -1, Fix::MinusOne};
@@ -139,6 +132,8 @@ class GgufWeights : public WeightSource {
   // straddles stay in the file's order, and col_order says it (WeightSource::get_with_col_order).
   Tensor read(const std::string& name, const Shape& expected, std::vector<int64_t>* col_order) const;
   Tensor interleave_qkvz(const GgufFile& f, const Source& s, Tensor qkv) const;
+  Tensor unpermute_rope_rows(const GgufFile& f, const Source& s, const Tensor& t) const;
+  Tensor mla_kv_b(const GgufFile& f, const Source& s, const Tensor& kb) const;
   std::shared_ptr<const GgufFile> f_;
   ModelConfig c_;
 };
@@ -174,6 +169,46 @@ Tensor GgufWeights::interleave_qkvz(const GgufFile& f, const Source& s, Tensor q
   return out;
 }
 
+// The converter's RoPE permutation of q / k rows (LlamaModel.permute: per head of hd rows, row
+// 2i + j holds Hugging Face's row j * hd / 2 + i) undone. Whole rows move, so quantized blocks stay.
+Tensor GgufWeights::unpermute_rope_rows(const GgufFile& f, const Source& s, const Tensor& t) const {
+  const int64_t hd = s.hd;
+  if (t.ndim() != 2 || hd <= 0 || hd % 2 != 0 || t.dim(0) % hd != 0)
+    fail(f, "tensor " + s.tensor + " " + shape_str(t.shape()) + " is not rows of heads of " + std::to_string(hd));
+  Tensor out = Tensor::empty(t.dtype(), t.shape());
+  const size_t rb = dtype_bytes(t.dtype(), t.dim(1));
+  const auto* in = static_cast<const char*>(t.raw());
+  auto* o = static_cast<char*>(out.raw());
+  for (int64_t h = 0; h < t.dim(0) / hd; ++h)
+    for (int64_t i = 0; i < hd / 2; ++i)
+      for (int64_t j = 0; j < 2; ++j)
+        std::memcpy(o + (h * hd + j * hd / 2 + i) * rb, in + (h * hd + 2 * i + j) * rb, rb);
+  return out;
+}
+
+// MLA's kv_b_proj [heads * 2 * D, rank] (per head: D key rows, then D value rows) from the
+// converter's k_b [heads, rank, D] (each head transposed) and v_b [heads, D, rank]. In f32: the
+// transpose crosses quantized rows.
+Tensor GgufWeights::mla_kv_b(const GgufFile& f, const Source& s, const Tensor& kb_in) const {
+  if (!f.find(s.second)) fail(f, "missing tensor " + s.second + " (the value half of kv_b_proj)");
+  const Tensor kb = kb_in.to_f32(), vb = f.get(s.second).to_f32();
+  const int64_t H = c_.num_attention_heads, D = c_.head_dim, r = c_.kv_lora_rank;
+  if (kb.shape() != Shape{H, r, D} || vb.shape() != Shape{H, D, r})
+    fail(f, s.tensor + " " + shape_str(kb.shape()) + " and " + s.second + " " + shape_str(vb.shape()) + " are not [" +
+                std::to_string(H) + ", " + std::to_string(r) + ", " + std::to_string(D) + "] and [" +
+                std::to_string(H) + ", " + std::to_string(D) + ", " + std::to_string(r) + "]");
+  Tensor out = Tensor::empty(DType::F32, {H * 2 * D, r});
+  const float *k = kb.data<float>(), *v = vb.data<float>();
+  float* o = out.data<float>();
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t j = 0; j < r; ++j) {
+        o[(h * 2 * D + d) * r + j] = k[(h * r + j) * D + d];
+        o[(h * 2 * D + D + d) * r + j] = v[(h * D + d) * r + j];
+      }
+  return out;
+}
+
 Tensor GgufWeights::read(const std::string& name, const Shape& expected, std::vector<int64_t>* col_order) const {
   const GgufFile& f = *f_;
   const auto s = resolve(c_, name);
@@ -189,6 +224,8 @@ Tensor GgufWeights::read(const std::string& name, const Shape& expected, std::ve
   if (dtype_is_quantized(t.dtype()) && expected.size() != 2) t = t.to_f32();
 
   if (s->fix == Source::Fix::Qkvz) t = interleave_qkvz(f, *s, t);
+  if (s->fix == Source::Fix::RopeRows) t = unpermute_rope_rows(f, *s, t);
+  if (s->fix == Source::Fix::MlaKvB) t = mla_kv_b(f, *s, t);
   if (s->expert >= 0) {
     const Shape sh = t.shape();
     if (sh.size() != 3 || s->expert >= sh[0])
@@ -244,14 +281,15 @@ Tensor GgufWeights::read(const std::string& name, const Shape& expected, std::ve
     }
   }
   if (t.shape() != expected) {
-    // conv1d is stored without its middle axis of one; nothing else may differ.
+    // conv1d is stored without its middle axis of one (or with more), vectors as [n, 1]; nothing
+    // else may differ, except where the converter regrouped the values (s->reshape).
     auto squeeze = [](Shape x) {
       Shape o;
       for (int64_t d : x)
         if (d != 1) o.push_back(d);
       return o;
     };
-    if (t.numel() != shape_numel(expected) || squeeze(t.shape()) != squeeze(expected))
+    if (t.numel() != shape_numel(expected) || (!s->reshape && squeeze(t.shape()) != squeeze(expected)))
       fail(f,
            "tensor " + s->tensor + " is " + shape_str(t.shape()) + ", " + name + " should be " + shape_str(expected));
     t = t.reshape(expected);
@@ -270,34 +308,92 @@ const char* pre_tokenizer_regex(const std::string& pre) {
 
 }  // namespace
 
-ModelConfig gguf_model_config(const GgufFile& f) {
-  const std::string a = f.get_string("general.architecture");
-  ModelConfig c;
-  if (a == "qwen35") {
-    c.arch = Arch::Qwen3_5;
-    c.architecture = "Qwen3_5ForCausalLM";
-  } else if (a == "qwen35moe") {
-    c.arch = Arch::Qwen3_5Moe;
-    c.architecture = "Qwen3_5MoeForCausalLM";
-  } else if (a == "qwen3next") {
-    c.arch = Arch::Qwen3Next;
-    c.architecture = "Qwen3NextForCausalLM";
-  } else {
-    fail(f, "architecture '" + a + "' is not one hypic runs from GGUF (qwen35, qwen35moe, qwen3next)");
-  }
-  auto positive = [&](const std::string& k) {
-    const int64_t v = f.get_int(a + "." + k);
-    if (v <= 0) fail(f, a + "." + k + " must be positive, is " + std::to_string(v));
-    return v;
+namespace gguf_detail {
+
+std::optional<std::pair<std::string, std::string>> gguf_layer_of(const std::string& name, const std::string& prefix) {
+  const std::string L = prefix + "layers.";
+  if (name.rfind(L, 0) != 0) return std::nullopt;
+  const size_t dot = name.find('.', L.size());
+  if (dot == std::string::npos) return std::nullopt;
+  const std::string idx = name.substr(L.size(), dot - L.size());
+  if (idx.empty() || idx.size() > 9 || idx.find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
+  return std::make_pair("blk." + idx + ".", name.substr(dot + 1));
+}
+
+void GgufKeys::fail(const std::string& what) const {
+  throw std::runtime_error("gguf " + f_.path() + ": " + what);
+}
+int64_t GgufKeys::positive(const std::string& k) const {
+  const int64_t v = f_.get_int(key(k));
+  if (v <= 0) fail(key(k) + " must be positive, is " + std::to_string(v));
+  return v;
+}
+int64_t GgufKeys::count_or(const std::string& k, int64_t dflt) const {
+  if (!has(k)) return dflt;
+  const int64_t v = f_.get_int(key(k));
+  if (v < 0) fail(key(k) + " must not be negative, is " + std::to_string(v));
+  return v;
+}
+double GgufKeys::number(const std::string& k) const {
+  const double v = f_.get_float(key(k));
+  if (!std::isfinite(v)) fail(key(k) + " is not a finite number");
+  return v;
+}
+double GgufKeys::number_or(const std::string& k, double dflt) const {
+  return has(k) ? number(k) : dflt;
+}
+bool GgufKeys::flag_or(const std::string& k, bool dflt) const {
+  if (!has(k)) return dflt;
+  if (const auto* b = std::get_if<bool>(&f_.metadata().at(key(k)).v)) return *b;
+  fail(key(k) + " is not a bool");
+}
+std::vector<int64_t> GgufKeys::per_layer(const std::string& k, int64_t n) const {
+  const GgufValue& v = [&]() -> const GgufValue& {
+    const auto it = f_.metadata().find(key(k));
+    if (it == f_.metadata().end()) fail("missing key " + key(k));
+    return it->second;
+  }();
+  auto as_count = [&](const GgufValue& x) {
+    int64_t i = -1;
+    if (const auto* u = std::get_if<uint64_t>(&x.v))
+      i = *u > (uint64_t{1} << 40) ? -1 : static_cast<int64_t>(*u);
+    else if (const auto* s = std::get_if<int64_t>(&x.v))
+      i = *s;
+    else
+      fail(key(k) + " holds a value that is not an integer");
+    if (i < 0) fail(key(k) + " holds a negative or oversized count");
+    return i;
   };
-  c.hidden_size = positive("embedding_length");
-  c.num_hidden_layers = positive("block_count");
-  // Every block has tensors of its own, so a count beyond the tensor table is damage, not a model.
-  if (c.num_hidden_layers > kMaxLayers || c.num_hidden_layers > static_cast<int64_t>(f.tensors().size()))
-    fail(f, a + ".block_count " + std::to_string(c.num_hidden_layers) + " exceeds the " +
-                std::to_string(f.tensors().size()) + " tensors of the file or the bound of " +
-                std::to_string(kMaxLayers) + " layers");
-  c.max_position_embeddings = positive("context_length");
+  if (const auto* arr = std::get_if<GgufArray>(&v.v)) {
+    if (static_cast<int64_t>(arr->items.size()) != n)
+      fail(key(k) + " has " + std::to_string(arr->items.size()) + " entries for " + std::to_string(n) + " layers");
+    std::vector<int64_t> out;
+    for (const auto& x : arr->items) out.push_back(as_count(x));
+    return out;
+  }
+  return std::vector<int64_t>(static_cast<size_t>(n), as_count(v));
+}
+int64_t GgufKeys::shared_nonzero(const std::string& k, const std::vector<int64_t>& v) const {
+  int64_t one = 0;
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (v[i] == 0) continue;
+    if (one != 0 && v[i] != one)
+      fail(key(k) + " differs between layers (" + std::to_string(one) + ", then " + std::to_string(v[i]) +
+           " at layer " + std::to_string(i) + "): hypic runs one width per model");
+    one = v[i];
+  }
+  return one;
+}
+
+}  // namespace gguf_detail
+
+namespace {
+
+// qwen35, qwen35moe, qwen3next: Gated DeltaNet with full attention every n-th layer.
+void qwen_gguf_config(const gguf_detail::GgufKeys& k, ModelConfig& c) {
+  const GgufFile& f = k.file();
+  const std::string& a = k.arch();
+  auto positive = [&](const std::string& key) { return k.positive(key); };
   c.rms_norm_eps = f.get_float(a + ".attention.layer_norm_rms_epsilon");
   c.num_attention_heads = positive("attention.head_count");
   c.num_key_value_heads = positive("attention.head_count_kv");
@@ -334,6 +430,48 @@ ModelConfig gguf_model_config(const GgufFile& f) {
   } else {
     c.intermediate_size = positive("feed_forward_length");
   }
+}
+
+}  // namespace
+
+ModelConfig gguf_model_config(const GgufFile& f) {
+  const std::string a = f.get_string("general.architecture");
+  ModelConfig c;
+  if (a == "qwen35") {
+    c.arch = Arch::Qwen3_5;
+    c.architecture = "Qwen3_5ForCausalLM";
+  } else if (a == "qwen35moe") {
+    c.arch = Arch::Qwen3_5Moe;
+    c.architecture = "Qwen3_5MoeForCausalLM";
+  } else if (a == "qwen3next") {
+    c.arch = Arch::Qwen3Next;
+    c.architecture = "Qwen3NextForCausalLM";
+  } else if (a == "nemotron_h" || a == "nemotron_h_moe") {
+    c.arch = Arch::NemotronH;
+    c.architecture = "NemotronHForCausalLM";
+  } else if (a == "kimi-linear") {
+    c.arch = Arch::KimiLinear;
+    c.architecture = "KimiLinearForCausalLM";
+  } else {
+    fail(f, "architecture '" + a +
+                "' is not one hypic runs from GGUF (qwen35, qwen35moe, qwen3next, nemotron_h, nemotron_h_moe, "
+                "kimi-linear)");
+  }
+  const gguf_detail::GgufKeys k(f, a);
+  c.hidden_size = k.positive("embedding_length");
+  c.num_hidden_layers = k.positive("block_count");
+  // Every block has tensors of its own, so a count beyond the tensor table is damage, not a model.
+  if (c.num_hidden_layers > kMaxLayers || c.num_hidden_layers > static_cast<int64_t>(f.tensors().size()))
+    fail(f, a + ".block_count " + std::to_string(c.num_hidden_layers) + " exceeds the " +
+                std::to_string(f.tensors().size()) + " tensors of the file or the bound of " +
+                std::to_string(kMaxLayers) + " layers");
+  c.max_position_embeddings = k.positive("context_length");
+  if (c.arch == Arch::NemotronH)
+    gguf_detail::nemotron_h_gguf_config(k, c);
+  else if (c.arch == Arch::KimiLinear)
+    gguf_detail::kimi_linear_gguf_config(k, c);
+  else
+    qwen_gguf_config(k, c);
   const GgufTensorInfo* emb = f.find("token_embd.weight");
   if (!emb) fail(f, "missing tensor token_embd.weight");
   const Shape es = emb->shape();

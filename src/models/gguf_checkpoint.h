@@ -19,6 +19,11 @@
 // too: their linear layers keep each key head's value heads together (nothing to regroup), in_proj_qkvz is
 // interleaved back from attn_qkv and attn_gate, and every layer's MLP is sparse (llama.cpp's converter cannot write
 // mlp-only layers; the test file comes from an all-MoE derivative of the reference checkpoint).
+// Nemotron-H (`nemotron_h`, `nemotron_h_moe`) and Kimi-Linear (`kimi-linear`) files are read too;
+// their keys and tensor names are mapped beside their layers (nemotron_h.cpp, kimi_linear.cpp,
+// through gguf_arch.h): Nemotron-H's q / k rows un-permuted (the converter applies llama.cpp's RoPE
+// permutation though the model has no RoPE), A_log, D, conv1d and the grouped norm reshaped back;
+// Kimi-Linear's kv_b_proj rebuilt from k_b (transposed per head) and v_b.
 #pragma once
 #include <memory>
 #include <string>
@@ -30,7 +35,8 @@
 namespace hypic {
 
 // The config a GGUF's metadata describes. Throws naming the file and the missing or unsupported
-// key (an architecture other than qwen35 / qwen35moe included).
+// key (an architecture other than qwen35 / qwen35moe / qwen3next / nemotron_h / nemotron_h_moe /
+// kimi-linear included).
 ModelConfig gguf_model_config(const GgufFile& f);
 
 // The file's tensors under the Hugging Face names and shapes the model code asks for. The file

@@ -17,6 +17,7 @@
 #include "linear/recurrence.h"
 #include "models/blocks.h"
 #include "models/config_fields.h"
+#include "models/gguf_arch.h"
 #include "models/host_layers.h"
 
 namespace hypic {
@@ -381,5 +382,132 @@ void parse_kimi_linear(const Fields& f, ModelConfig& cfg) {
 }
 
 }  // namespace config_detail
+
+// llama.cpp's GGUF files of this architecture (convert_hf_to_gguf.py's KimiLinearModel; gguf_checkpoint.cpp
+// dispatches here).
+
+namespace gguf_detail {
+
+// kimi-linear: KDA where attention.head_count_kv is zero, MLA where it is not (the converter writes 1:
+// llama.cpp runs MLA as MQA over the latent); KDA heads are attention.head_count heads of
+// kda.head_dim (llama.cpp has no key of their own); dense feed-forward in the first
+// leading_dense_block_count layers, experts after; routing by sigmoid (expert_gating_func 2), top-k
+// renormalised (llama.cpp's kimi-linear always does; no key).
+void kimi_linear_gguf_config(const GgufKeys& k, ModelConfig& c) {
+  const int64_t L = c.num_hidden_layers;
+  const std::vector<int64_t> kv = k.per_layer("attention.head_count_kv", L);
+  for (int64_t i = 0; i < L; ++i)
+    c.layer_types.push_back(kv[static_cast<size_t>(i)] > 0 ? LayerKind::Attention : LayerKind::Linear);
+  c.rms_norm_eps = k.number("attention.layer_norm_rms_epsilon");
+  if (!(c.rms_norm_eps > 0)) k.fail(k.key("attention.layer_norm_rms_epsilon") + " must be positive");
+
+  // MLA without RoPE, expanded to every head.
+  c.num_attention_heads = c.num_key_value_heads = k.positive("attention.head_count");
+  if (const int64_t rot = k.count_or("rope.dimension_count", 0); rot != 0)
+    k.fail(k.key("rope.dimension_count") + " is " + std::to_string(rot) +
+           ": MLA with RoPE is not supported (Kimi-Linear's MLA has none)");
+  c.head_dim = k.positive("attention.key_length_mla");
+  if (k.positive("attention.value_length_mla") != c.head_dim)
+    k.fail(k.key("attention.value_length_mla") + " differs from key_length_mla");
+  c.kv_lora_rank = k.positive("attention.kv_lora_rank");
+  c.q_lora_rank = k.count_or("attention.q_lora_rank", 0);
+  c.partial_rotary_factor = 0;
+
+  // KDA.
+  c.linear_num_key_heads = c.linear_num_value_heads = c.num_attention_heads;
+  c.linear_key_head_dim = c.linear_value_head_dim = k.positive("kda.head_dim");
+  c.linear_conv_kernel_dim = k.positive("ssm.conv_kernel");
+
+  // Feed-forward: SwiGLU.
+  const bool moe = k.count_or("expert_count", 0) > 0;
+  const int64_t dense = moe ? k.count_or("leading_dense_block_count", 0) : L;
+  for (int64_t i = 0; i < L; ++i) c.moe_blocks.push_back(i >= dense);
+  if (dense > 0) c.intermediate_size = k.positive("feed_forward_length");
+  if (moe) {
+    c.num_experts = k.positive("expert_count");
+    c.num_experts_per_tok = k.positive("expert_used_count");
+    if (c.num_experts_per_tok > c.num_experts) k.fail(k.key("expert_used_count") + " exceeds expert_count");
+    c.moe_intermediate_size = k.positive("expert_feed_forward_length");
+    c.shared_expert_intermediate_size = c.moe_intermediate_size * k.count_or("expert_shared_count", 0);
+    if (const int64_t g = k.positive("expert_gating_func"); g != 2)
+      k.fail(k.key("expert_gating_func") + " is " + std::to_string(g) + ": Kimi-Linear routes by sigmoid (2)");
+    c.norm_topk_prob = true;
+    c.routed_scaling_factor = k.number_or("expert_weights_scale", 1.0);
+    c.n_group = std::max<int64_t>(k.count_or("expert_group_count", 1), 1);
+    c.topk_group = c.n_group > 1 ? k.positive("expert_group_used_count") : 1;
+    if (c.num_experts % c.n_group != 0 || c.topk_group > c.n_group)
+      k.fail(k.key("expert_group_count") + " (" + std::to_string(c.n_group) + ") and expert_group_used_count (" +
+             std::to_string(c.topk_group) + ") do not divide the " + std::to_string(c.num_experts) + " experts");
+  }
+}
+
+// Hugging Face names (transformers 5's, as the model loads them) to the converter's. Its changes:
+// A_log stored as -exp(A_log), the short convs as [1, C, 1, K], the experts stacked (w1 gate, w3 up,
+// w2 down), and kv_b_proj split per head into k_b (transposed) and v_b.
+std::optional<Source> kimi_linear_gguf_source(const ModelConfig&, const std::string& name) {
+  using Fix = Source::Fix;
+  if (name == "model.embed_tokens.weight") return Source{"token_embd.weight"};
+  if (name == "lm_head.weight") return Source{"output.weight"};
+  if (name == "model.norm.weight") return Source{"output_norm.weight"};
+  const auto layer = gguf_layer_of(name, "model.");
+  if (!layer) return std::nullopt;
+  const auto& [blk, rest] = *layer;
+  static const std::pair<const char*, const char*> kPlain[] = {
+      {"input_layernorm.weight", "attn_norm.weight"},
+      {"post_attention_layernorm.weight", "ffn_norm.weight"},
+      {"self_attn.q_proj.weight", "attn_q.weight"},
+      {"self_attn.k_proj.weight", "attn_k.weight"},
+      {"self_attn.v_proj.weight", "attn_v.weight"},
+      {"self_attn.o_proj.weight", "attn_output.weight"},
+      {"self_attn.q_conv1d.weight", "ssm_conv1d_q.weight"},
+      {"self_attn.k_conv1d.weight", "ssm_conv1d_k.weight"},
+      {"self_attn.v_conv1d.weight", "ssm_conv1d_v.weight"},
+      {"self_attn.f_a_proj.weight", "ssm_f_a.weight"},
+      {"self_attn.f_b_proj.weight", "ssm_f_b.weight"},
+      {"self_attn.g_a_proj.weight", "ssm_g_a.weight"},
+      {"self_attn.g_b_proj.weight", "ssm_g_b.weight"},
+      {"self_attn.b_proj.weight", "ssm_beta.weight"},
+      {"self_attn.dt_bias", "ssm_dt.bias"},
+      {"self_attn.o_norm.weight", "ssm_norm.weight"},
+      {"self_attn.q_a_proj.weight", "attn_q_a.weight"},
+      {"self_attn.q_a_layernorm.weight", "attn_q_a_norm.weight"},
+      {"self_attn.q_b_proj.weight", "attn_q_b.weight"},
+      {"self_attn.kv_a_proj_with_mqa.weight", "attn_kv_a_mqa.weight"},
+      {"self_attn.kv_a_layernorm.weight", "attn_kv_a_norm.weight"},
+      {"block_sparse_moe.gate_proj.weight", "ffn_gate.weight"},
+      {"block_sparse_moe.up_proj.weight", "ffn_up.weight"},
+      {"block_sparse_moe.down_proj.weight", "ffn_down.weight"},
+      {"block_sparse_moe.gate.weight", "ffn_gate_inp.weight"},
+      {"block_sparse_moe.gate.e_score_correction_bias", "exp_probs_b.bias"},
+      {"block_sparse_moe.shared_experts.gate_proj.weight", "ffn_gate_shexp.weight"},
+      {"block_sparse_moe.shared_experts.up_proj.weight", "ffn_up_shexp.weight"},
+      {"block_sparse_moe.shared_experts.down_proj.weight", "ffn_down_shexp.weight"},
+  };
+  for (auto [hf, gg] : kPlain)
+    if (rest == hf) return Source{blk + gg};
+  if (rest == "self_attn.A_log") return Source{blk + "ssm_a", -1, Fix::LogNeg};
+  if (rest == "self_attn.kv_b_proj.weight") {
+    Source s{blk + "attn_k_b.weight", -1, Fix::MlaKvB};
+    s.second = blk + "attn_v_b.weight";
+    return s;
+  }
+  // block_sparse_moe.experts.E.w{1,2,3}.weight: expert E of the layer's stacked tensor.
+  const std::string ex = "block_sparse_moe.experts.";
+  if (rest.rfind(ex, 0) == 0) {
+    const size_t d = rest.find('.', ex.size());
+    if (d == std::string::npos) return std::nullopt;
+    const std::string e = rest.substr(ex.size(), d - ex.size()), what = rest.substr(d + 1);
+    if (e.empty() || e.size() > 9 || e.find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
+    const char* t = what == "w1.weight"   ? "ffn_gate_exps.weight"
+                    : what == "w3.weight" ? "ffn_up_exps.weight"
+                    : what == "w2.weight" ? "ffn_down_exps.weight"
+                                          : nullptr;
+    if (!t) return std::nullopt;
+    return Source{blk + t, std::stoll(e)};
+  }
+  return std::nullopt;
+}
+
+}  // namespace gguf_detail
 
 }  // namespace hypic

@@ -19,6 +19,7 @@
 #include "linear/recurrence.h"
 #include "models/blocks.h"
 #include "models/config_fields.h"
+#include "models/gguf_arch.h"
 #include "models/host_layers.h"
 
 namespace hypic {
@@ -368,5 +369,156 @@ void parse_nemotron_h(const Fields& f, ModelConfig& cfg) {
 }
 
 }  // namespace config_detail
+
+// llama.cpp's GGUF files of this architecture (convert_hf_to_gguf.py's NemotronHModel; gguf_checkpoint.cpp
+// dispatches here).
+
+namespace gguf_detail {
+
+// nemotron_h / nemotron_h_moe: a block's kind is in two per-layer arrays, as llama.cpp reads them:
+// attention where head_count_kv is non-zero, a feed-forward block where feed_forward_length is,
+// Mamba2 where both are zero. With expert_count every feed-forward block is an MoE (llama.cpp's
+// loader has no MLP blocks beside experts), feed_forward_length then giving the experts' width.
+void nemotron_h_gguf_config(const GgufKeys& k, ModelConfig& c) {
+  const int64_t L = c.num_hidden_layers;
+  const std::vector<int64_t> kv = k.per_layer("attention.head_count_kv", L), ff = k.per_layer("feed_forward_length", L);
+  const bool moe = k.count_or("expert_count", 0) > 0;
+  for (int64_t i = 0; i < L; ++i) {
+    const size_t u = static_cast<size_t>(i);
+    if (kv[u] > 0 && ff[u] > 0)
+      k.fail("layer " + std::to_string(i) + " has both " + k.key("attention.head_count_kv") + " and " +
+             k.key("feed_forward_length") + ": a Nemotron-H block is one sub-layer");
+    c.layer_types.push_back(kv[u] > 0 ? LayerKind::Attention : ff[u] > 0 ? LayerKind::Ffn : LayerKind::Linear);
+    c.moe_blocks.push_back(ff[u] > 0 && moe);
+  }
+  c.rms_norm_eps = k.has("attention.layer_norm_rms_epsilon") ? k.number("attention.layer_norm_rms_epsilon")
+                                                             : k.number("attention.layer_norm_epsilon");
+  if (!(c.rms_norm_eps > 0)) k.fail(k.key("attention.layer_norm_epsilon") + " must be positive");
+
+  // Attention: GQA without RoPE (the file's rope keys describe nothing that runs).
+  c.num_key_value_heads = k.shared_nonzero("attention.head_count_kv", kv);
+  if (c.num_key_value_heads == 0) {  // no attention block: nothing reads the sizes
+    c.num_attention_heads = c.num_key_value_heads = 1;
+    c.head_dim = k.count_or("attention.key_length", 1);
+  } else {
+    std::vector<int64_t> heads = k.per_layer("attention.head_count", L);
+    for (int64_t i = 0; i < L; ++i)
+      if (kv[static_cast<size_t>(i)] == 0) heads[static_cast<size_t>(i)] = 0;
+    c.num_attention_heads = k.shared_nonzero("attention.head_count", heads);
+    if (c.num_attention_heads == 0 || c.num_attention_heads % c.num_key_value_heads != 0)
+      k.fail(k.key("attention.head_count") + " (" + std::to_string(c.num_attention_heads) +
+             ") is not a multiple of head_count_kv (" + std::to_string(c.num_key_value_heads) + ")");
+    c.head_dim = k.positive("attention.key_length");
+    if (k.has("attention.value_length") && k.positive("attention.value_length") != c.head_dim)
+      k.fail(k.key("attention.value_length") + " differs from key_length");
+  }
+  c.partial_rotary_factor = 0;
+
+  // Mamba2: value heads = time_step_rank, of inner_size / time_step_rank; B and C of state_size per
+  // group. The dt floor (transformers' time_step_min) is not in the file: its default, which the
+  // checkpoints keep (llama.cpp applies none).
+  c.linear_num_value_heads = k.positive("ssm.time_step_rank");
+  const int64_t inner = k.positive("ssm.inner_size");
+  if (inner % c.linear_num_value_heads != 0)
+    k.fail(k.key("ssm.inner_size") + " is not a multiple of ssm.time_step_rank");
+  c.linear_value_head_dim = inner / c.linear_num_value_heads;
+  c.linear_key_head_dim = k.positive("ssm.state_size");
+  c.linear_num_key_heads = k.positive("ssm.group_count");
+  if (c.linear_num_value_heads % c.linear_num_key_heads != 0)
+    k.fail(k.key("ssm.time_step_rank") + " is not a multiple of ssm.group_count");
+  c.linear_conv_kernel_dim = k.positive("ssm.conv_kernel");
+  c.time_step_min = 0.001;
+  for (int64_t i = 0; i < L; ++i)
+    if (c.layer_types[static_cast<size_t>(i)] == LayerKind::Linear) {  // llama.cpp: the bias is optional
+      c.conv_bias = k.file().find("blk." + std::to_string(i) + ".ssm_conv1d.bias") != nullptr;
+      break;
+    }
+
+  // Feed-forward: ReLU^2, up/down only.
+  c.mlp_act = "relu2";
+  const int64_t width = k.shared_nonzero("feed_forward_length", ff);
+  if (moe) {
+    c.num_experts = k.positive("expert_count");
+    c.num_experts_per_tok = k.positive("expert_used_count");
+    if (c.num_experts_per_tok > c.num_experts) k.fail(k.key("expert_used_count") + " exceeds expert_count");
+    c.moe_intermediate_size = k.positive("expert_feed_forward_length");
+    if (width != 0 && width != c.moe_intermediate_size)
+      k.fail(k.key("feed_forward_length") + " (" + std::to_string(width) + ") differs from expert_feed_forward_length");
+    if (k.count_or("moe_latent_size", 0) > 0) k.fail(k.key("moe_latent_size") + ": latent experts are not supported");
+    c.shared_expert_intermediate_size =
+        k.count_or("expert_shared_count", 1) > 0 ? k.positive("expert_shared_feed_forward_length") : 0;
+    c.norm_topk_prob = k.flag_or("expert_weights_norm", false);
+    c.routed_scaling_factor = k.number_or("expert_weights_scale", 1.0);
+    c.n_group = std::max<int64_t>(k.count_or("expert_group_count", 1), 1);
+    c.topk_group = c.n_group > 1 ? k.positive("expert_group_used_count") : 1;
+    if (c.num_experts % c.n_group != 0 || c.topk_group > c.n_group)
+      k.fail(k.key("expert_group_count") + " (" + std::to_string(c.n_group) + ") and expert_group_used_count (" +
+             std::to_string(c.topk_group) + ") do not divide the " + std::to_string(c.num_experts) + " experts");
+  } else {
+    c.intermediate_size = width;
+  }
+}
+
+// Hugging Face names (backbone.*) to the converter's. Its changes: A_log stored as -exp(A_log) [nh, 1],
+// D as [nh, 1], conv1d [C, K], the grouped norm as [groups, I / groups], the experts stacked, and q / k
+// rows permuted per head as for RoPE (LlamaModel.permute, which the converter applies to every
+// attention layer though Nemotron-H has no RoPE).
+std::optional<Source> nemotron_h_gguf_source(const ModelConfig& c, const std::string& name) {
+  using Fix = Source::Fix;
+  if (name == "backbone.embeddings.weight") return Source{"token_embd.weight"};
+  if (name == "lm_head.weight") return Source{"output.weight"};
+  if (name == "backbone.norm_f.weight") return Source{"output_norm.weight"};
+  const auto layer = gguf_layer_of(name, "backbone.");
+  if (!layer) return std::nullopt;
+  const auto& [blk, rest] = *layer;
+  if (rest == "norm.weight") return Source{blk + "attn_norm.weight"};
+  if (rest.rfind("mixer.", 0) != 0) return std::nullopt;
+  const std::string m = rest.substr(6);
+  static const std::pair<const char*, const char*> kPlain[] = {
+      {"in_proj.weight", "ssm_in.weight"},
+      {"out_proj.weight", "ssm_out.weight"},
+      {"conv1d.weight", "ssm_conv1d.weight"},
+      {"conv1d.bias", "ssm_conv1d.bias"},
+      {"D", "ssm_d"},
+      {"dt_bias", "ssm_dt.bias"},
+      {"v_proj.weight", "attn_v.weight"},
+      {"o_proj.weight", "attn_output.weight"},
+      {"up_proj.weight", "ffn_up.weight"},
+      {"down_proj.weight", "ffn_down.weight"},
+      {"gate.weight", "ffn_gate_inp.weight"},
+      {"gate.e_score_correction_bias", "exp_probs_b.bias"},
+      {"shared_experts.up_proj.weight", "ffn_up_shexp.weight"},
+      {"shared_experts.down_proj.weight", "ffn_down_shexp.weight"},
+  };
+  for (auto [hf, gg] : kPlain)
+    if (m == hf) return Source{blk + gg};
+  if (m == "A_log") return Source{blk + "ssm_a", -1, Fix::LogNeg};
+  if (m == "norm.weight") {
+    Source s{blk + "ssm_norm.weight"};
+    s.reshape = true;
+    return s;
+  }
+  if (m == "q_proj.weight" || m == "k_proj.weight") {
+    Source s{blk + (m[0] == 'q' ? "attn_q.weight" : "attn_k.weight"), -1, Fix::RopeRows};
+    s.hd = c.head_dim;
+    return s;
+  }
+  // experts.E.{up,down}_proj.weight: expert E of the layer's stacked tensor.
+  const std::string ex = "experts.";
+  if (m.rfind(ex, 0) == 0) {
+    const size_t d = m.find('.', ex.size());
+    if (d == std::string::npos) return std::nullopt;
+    const std::string e = m.substr(ex.size(), d - ex.size()), what = m.substr(d + 1);
+    if (e.empty() || e.size() > 9 || e.find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
+    const char* t = what == "up_proj.weight"     ? "ffn_up_exps.weight"
+                    : what == "down_proj.weight" ? "ffn_down_exps.weight"
+                                                 : nullptr;
+    if (!t) return std::nullopt;
+    return Source{blk + t, std::stoll(e)};
+  }
+  return std::nullopt;
+}
+
+}  // namespace gguf_detail
 
 }  // namespace hypic

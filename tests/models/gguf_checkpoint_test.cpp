@@ -11,6 +11,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <random>
 
@@ -194,6 +195,9 @@ TEST(GgufCheckpoint, ModelsAnswerAsTheReference) {
       {"qwen3_5_dense-q8_0.gguf", "qwen3_5_dense", 30, 0.6, false},
       {"qwen3_5_moe-bf16.gguf", "qwen3_5_moe", 30, 0.6, false},
       {"qwen3_5_moe-q8_0.gguf", "qwen3_5_moe", 30, 0.6, false},
+      // Q8_0 of the KDA / MLA checkpoint: within the same bound; the top token agrees at fewer positions
+      // (48%; its f32 file: max error 1.8e-4, every top token and the greedy tokens as transformers').
+      {"kimi_linear-q8_0.gguf", "kimi_linear", 30, 0.45, false},
   };
   for (const Case& k : cases) {
     LoadedModel lm = load_model(gguf(k.file), "cpu", 2);
@@ -617,4 +621,351 @@ TEST(GgufCheckpoint, OutProjStaysQuantizedWhereBlocksStraddleHeads) {
     }
   }
   for (size_t i = 3; i < files.size(); ++i) fs::remove(files[i]);
+}
+
+namespace {
+// A reference checkpoint folder with some layers' tensors read from another layer's (prefix `to`
+// read from prefix `from`), as tools/gguf/nemotron_h_for_llama.py derived the folders that the
+// Nemotron-H files were converted from.
+class AliasedFolder : public WeightSource {
+ public:
+  AliasedFolder(const std::string& dir, std::vector<std::pair<std::string, std::string>> alias)
+      : store_(dir), inner_(weights_from_store(store_)), alias_(std::move(alias)) {}
+  std::string map(const std::string& n) const {
+    for (const auto& [to, from] : alias_)
+      if (n.rfind(to, 0) == 0) return from + n.substr(to.size());
+    return n;
+  }
+  bool has(const std::string& n) const override { return inner_->has(map(n)); }
+  Tensor get(const std::string& n, const Shape& s) const override { return inner_->get(map(n), s); }
+  std::string describe() const override { return "aliased " + inner_->describe(); }
+
+ private:
+  WeightStore store_;
+  std::unique_ptr<WeightSource> inner_;
+  std::vector<std::pair<std::string, std::string>> alias_;
+};
+
+// A folder's weights rounded as llama.cpp's converter stored them in a file: Q8_0 blocks where
+// the file's tensor is Q8_0 (hypic's quantizer writes gguf-py's bytes, so the products run on the
+// same blocks), f16-rounded where it is F16 (rows that are not whole blocks), as they are where it
+// is F32; kv_b_proj as the converter split it (key rows as k_b's type rounds them, value rows as
+// v_b's), in f32 as the reader returns it.
+class AsTheFileStoresIt : public WeightSource {
+ public:
+  AsTheFileStoresIt(const WeightSource& in, const GgufFile& f, const ModelConfig& c, bool file_a_log)
+      : in_(in), f_(f), c_(c), file_a_log_(file_a_log) {}
+  bool has(const std::string& n) const override { return in_.has(n); }
+  std::string describe() const override { return in_.describe() + " rounded as the file"; }
+  Tensor get(const std::string& n, const Shape& sh) const override {
+    Tensor t = in_.get(n, sh).to_f32().clone();
+    const GgufTensorInfo* info = gguf_tensor_for(f_, c_, n);
+    if (!info) return t;
+    if (file_a_log_ && n.ends_with("A_log")) {  // log(-A) of the file's A = -exp(A_log)
+      const Tensor a = f_.get(info->name).to_f32();
+      for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = std::log(-a.data<float>()[i]);
+      return t;
+    }
+    const std::string type = info->type->name;
+    float* p = t.data<float>();
+    auto f16 = [](float* x, int64_t n) {
+      std::vector<uint16_t> h(static_cast<size_t>(n));
+      convert_from_f32(x, DType::F16, h.data(), static_cast<size_t>(n));
+      convert_to_f32(h.data(), DType::F16, x, static_cast<size_t>(n));
+    };
+    auto q8 = [](float* x, int64_t n) {
+      std::vector<char> b(dtype_bytes(DType::Q8_0, n));
+      quant::quantize(DType::Q8_0, x, n, b.data());
+      quant::dequantize(DType::Q8_0, b.data(), n, x);
+    };
+    if (n.ends_with("kv_b_proj.weight")) {
+      const int64_t D = c_.head_dim, r = c_.kv_lora_rank;
+      const GgufTensorInfo* vb = f_.find(std::string(info->name).replace(info->name.find("attn_k_b"), 8, "attn_v_b"));
+      const bool k16 = type == "F16", v8 = vb && std::string(vb->type->name) == "Q8_0";
+      for (int64_t row = 0; row < t.dim(0); ++row) {
+        if (row % (2 * D) < D && k16) f16(p + row * r, r);
+        if (row % (2 * D) >= D && v8) q8(p + row * r, r);
+      }
+      return t;
+    }
+    if (type == "F16" && t.ndim() == 2) {  // kept f16, as the reader serves it
+      Tensor h = Tensor::empty(DType::F16, t.shape());
+      convert_from_f32(p, DType::F16, h.raw(), static_cast<size_t>(t.numel()));
+      return h;
+    }
+    if (type == "F16") f16(p, t.numel());
+    if (type != "Q8_0" || t.ndim() != 2) return t;
+    Tensor q = Tensor::empty(DType::Q8_0, t.shape());
+    const size_t rb = dtype_bytes(DType::Q8_0, t.dim(1));
+    for (int64_t r = 0; r < t.dim(0); ++r)
+      quant::quantize(DType::Q8_0, p + r * t.dim(1), t.dim(1), static_cast<char*>(q.raw()) + r * rb);
+    return q;
+  }
+
+ private:
+  const WeightSource& in_;
+  const GgufFile& f_;
+  const ModelConfig& c_;
+  bool file_a_log_;
+};
+
+// A Q8_0 file of llama.cpp's converter against the folder `ref` it was converted from, as the model
+// `want` loads it:
+//  - every tensor within Q8_0's rounding (half a block scale plus the scale's f16 rounding; f16 and
+//    f32 tensors to f16's precision): a row of another head, a missed transpose or permutation
+//    lands whole weights away;
+//  - the model answers as the folder rounded as the file stores it (AsTheFileStoresIt): every
+//    position's log-probs of both reference prompts within 1e-3, 24 greedy tokens identical.
+// Returns the worst log-prob difference.
+double holds_and_answers(const std::string& fname, const ModelConfig& want, const WeightSource& ref,
+                         const std::string& prompts_of) {
+  auto file = std::make_shared<GgufFile>(gguf(fname));
+  const ModelConfig c = gguf_model_config(*file);
+  auto ws = weights_from_gguf(file, c);
+  struct Names : WeightSource {
+    const WeightSource& in;
+    mutable std::vector<std::pair<std::string, Shape>> seen;
+    explicit Names(const WeightSource& i) : in(i) {}
+    bool has(const std::string& n) const override { return in.has(n); }
+    Tensor get(const std::string& n, const Shape& s) const override {
+      seen.emplace_back(n, s);
+      return in.get(n, s);
+    }
+    std::string describe() const override { return in.describe(); }
+  } names(ref);
+  auto cpu = make_backend("cpu", 1);
+  { Model probe(want, names, *cpu); }
+  int q8 = 0;
+  for (const auto& [key, shape] : names.seen) {
+    EXPECT_TRUE(ws->has(key)) << "no GGUF tensor for " << key;
+    const GgufTensorInfo* info = gguf_tensor_for(*file, c, key);
+    if (!info) {
+      ADD_FAILURE() << "no GGUF tensor for " << key;
+      continue;
+    }
+    const bool q = std::string(info->type->name) == "Q8_0" || key.ends_with("kv_b_proj.weight");
+    q8 += q;
+    Tensor a = ref.get(key, shape).to_f32(), b = ws->get(key, shape).to_f32();
+    EXPECT_EQ(b.shape(), shape) << key;
+    if (a.numel() != b.numel()) continue;
+    EXPECT_LE(worst_over_rounding(a, b, q, std::ldexp(1.0, -10)), 1.0) << key << " (" << info->type->name << ")";
+  }
+  EXPECT_GT(q8, 20);
+
+  LoadedModel lm = load_model(gguf(fname), "cpu", 2);
+  lm.backend->set_precise(true);
+  EXPECT_NE(lm.tokenizer, nullptr);
+  auto be = make_backend("cpu", 2);
+  be->set_precise(true);
+  SafetensorsFile prompts(model(prompts_of) + "/reference.safetensors");
+  // Every position's log-probs of both reference prompts, and 24 greedy tokens of each, from `m`
+  // against the file's model; the worst |log-prob difference|.
+  auto answers = [&](Model& m) {
+    double worst = 0;
+    for (std::string s : {"a", "b"}) {
+      const auto ids = ids_of(prompts.get("prompt_" + s));
+      SequenceState sa = lm.model->new_state(), sb = m.new_state();
+      Tensor la = lm.backend->to_host(lm.model->forward(ids, sa, {.all_logits = true}));
+      Tensor lb = be->to_host(m.forward(ids, sb, {.all_logits = true}));
+      EXPECT_EQ(la.shape(), lb.shape());
+      if (la.shape() != lb.shape()) return 1e9;
+      const int64_t V = la.dim(1);
+      for (int64_t r = 0; r < la.dim(0); ++r) {
+        auto pa = log_softmax(std::span<const float>(la.data<float>() + r * V, static_cast<size_t>(V)));
+        auto pb = log_softmax(std::span<const float>(lb.data<float>() + r * V, static_cast<size_t>(V)));
+        for (int64_t j = 0; j < V; ++j) worst = std::max(worst, std::abs(double(pa[j]) - pb[j]));
+      }
+      GenerateRequest req;
+      req.prompt = ids;
+      req.max_tokens = 24;
+      EXPECT_EQ(generate(*lm.model, nullptr, req).ids, generate(m, nullptr, req).ids) << "prompt " << s;
+    }
+    return worst;
+  };
+  // The file holds A = -exp(A_log) in f32, whose log is an ulp or so from the checkpoint's A_log:
+  // with A_log as the file holds it the models must agree to the products' rounding; with the
+  // checkpoint's own, these sensitive random checkpoints move by more where a router's choice turns.
+  AsTheFileStoresIt as_file(ref, *file, c, true), own_a_log(ref, *file, c, false);
+  Model m_file(want, as_file, *be), m_own(want, own_a_log, *be);
+  const double worst = answers(m_file), worst_own = answers(m_own);
+  std::printf(
+      "%s against the folder rounded as the file stores it: max |log-prob error| %.3g (with the checkpoint's own "
+      "A_log %.3g)\n",
+      fname.c_str(), worst, worst_own);
+  EXPECT_LE(worst, 1e-3);
+  EXPECT_LE(worst_own, 0.1);
+  return worst;
+}
+}  // namespace
+
+// llama.cpp's nemotron_h_moe and nemotron_h: the block kinds from the per-layer head_count_kv and
+// feed_forward_length arrays, the Mamba2 sizes from the ssm keys, the routing from the expert keys;
+// the weights with A_log, D, conv1d and the grouped norm reshaped back and the attention's q / k rows
+// put back in order (the converter permutes them for RoPE though Nemotron-H has none). llama.cpp has
+// no model with both MLP and MoE blocks (the reference has both), so the files come from folders
+// where every feed-forward block is of one kind (tools/gguf/nemotron_h_for_llama.py); the test reads
+// the reference folder the same way.
+TEST(GgufCheckpoint, NemotronHFilesHoldTheCheckpoint) {
+  struct Variant {
+    const char* file;
+    bool moe;
+    std::vector<std::pair<std::string, std::string>> alias;
+  };
+  const Variant variants[] = {
+      {"nemotron_h_moe-q8_0.gguf",
+       true,
+       {{"backbone.layers.4.mixer.", "backbone.layers.1.mixer."},
+        {"backbone.layers.9.mixer.", "backbone.layers.8.mixer."}}},
+      {"nemotron_h_mlp-q8_0.gguf",
+       false,
+       {{"backbone.layers.1.mixer.", "backbone.layers.4.mixer."},
+        {"backbone.layers.8.mixer.", "backbone.layers.9.mixer."}}},
+  };
+  for (const Variant& v : variants) {
+    SCOPED_TRACE(v.file);
+    GgufFile file(gguf(v.file));
+    EXPECT_EQ(file.get_string("general.architecture"), v.moe ? "nemotron_h_moe" : "nemotron_h");
+    const ModelConfig c = gguf_model_config(file);
+    ModelConfig want = load_model_config(model("nemotron_h") + "/config.json");
+    for (size_t i = 0; i < want.layer_types.size(); ++i)
+      if (want.layer_types[i] == LayerKind::Ffn) want.moe_blocks[i] = v.moe;
+    EXPECT_EQ(c.arch, Arch::NemotronH);
+    EXPECT_EQ(c.architecture, want.architecture);
+    EXPECT_EQ(c.layer_types, want.layer_types);
+    EXPECT_EQ(c.moe_blocks, want.moe_blocks);
+    EXPECT_EQ(c.num_attention_heads, want.num_attention_heads);
+    EXPECT_EQ(c.num_key_value_heads, want.num_key_value_heads);
+    EXPECT_EQ(c.head_dim, want.head_dim);
+    EXPECT_EQ(c.rotary_dim(), 0);
+    EXPECT_EQ(c.linear_num_key_heads, want.linear_num_key_heads);
+    EXPECT_EQ(c.linear_num_value_heads, want.linear_num_value_heads);
+    EXPECT_EQ(c.linear_key_head_dim, want.linear_key_head_dim);
+    EXPECT_EQ(c.linear_value_head_dim, want.linear_value_head_dim);
+    EXPECT_EQ(c.linear_conv_kernel_dim, want.linear_conv_kernel_dim);
+    EXPECT_EQ(c.conv_bias, want.conv_bias);
+    EXPECT_DOUBLE_EQ(c.time_step_min, want.time_step_min);
+    EXPECT_EQ(c.mlp_act, want.mlp_act);
+    EXPECT_NEAR(c.rms_norm_eps, want.rms_norm_eps, 1e-12);
+    EXPECT_EQ(c.vocab_size, want.vocab_size);
+    EXPECT_EQ(c.tie_word_embeddings, want.tie_word_embeddings);
+    if (v.moe) {
+      EXPECT_EQ(c.num_experts, want.num_experts);
+      EXPECT_EQ(c.num_experts_per_tok, want.num_experts_per_tok);
+      EXPECT_EQ(c.moe_intermediate_size, want.moe_intermediate_size);
+      EXPECT_EQ(c.shared_expert_intermediate_size, want.shared_expert_intermediate_size);
+      EXPECT_EQ(c.n_group, want.n_group);
+      EXPECT_EQ(c.topk_group, want.topk_group);
+      EXPECT_EQ(c.norm_topk_prob, want.norm_topk_prob);
+      EXPECT_NEAR(c.routed_scaling_factor, want.routed_scaling_factor, 1e-6);
+    } else {
+      EXPECT_EQ(c.intermediate_size, want.intermediate_size);
+    }
+    holds_and_answers(v.file, want, AliasedFolder(model("nemotron_h"), v.alias), "nemotron_h");
+  }
+}
+
+// llama.cpp's kimi-linear: KDA and MLA layers from head_count_kv, the KDA heads from head_count and
+// kda.head_dim, MLA's latent and head sizes from the *_mla keys, dense feed-forward in the leading
+// blocks and grouped sigmoid routing after; the weights with A_log and the short convs reshaped
+// back and kv_b_proj rebuilt from k_b (transposed per head) and v_b. The file comes from the
+// reference folder in Moonshot's spelling (tools/gguf/kimi_linear_for_llama.py: same values), so it
+// answers as the reference folder itself.
+TEST(GgufCheckpoint, KimiLinearFileHoldsTheCheckpoint) {
+  GgufFile file(gguf("kimi_linear-q8_0.gguf"));
+  const ModelConfig c = gguf_model_config(file);
+  const ModelConfig want = load_model_config(model("kimi_linear") + "/config.json");
+  EXPECT_EQ(c.arch, Arch::KimiLinear);
+  EXPECT_EQ(c.architecture, want.architecture);
+  EXPECT_EQ(c.layer_types, want.layer_types);
+  EXPECT_EQ(c.moe_blocks, want.moe_blocks);
+  EXPECT_EQ(c.num_attention_heads, want.num_attention_heads);
+  EXPECT_EQ(c.num_key_value_heads, want.num_key_value_heads);
+  EXPECT_EQ(c.head_dim, want.head_dim);
+  EXPECT_EQ(c.kv_lora_rank, want.kv_lora_rank);
+  EXPECT_EQ(c.q_lora_rank, want.q_lora_rank);
+  EXPECT_EQ(c.rotary_dim(), 0);
+  EXPECT_EQ(c.linear_num_key_heads, want.linear_num_key_heads);
+  EXPECT_EQ(c.linear_num_value_heads, want.linear_num_value_heads);
+  EXPECT_EQ(c.linear_key_head_dim, want.linear_key_head_dim);
+  EXPECT_EQ(c.linear_conv_kernel_dim, want.linear_conv_kernel_dim);
+  EXPECT_EQ(c.intermediate_size, want.intermediate_size);
+  EXPECT_EQ(c.num_experts, want.num_experts);
+  EXPECT_EQ(c.num_experts_per_tok, want.num_experts_per_tok);
+  EXPECT_EQ(c.moe_intermediate_size, want.moe_intermediate_size);
+  EXPECT_EQ(c.shared_expert_intermediate_size, want.shared_expert_intermediate_size);
+  EXPECT_EQ(c.n_group, want.n_group);
+  EXPECT_EQ(c.topk_group, want.topk_group);
+  ASSERT_GT(c.n_group, c.topk_group) << "grouped routing is exercised";
+  EXPECT_EQ(c.norm_topk_prob, want.norm_topk_prob);
+  EXPECT_NEAR(c.routed_scaling_factor, want.routed_scaling_factor, 1e-6);
+  EXPECT_NEAR(c.rms_norm_eps, want.rms_norm_eps, 1e-12);
+  EXPECT_EQ(c.vocab_size, want.vocab_size);
+  WeightStore store(model("kimi_linear"));
+  holds_and_answers("kimi_linear-q8_0.gguf", want, *weights_from_store(store), "kimi_linear");
+}
+
+// Damage to these files is refused naming the tensor or key: a missing tensor, a per-layer array of
+// the wrong length, a gating function or RoPE that the architecture does not have, a truncated file.
+TEST(GgufCheckpoint, NemotronHAndKimiLinearDamageIsNamed) {
+  struct Damage {
+    const char* file;
+    const char* drop;  // a tensor left out, or null
+    std::function<void(GgufWriter&)> edit;
+    std::string named;
+  };
+  const Damage cases[] = {
+      {"nemotron_h_moe-q8_0.gguf", "blk.2.attn_k.weight", nullptr, "blk.2.attn_k.weight"},
+      {"nemotron_h_moe-q8_0.gguf", "blk.3.ssm_norm.weight", nullptr, "blk.3.ssm_norm.weight"},
+      {"nemotron_h_mlp-q8_0.gguf", nullptr,
+       [](GgufWriter& w) {
+         w.set_i32s("nemotron_h.attention.head_count_kv", {0, 0, 2});
+       },
+       "nemotron_h.attention.head_count_kv"},
+      {"nemotron_h_mlp-q8_0.gguf", nullptr,
+       [](GgufWriter& w) {
+         w.set_i32s("nemotron_h.feed_forward_length", {0, 96, 0, 0, 96, 0, 0, 0, 96, 64});
+       },
+       "nemotron_h.feed_forward_length"},
+      {"kimi_linear-q8_0.gguf", "blk.3.attn_v_b.weight", nullptr, "blk.3.attn_v_b.weight"},
+      {"kimi_linear-q8_0.gguf", "blk.5.ssm_conv1d_k.weight", nullptr, "blk.5.ssm_conv1d_k.weight"},
+      {"kimi_linear-q8_0.gguf", nullptr, [](GgufWriter& w) { w.set_u32("kimi-linear.expert_gating_func", 1); },
+       "kimi-linear.expert_gating_func"},
+      {"kimi_linear-q8_0.gguf", nullptr, [](GgufWriter& w) { w.set_u32("kimi-linear.rope.dimension_count", 64); },
+       "kimi-linear.rope.dimension_count"},
+  };
+  int n = 0;
+  for (const Damage& d : cases) {
+    GgufFile src(gguf(d.file));
+    GgufWriter w;
+    for (const auto& [k, v] : src.metadata()) w.set(k, v);
+    if (d.edit) d.edit(w);
+    for (const auto& t : src.tensors())
+      if (!d.drop || t.name != d.drop) w.add_tensor(t.name, src.get(t.name));
+    const std::string p = (fs::temp_directory_path() /
+                           ("hypic_damaged_" + std::to_string(::getpid()) + "_" + std::to_string(n++) + ".gguf"))
+                              .string();
+    w.write(p);
+    try {
+      load_model(p, "cpu", 1);
+      ADD_FAILURE() << d.file << ": accepted without " << d.named;
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find(d.named), std::string::npos) << e.what();
+    }
+    fs::remove(p);
+  }
+  // Truncated: the tensor data ends early.
+  for (const char* f : {"nemotron_h_moe-q8_0.gguf", "kimi_linear-q8_0.gguf"}) {
+    const std::string p =
+        (fs::temp_directory_path() / ("hypic_truncated_" + std::to_string(::getpid()) + ".gguf")).string();
+    fs::copy_file(gguf(f), p, fs::copy_options::overwrite_existing);
+    fs::resize_file(p, fs::file_size(p) - 4096);
+    try {
+      load_model(p, "cpu", 1);
+      ADD_FAILURE() << f << ": a truncated copy loaded";
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << e.what();
+      std::printf("truncated %s: %s\n", f, e.what());
+    }
+    fs::remove(p);
+  }
 }
