@@ -140,8 +140,7 @@ std::vector<int32_t> random_ids(int64_t n, int64_t vocab, uint64_t seed) {
 }
 
 void add_common(CLI::App* c, BenchOpts& o) {
-  c->add_option("--model", o.model, "Model folder, or a GGUF file (qwen35 / qwen35moe / qwen3next)")
-      ->capture_default_str();
+  c->add_option("--model", o.model, kModelHelp)->capture_default_str();
   c->add_option("--config", o.config, "Bare config.json (with --random-weights)");
   c->add_flag("--random-weights", o.random, "Seeded random weights generated in memory");
   c->add_option("--dtype", o.dtype, "Weight dtype for --random-weights: bf16, f16, f32, q8_0, q4_k, q6_k")

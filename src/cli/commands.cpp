@@ -99,9 +99,7 @@ void register_generate(CLI::App& app) {
   };
   auto o = std::make_shared<Opts>();
   auto* c = app.add_subcommand("generate", "Prefill a prompt and generate tokens");
-  c->add_option("--model", o->model,
-                "Model folder (Hugging Face layout), or a GGUF file of llama.cpp (qwen35 / qwen35moe / qwen3next)")
-      ->capture_default_str();
+  c->add_option("--model", o->model, kModelHelp)->capture_default_str();
   auto* p = c->add_option("--prompt", o->prompt, "Prompt text");
   auto* pi = c->add_option("--prompt-ids", o->prompt_ids, "Prompt as comma-separated token ids");
   auto* sf = c->add_option("--segments-file", o->segments_file,
@@ -245,8 +243,7 @@ void register_info(CLI::App& app) {
   };
   auto o = std::make_shared<Opts>();
   auto* c = app.add_subcommand("info", "Describe a model: architecture, layer map, parameters, bytes");
-  c->add_option("--model", o->model, "Model folder, or a GGUF file (qwen35 / qwen35moe / qwen3next)")
-      ->capture_default_str();
+  c->add_option("--model", o->model, kModelHelp)->capture_default_str();
   c->add_flag("--json", o->json, "Print JSON");
   c->callback([o] {
     guarded([&] {
@@ -320,8 +317,7 @@ void register_quantize(CLI::App& app) {
   };
   auto o = std::make_shared<Opts>();
   auto* c = app.add_subcommand("quantize", "Write a model as a llama.cpp GGUF file of a chosen weight type");
-  c->add_option("--model", o->model, "Model folder, or a GGUF file (qwen35 / qwen35moe / qwen3next)")
-      ->capture_default_str();
+  c->add_option("--model", o->model, kModelHelp)->capture_default_str();
   c->add_option("--out", o->out, "GGUF file to write")->required();
   c->add_option("--type", o->type, "Matrix type: bf16, f32, q8_0, q4_k, q4_k_m (llama-quantize's mix) or q6_k")
       ->capture_default_str();
@@ -367,8 +363,7 @@ void register_tokenize(CLI::App& app) {
   };
   auto o = std::make_shared<Opts>();
   auto* c = app.add_subcommand("tokenize", "Encode text to ids (or decode --ids back to text)");
-  c->add_option("--model", o->model, "Model folder, or a GGUF file (qwen35 / qwen35moe / qwen3next)")
-      ->capture_default_str();
+  c->add_option("--model", o->model, kModelHelp)->capture_default_str();
   auto* t = c->add_option("--text", o->text, "Text to encode");
   auto* i = c->add_option("--ids", o->ids, "Comma-separated ids to decode");
   t->excludes(i);

@@ -3,6 +3,10 @@
 #include <string>
 
 namespace hypic::cli {
+// The --model flag's help, one text for every command (GGUF architectures: models/gguf_checkpoint.h).
+inline constexpr const char* kModelHelp =
+    "Model folder (Hugging Face layout), or a GGUF file of llama.cpp (qwen35, qwen35moe, qwen3next, nemotron_h, "
+    "nemotron_h_moe, kimi-linear)";
 void register_generate(CLI::App& app);
 void register_info(CLI::App& app);
 void register_tokenize(CLI::App& app);

@@ -57,8 +57,7 @@ void register_eval(CLI::App& app) {
   };
   auto o = std::make_shared<Opts>();
   auto* c = app.add_subcommand("eval", "Score full / prefix / pic / naive prefill on multi-document tasks");
-  c->add_option("--model", o->model, "Model folder, or a GGUF file (qwen35 / qwen35moe / qwen3next)")
-      ->capture_default_str();
+  c->add_option("--model", o->model, kModelHelp)->capture_default_str();
   c->add_option("--task", o->task, "lookup, twohop, aggregate or all")->capture_default_str();
   c->add_option("--set", o->set,
                 "Held-out set: smoke, moderate, long (more documents), longdocs (longer documents), full")

@@ -82,9 +82,7 @@ void register_serve(CLI::App& app) {
   };
   auto o = std::make_shared<Opts>();
   auto* c = app.add_subcommand("serve", "Serve the model over an OpenAI-compatible HTTP API");
-  c->add_option("--model", o->model,
-                "Model folder (Hugging Face layout), or a GGUF file of llama.cpp (qwen35 / qwen35moe / qwen3next)")
-      ->capture_default_str();
+  c->add_option("--model", o->model, kModelHelp)->capture_default_str();
   c->add_option("--config", o->config, "Bare config.json to serve with --random-weights (benchmarks at real shapes)");
   c->add_flag("--random-weights", o->random, "Seeded random weights for --config instead of a model folder");
   c->add_option("--dtype", o->dtype, "Weight dtype for --random-weights: bf16, f16, f32, q8_0, q4_k, q6_k")

@@ -30,7 +30,10 @@ class QuantizedSource : public WeightSource {
 
  private:
   Tensor quantize(const std::string& name, Tensor t) const {
-    const bool router = name.ends_with("mlp.gate.weight") || name.ends_with("shared_expert_gate.weight");
+    // MoE routers stay as they are (as in llama.cpp's files): a few rows whose rounding flips the
+    // chosen experts. Qwen's mlp.gate, Nemotron-H's mixer.gate, Kimi's and MiniMax's block_sparse_moe.gate.
+    const bool router = name.ends_with("mlp.gate.weight") || name.ends_with("shared_expert_gate.weight") ||
+                        name.ends_with("mixer.gate.weight") || name.ends_with("block_sparse_moe.gate.weight");
     // At 4 bits the token embedding (also the head when tied) is kept at 6, as llama.cpp's Q4_K_M
     // does: it is the most sensitive matrix (docs/gguf.md).
     const bool embedding = name.ends_with("embed_tokens.weight") || name == "lm_head.weight";

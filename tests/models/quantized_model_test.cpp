@@ -138,6 +138,19 @@ TEST(QuantizedModel, DefaultModelStaysCloseToBf16) {
 
 // The model's fingerprint (the cache key of PIC entries) carries the weight format, so entries of
 // one format never serve another.
+// --quantize keeps every architecture's MoE router in its float type and quantizes the rest.
+TEST(QuantizedModel, RoutersOfEveryArchitectureStayFloat) {
+  auto src = quantized_weights(random_weights(7, DType::BF16), DType::Q8_0);
+  for (const char* name : {"model.layers.1.mlp.gate.weight", "model.layers.1.mlp.shared_expert_gate.weight",
+                           "backbone.layers.1.mixer.gate.weight", "model.layers.1.block_sparse_moe.gate.weight"})
+    EXPECT_EQ(src->get(name, {8, 64}).dtype(), DType::BF16) << name;
+  for (const char* name :
+       {"model.layers.1.mlp.gate_proj.weight", "backbone.layers.1.mixer.in_proj.weight",
+        "model.layers.1.block_sparse_moe.experts.0.w1.weight", "model.layers.1.block_sparse_moe.gate_proj.weight",
+        "model.layers.1.self_attn.output_gate.weight"})
+    EXPECT_EQ(src->get(name, {8, 64}).dtype(), DType::Q8_0) << name;
+}
+
 TEST(QuantizedModel, FingerprintCarriesTheWeightFormat) {
   const std::string dflt = std::string(HYPIC_SOURCE_DIR) + "/models/default";
   LoadedModel a = load_model(dflt, "cpu", 1), b = load_model(dflt, "cpu", 1, DType::Q8_0),
