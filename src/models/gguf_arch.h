@@ -34,6 +34,9 @@ struct Source {
 // "PREFIX.layers.N.rest" as ("blk.N.", rest); nullopt when the name is not a layer's.
 std::optional<std::pair<std::string, std::string>> gguf_layer_of(const std::string& name, const std::string& prefix);
 
+// "PREFIX.E.rest" of a layer's stacked experts as (E, rest); nullopt when it is not one.
+std::optional<std::pair<int64_t, std::string>> gguf_expert_of(const std::string& rest, const std::string& prefix);
+
 // An architecture's metadata keys ("ARCH.key"), with errors naming the file and the key.
 class GgufKeys {
  public:

@@ -96,18 +96,13 @@ std::optional<Source> resolve(const ModelConfig& c_, const std::string& name) {
   if (rest == "linear_attn.conv1d.weight") return heads("ssm_conv1d.weight", 0, qk, dv);
   if (rest == "linear_attn.out_proj.weight") return heads("ssm_out.weight", 1, 0, dv);
   // mlp.experts.E.{gate,up,down}_proj.weight: expert E of the layer's stacked tensor.
-  const std::string ex = "mlp.experts.";
-  if (rest.rfind(ex, 0) == 0) {
-    const size_t d2 = rest.find('.', ex.size());
-    if (d2 == std::string::npos) return std::nullopt;
-    const std::string e = rest.substr(ex.size(), d2 - ex.size()), what = rest.substr(d2 + 1);
-    if (e.empty() || e.size() > 9 || e.find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
-    const char* t = what == "gate_proj.weight"   ? "ffn_gate_exps.weight"
-                    : what == "up_proj.weight"   ? "ffn_up_exps.weight"
-                    : what == "down_proj.weight" ? "ffn_down_exps.weight"
-                                                 : nullptr;
+  if (const auto e = gguf_detail::gguf_expert_of(rest, "mlp.experts.")) {
+    const char* t = e->second == "gate_proj.weight"   ? "ffn_gate_exps.weight"
+                    : e->second == "up_proj.weight"   ? "ffn_up_exps.weight"
+                    : e->second == "down_proj.weight" ? "ffn_down_exps.weight"
+                                                      : nullptr;
     if (!t) return std::nullopt;
-    return Source{blk + t, std::stoll(e)};
+    return Source{blk + t, e->first};
   }
   return std::nullopt;
 }
@@ -309,6 +304,15 @@ const char* pre_tokenizer_regex(const std::string& pre) {
 }  // namespace
 
 namespace gguf_detail {
+
+std::optional<std::pair<int64_t, std::string>> gguf_expert_of(const std::string& rest, const std::string& prefix) {
+  if (rest.rfind(prefix, 0) != 0) return std::nullopt;
+  const size_t d = rest.find('.', prefix.size());
+  if (d == std::string::npos) return std::nullopt;
+  const std::string e = rest.substr(prefix.size(), d - prefix.size());
+  if (e.empty() || e.size() > 9 || e.find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
+  return std::make_pair(static_cast<int64_t>(std::stoll(e)), rest.substr(d + 1));
+}
 
 std::optional<std::pair<std::string, std::string>> gguf_layer_of(const std::string& name, const std::string& prefix) {
   const std::string L = prefix + "layers.";

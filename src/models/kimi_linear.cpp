@@ -492,18 +492,13 @@ std::optional<Source> kimi_linear_gguf_source(const ModelConfig&, const std::str
     return s;
   }
   // block_sparse_moe.experts.E.w{1,2,3}.weight: expert E of the layer's stacked tensor.
-  const std::string ex = "block_sparse_moe.experts.";
-  if (rest.rfind(ex, 0) == 0) {
-    const size_t d = rest.find('.', ex.size());
-    if (d == std::string::npos) return std::nullopt;
-    const std::string e = rest.substr(ex.size(), d - ex.size()), what = rest.substr(d + 1);
-    if (e.empty() || e.size() > 9 || e.find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
-    const char* t = what == "w1.weight"   ? "ffn_gate_exps.weight"
-                    : what == "w3.weight" ? "ffn_up_exps.weight"
-                    : what == "w2.weight" ? "ffn_down_exps.weight"
-                                          : nullptr;
+  if (const auto e = gguf_expert_of(rest, "block_sparse_moe.experts.")) {
+    const char* t = e->second == "w1.weight"   ? "ffn_gate_exps.weight"
+                    : e->second == "w3.weight" ? "ffn_up_exps.weight"
+                    : e->second == "w2.weight" ? "ffn_down_exps.weight"
+                                               : nullptr;
     if (!t) return std::nullopt;
-    return Source{blk + t, std::stoll(e)};
+    return Source{blk + t, e->first};
   }
   return std::nullopt;
 }

@@ -504,17 +504,12 @@ std::optional<Source> nemotron_h_gguf_source(const ModelConfig& c, const std::st
     return s;
   }
   // experts.E.{up,down}_proj.weight: expert E of the layer's stacked tensor.
-  const std::string ex = "experts.";
-  if (m.rfind(ex, 0) == 0) {
-    const size_t d = m.find('.', ex.size());
-    if (d == std::string::npos) return std::nullopt;
-    const std::string e = m.substr(ex.size(), d - ex.size()), what = m.substr(d + 1);
-    if (e.empty() || e.size() > 9 || e.find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
-    const char* t = what == "up_proj.weight"     ? "ffn_up_exps.weight"
-                    : what == "down_proj.weight" ? "ffn_down_exps.weight"
-                                                 : nullptr;
+  if (const auto e = gguf_expert_of(m, "experts.")) {
+    const char* t = e->second == "up_proj.weight"     ? "ffn_up_exps.weight"
+                    : e->second == "down_proj.weight" ? "ffn_down_exps.weight"
+                                                      : nullptr;
     if (!t) return std::nullopt;
-    return Source{blk + t, std::stoll(e)};
+    return Source{blk + t, e->first};
   }
   return std::nullopt;
 }
