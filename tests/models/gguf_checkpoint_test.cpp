@@ -215,6 +215,19 @@ TEST(GgufCheckpoint, ModelsAnswerAsTheReference) {
 }
 
 namespace {
+// Passes a source through and records every name and shape a model asks of it.
+struct NameRecorder : WeightSource {
+  const WeightSource& in;
+  mutable std::vector<std::pair<std::string, Shape>> seen;
+  explicit NameRecorder(const WeightSource& i) : in(i) {}
+  bool has(const std::string& n) const override { return in.has(n); }
+  Tensor get(const std::string& n, const Shape& s) const override {
+    seen.emplace_back(n, s);
+    return in.get(n, s);
+  }
+  std::string describe() const override { return in.describe(); }
+};
+
 // The reference Qwen3-Next checkpoint as llama.cpp's qwen3next holds it (every layer sparse): layer
 // 1's dense MLP read as layer 0's sparse one, as tools/gguf/qwen3_next_all_moe.py derived the folder
 // that the committed file was converted from.
@@ -262,17 +275,7 @@ TEST(GgufCheckpoint, Qwen3NextFileHoldsTheCheckpoint) {
   // head or half lands whole weights away.
   auto ws = weights_from_gguf(file, c);
   AllMoeQwen3Next ref(model("qwen3_next"));
-  struct Names : WeightSource {
-    const WeightSource& in;
-    mutable std::vector<std::pair<std::string, Shape>> seen;
-    explicit Names(const WeightSource& i) : in(i) {}
-    bool has(const std::string& n) const override { return in.has(n); }
-    Tensor get(const std::string& n, const Shape& s) const override {
-      seen.emplace_back(n, s);
-      return in.get(n, s);
-    }
-    std::string describe() const override { return in.describe(); }
-  } names(ref);
+  NameRecorder names(ref);
   auto cpu = make_backend("cpu", 1);
   { Model probe(want, names, *cpu); }
   int q8 = 0;
@@ -724,17 +727,7 @@ double holds_and_answers(const std::string& fname, const ModelConfig& want, cons
   auto file = std::make_shared<GgufFile>(gguf(fname));
   const ModelConfig c = gguf_model_config(*file);
   auto ws = weights_from_gguf(file, c);
-  struct Names : WeightSource {
-    const WeightSource& in;
-    mutable std::vector<std::pair<std::string, Shape>> seen;
-    explicit Names(const WeightSource& i) : in(i) {}
-    bool has(const std::string& n) const override { return in.has(n); }
-    Tensor get(const std::string& n, const Shape& s) const override {
-      seen.emplace_back(n, s);
-      return in.get(n, s);
-    }
-    std::string describe() const override { return in.describe(); }
-  } names(ref);
+  NameRecorder names(ref);
   auto cpu = make_backend("cpu", 1);
   { Model probe(want, names, *cpu); }
   int q8 = 0;
