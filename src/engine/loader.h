@@ -29,7 +29,7 @@ bool is_gguf_file(const std::string& path);
 std::string default_model_dir();
 
 // `path`: a checkpoint folder (config.json, safetensors, tokenizer.json), or a GGUF file written by
-// llama.cpp's converter for qwen35 / qwen35moe (models/gguf_checkpoint.h).
+// llama.cpp's converter (the architectures models/gguf_checkpoint.h lists).
 // `quantize` (Q8_0, Q4_K or Q6_K): the matrices quantized as they load (models/model.h,
 // quantized_weights), so any checkpoint runs quantized on the CPU without a converted file.
 LoadedModel load_model(const std::string& path, const std::string& backend = "cpu", int threads = 0,
