@@ -714,6 +714,24 @@ class AsTheFileStoresIt : public WeightSource {
   bool file_a_log_;
 };
 
+// The fields a hybrid GGUF's metadata must give as its checkpoint's config.json does (both
+// architectures below: the layer pattern, attention without RoPE, the linear mixer's heads).
+void expect_hybrid_fields(const ModelConfig& c, const ModelConfig& want) {
+  EXPECT_EQ(c.architecture, want.architecture);
+  EXPECT_EQ(c.layer_types, want.layer_types);
+  EXPECT_EQ(c.moe_blocks, want.moe_blocks);
+  EXPECT_EQ(c.num_attention_heads, want.num_attention_heads);
+  EXPECT_EQ(c.num_key_value_heads, want.num_key_value_heads);
+  EXPECT_EQ(c.head_dim, want.head_dim);
+  EXPECT_EQ(c.rotary_dim(), 0);
+  EXPECT_EQ(c.linear_num_key_heads, want.linear_num_key_heads);
+  EXPECT_EQ(c.linear_num_value_heads, want.linear_num_value_heads);
+  EXPECT_EQ(c.linear_key_head_dim, want.linear_key_head_dim);
+  EXPECT_EQ(c.linear_conv_kernel_dim, want.linear_conv_kernel_dim);
+  EXPECT_NEAR(c.rms_norm_eps, want.rms_norm_eps, 1e-12);
+  EXPECT_EQ(c.vocab_size, want.vocab_size);
+}
+
 // A Q8_0 file of llama.cpp's converter against the folder `ref` it was converted from, as the model
 // `want` loads it:
 //  - every tensor within Q8_0's rounding (half a block scale plus the scale's f16 rounding; f16 and
@@ -825,23 +843,11 @@ TEST(GgufCheckpoint, NemotronHFilesHoldTheCheckpoint) {
     for (size_t i = 0; i < want.layer_types.size(); ++i)
       if (want.layer_types[i] == LayerKind::Ffn) want.moe_blocks[i] = v.moe;
     EXPECT_EQ(c.arch, Arch::NemotronH);
-    EXPECT_EQ(c.architecture, want.architecture);
-    EXPECT_EQ(c.layer_types, want.layer_types);
-    EXPECT_EQ(c.moe_blocks, want.moe_blocks);
-    EXPECT_EQ(c.num_attention_heads, want.num_attention_heads);
-    EXPECT_EQ(c.num_key_value_heads, want.num_key_value_heads);
-    EXPECT_EQ(c.head_dim, want.head_dim);
-    EXPECT_EQ(c.rotary_dim(), 0);
-    EXPECT_EQ(c.linear_num_key_heads, want.linear_num_key_heads);
-    EXPECT_EQ(c.linear_num_value_heads, want.linear_num_value_heads);
-    EXPECT_EQ(c.linear_key_head_dim, want.linear_key_head_dim);
+    expect_hybrid_fields(c, want);
     EXPECT_EQ(c.linear_value_head_dim, want.linear_value_head_dim);
-    EXPECT_EQ(c.linear_conv_kernel_dim, want.linear_conv_kernel_dim);
     EXPECT_EQ(c.conv_bias, want.conv_bias);
     EXPECT_DOUBLE_EQ(c.time_step_min, want.time_step_min);
     EXPECT_EQ(c.mlp_act, want.mlp_act);
-    EXPECT_NEAR(c.rms_norm_eps, want.rms_norm_eps, 1e-12);
-    EXPECT_EQ(c.vocab_size, want.vocab_size);
     EXPECT_EQ(c.tie_word_embeddings, want.tie_word_embeddings);
     if (v.moe) {
       EXPECT_EQ(c.num_experts, want.num_experts);
@@ -870,19 +876,9 @@ TEST(GgufCheckpoint, KimiLinearFileHoldsTheCheckpoint) {
   const ModelConfig c = gguf_model_config(file);
   const ModelConfig want = load_model_config(model("kimi_linear") + "/config.json");
   EXPECT_EQ(c.arch, Arch::KimiLinear);
-  EXPECT_EQ(c.architecture, want.architecture);
-  EXPECT_EQ(c.layer_types, want.layer_types);
-  EXPECT_EQ(c.moe_blocks, want.moe_blocks);
-  EXPECT_EQ(c.num_attention_heads, want.num_attention_heads);
-  EXPECT_EQ(c.num_key_value_heads, want.num_key_value_heads);
-  EXPECT_EQ(c.head_dim, want.head_dim);
+  expect_hybrid_fields(c, want);
   EXPECT_EQ(c.kv_lora_rank, want.kv_lora_rank);
   EXPECT_EQ(c.q_lora_rank, want.q_lora_rank);
-  EXPECT_EQ(c.rotary_dim(), 0);
-  EXPECT_EQ(c.linear_num_key_heads, want.linear_num_key_heads);
-  EXPECT_EQ(c.linear_num_value_heads, want.linear_num_value_heads);
-  EXPECT_EQ(c.linear_key_head_dim, want.linear_key_head_dim);
-  EXPECT_EQ(c.linear_conv_kernel_dim, want.linear_conv_kernel_dim);
   EXPECT_EQ(c.intermediate_size, want.intermediate_size);
   EXPECT_EQ(c.num_experts, want.num_experts);
   EXPECT_EQ(c.num_experts_per_tok, want.num_experts_per_tok);
@@ -893,8 +889,6 @@ TEST(GgufCheckpoint, KimiLinearFileHoldsTheCheckpoint) {
   ASSERT_GT(c.n_group, c.topk_group) << "grouped routing is exercised";
   EXPECT_EQ(c.norm_topk_prob, want.norm_topk_prob);
   EXPECT_NEAR(c.routed_scaling_factor, want.routed_scaling_factor, 1e-6);
-  EXPECT_NEAR(c.rms_norm_eps, want.rms_norm_eps, 1e-12);
-  EXPECT_EQ(c.vocab_size, want.vocab_size);
   WeightStore store(model("kimi_linear"));
   holds_and_answers("kimi_linear-q8_0.gguf", want, *weights_from_store(store), "kimi_linear");
 }
