@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "linear/recurrence.h"
 #include "tensor/tensor.h"
 
 namespace hypic {
@@ -265,9 +266,52 @@ class Backend {
   virtual void gated_delta_chain(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
                                  bool l2norm_qk, Tensor& state, Tensor& out, std::span<const GdnLink> links);
 
+  // ---- the other families (Mamba2, lightning, KDA: Nemotron-H, MiniMax, Kimi-Linear) -----------
+  // The recurrence of family r.family (linear/recurrence.h) over a span of one sequence's tokens
+  // from `state` (advanced in place): q, k [T, Hk, dk]; v, out [T, Hv, dv]; g the log decay, [T, Hv]
+  // for scalar decays or [T, Hv, dk] for channel decays (undefined otherwise); beta [T, Hv] for
+  // delta families (undefined otherwise); log_gamma [Hv] for fixed decays (undefined otherwise);
+  // state [Hv, dk, dv]. q and k are L2-normalised when l2norm_qk, then q is multiplied by q_scale.
+  // transition, when given, receives T_C of the span: [Hv, 1, 1], the factor of a scaled identity
+  // (families with neither a delta rule nor a channel decay), or dense [Hv, dk, dk].
+  struct Recurrence {
+    linear::Family family = linear::Family::LinearAttention;
+    bool l2norm_qk = false;
+    float q_scale = 1.f;
+  };
+  virtual void linear_recurrence(const Recurrence& r, const Tensor& q, const Tensor& k, const Tensor& v,
+                                 const Tensor& g, const Tensor& beta, const Tensor& log_gamma, Tensor& state,
+                                 Tensor& out, Tensor* transition = nullptr) = 0;
+  // Depthwise causal conv1d with a bias added before the SiLU (Mamba2's conv); otherwise as
+  // causal_conv1d_silu. bias [C].
+  virtual void causal_conv1d_bias_silu(const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& state,
+                                       Tensor& out) = 0;
+  // Mamba2's discretisation: dt = max(softplus(dt_raw + dt_bias), dt_min) per token and head, then
+  // g = dt * A (the log decay) and v = dt * x. dt_raw, g [T, H]; x, v [T, H, P]; A, dt_bias [H] f32.
+  virtual void mamba2_gates(const Tensor& dt_raw, const Tensor& x, const Tensor& A, const Tensor& dt_bias, float dt_min,
+                            Tensor& g, Tensor& v) = 0;
+  // Mamba2's output: out = w * rms_norm((y + D x) * silu(z)), the norm taken over each of `groups`
+  // equal groups of a row's channels. y, x, z, out [T, H * P]; D [H]; w [H * P] (f32).
+  virtual void mamba2_gated_norm(const Tensor& y, const Tensor& x, const Tensor& z, const Tensor& D, const Tensor& w,
+                                 int64_t groups, float eps, Tensor& out) = 0;
+  // Kimi-Linear's KDA gates: g = -A[h] * softplus(a + dt_bias) per key channel (transformers' own
+  // log(1 + exp) form), beta = sigmoid(b). a, g [T, H, dk]; A [H] (exp(A_log)); dt_bias [H * dk];
+  // b, beta [T, H] (all f32).
+  virtual void kda_gates(const Tensor& a, const Tensor& b, const Tensor& A, const Tensor& dt_bias, Tensor& g,
+                         Tensor& beta) = 0;
+  // out = a * x + b * y (f32, one shape; out may be x or y).
+  virtual void scale_add(const Tensor& x, float a, const Tensor& y, float b, Tensor& out) = 0;
+  // x <- act(x) in place (f32): SiLU, or ReLU^2 = max(x, 0)^2 (Nemotron-H's MLP).
+  enum class Activation { Silu, ReluSquared };
+  virtual void activate(Activation act, Tensor& x) = 0;
+  // dst[rows[i]] += weights[i] * src[i] for every row i of src [R, C] (dst [N, C], rows distinct): one
+  // expert's outputs added into its tokens' rows with their routing weights.
+  virtual void add_rows_scaled(const Tensor& src, std::span<const int32_t> rows, std::span<const float> weights,
+                               Tensor& dst) = 0;
+
   // ---- segment summaries (PIC) -----------------------------------------------------------------
   // Per head: out = alpha * (T S) + B, T [H, dk, dk], S and B [H, dk, dv]; out must not alias S.
-  // T [H, 1, 1] is a scaled identity per head (Mamba2, lightning: their T_C; CPU backend).
+  // T [H, 1, 1] is a scaled identity per head (Mamba2, lightning: their T_C).
   virtual void compose_state(const Tensor& T, const Tensor& S, const Tensor& B, float alpha, Tensor& out) = 0;
   // Sets every [n, n] matrix of t [H, n, n] to the identity.
   virtual void set_identity(Tensor& t) = 0;

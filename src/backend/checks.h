@@ -94,6 +94,19 @@ void check_gdn_gates(const Tensor& a, const Tensor& b, const Tensor& A_log, cons
                      const Tensor& beta, DeviceKind dev);
 void check_gated_delta_rule(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
                             const Tensor& state, const Tensor& out, const Tensor* transition, DeviceKind dev);
+void check_linear_recurrence(const Backend::Recurrence& r, const Tensor& q, const Tensor& k, const Tensor& v,
+                             const Tensor& g, const Tensor& beta, const Tensor& log_gamma, const Tensor& state,
+                             const Tensor& out, const Tensor* transition, DeviceKind dev);
+void check_conv_bias(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& state, const Tensor& out,
+                     DeviceKind dev);
+void check_mamba2_gates(const Tensor& dt_raw, const Tensor& x, const Tensor& A, const Tensor& dt_bias, const Tensor& g,
+                        const Tensor& v, DeviceKind dev);
+void check_mamba2_gated_norm(const Tensor& y, const Tensor& x, const Tensor& z, const Tensor& D, const Tensor& w,
+                             int64_t groups, const Tensor& out, DeviceKind dev);
+void check_kda_gates(const Tensor& a, const Tensor& b, const Tensor& A, const Tensor& dt_bias, const Tensor& g,
+                     const Tensor& beta, DeviceKind dev);
+void check_add_rows_scaled(const Tensor& src, std::span<const int32_t> rows, std::span<const float> weights,
+                           const Tensor& dst, DeviceKind dev);
 void check_compose_state(const Tensor& T, const Tensor& S, const Tensor& B, const Tensor& out, DeviceKind dev);
 void check_set_identity(const Tensor& t, DeviceKind dev);
 // Decode-step tables: an I64 tensor of n entries (addresses or positions) on dev.

@@ -303,6 +303,160 @@ void check_gated_delta_rule(const Tensor& q, const Tensor& k, const Tensor& v, c
   }
 }
 
+void check_linear_recurrence(const Backend::Recurrence& r, const Tensor& q, const Tensor& k, const Tensor& v,
+                             const Tensor& g, const Tensor& beta, const Tensor& log_gamma, const Tensor& state,
+                             const Tensor& out, const Tensor* transition, DeviceKind dev) {
+  const char* op = "linear_recurrence";
+  const linear::FamilyTraits tr = linear::traits(r.family);
+  need_f32(op, "q", q, dev);
+  need_f32(op, "k", k, dev);
+  need_f32(op, "v", v, dev);
+  need_f32(op, "state", state, dev);
+  need_f32(op, "out", out, dev);
+  need_ndim(op, "q", q, 3);
+  need_ndim(op, "v", v, 3);
+  const int64_t T = q.dim(0), Hk = q.dim(1), dk = q.dim(2), Hv = v.dim(1), dv = v.dim(2);
+  need_shape(op, "k", k, q.shape());
+  if (v.dim(0) != T) fail(op, "v " + v.str() + " and q " + q.str() + ": token counts differ");
+  if (Hk <= 0 || Hv % Hk != 0)
+    fail(op, "v " + v.str() + " and k " + k.str() + ": value heads not a multiple of key heads");
+  const std::string fam(tr.name);
+  auto need_absent = [&](const char* name, const Tensor& t) {
+    if (t.defined()) fail(op, std::string(name) + " " + t.str() + ": the " + fam + " family takes none");
+  };
+  if (tr.decay == linear::Decay::Scalar || tr.decay == linear::Decay::Channel) {
+    need_f32(op, "g", g, dev);
+    if (tr.decay == linear::Decay::Scalar)
+      need_shape(op, "g", g, {T, Hv});
+    else
+      need_shape(op, "g", g, {T, Hv, dk});
+  } else {
+    need_absent("g", g);
+  }
+  if (tr.delta) {
+    need_f32(op, "beta", beta, dev);
+    need_shape(op, "beta", beta, {T, Hv});
+  } else {
+    need_absent("beta", beta);
+  }
+  if (tr.decay == linear::Decay::FixedScalar) {
+    need_f32(op, "log_gamma", log_gamma, dev);
+    need_shape(op, "log_gamma", log_gamma, {Hv});
+  } else {
+    need_absent("log_gamma", log_gamma);
+  }
+  need_shape(op, "state", state, {Hv, dk, dv});
+  need_shape(op, "out", out, {T, Hv, dv});
+  if (overlaps(out, state)) fail(op, "out overlaps state");
+  if (transition && transition->defined()) {
+    need_f32(op, "transition", *transition, dev);
+    const bool scalar = !tr.delta && tr.decay != linear::Decay::Channel;
+    if (transition->ndim() == 3 && transition->dim(1) == 1 && transition->dim(2) == 1 && dk != 1) {
+      if (!scalar)
+        fail(op, "transition " + transition->str() + ": the " + fam + " family's T_C is not a scaled identity");
+      need_shape(op, "transition", *transition, {Hv, 1, 1});
+    } else {
+      need_shape(op, "transition", *transition, {Hv, dk, dk});
+    }
+  }
+}
+
+void check_conv_bias(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& state, const Tensor& out,
+                     DeviceKind dev) {
+  const char* op = "causal_conv1d_bias_silu";
+  need_f32(op, "x", x, dev);
+  need_f32(op, "w", w, dev);
+  need_f32(op, "bias", bias, dev);
+  need_f32(op, "state", state, dev);
+  need_f32(op, "out", out, dev);
+  need_ndim(op, "x", x, 2);
+  need_ndim(op, "w", w, 2);
+  const int64_t C = x.dim(1), K = w.dim(1);
+  if (w.dim(0) != C) fail(op, "w " + w.str() + " does not match the channels of x " + x.str());
+  if (K < 1) fail(op, "w " + w.str() + ": kernel width must be at least 1");
+  need_shape(op, "bias", bias, {C});
+  need_shape(op, "state", state, {K - 1, C});
+  need_shape(op, "out", out, x.shape());
+  if (overlaps(out, x) || overlaps(out, state)) fail(op, "out overlaps an input");
+}
+
+void check_mamba2_gates(const Tensor& dt_raw, const Tensor& x, const Tensor& A, const Tensor& dt_bias, const Tensor& g,
+                        const Tensor& v, DeviceKind dev) {
+  const char* op = "mamba2_gates";
+  for (auto [n, t] : {std::pair<const char*, const Tensor*>{"dt_raw", &dt_raw},
+                      {"x", &x},
+                      {"A", &A},
+                      {"dt_bias", &dt_bias},
+                      {"g", &g},
+                      {"v", &v}})
+    need_f32(op, n, *t, dev);
+  need_ndim(op, "dt_raw", dt_raw, 2);
+  need_ndim(op, "x", x, 3);
+  const int64_t T = x.dim(0), H = x.dim(1);
+  need_shape(op, "dt_raw", dt_raw, {T, H});
+  need_shape(op, "A", A, {H});
+  need_shape(op, "dt_bias", dt_bias, {H});
+  need_shape(op, "g", g, {T, H});
+  need_shape(op, "v", v, x.shape());
+}
+
+void check_mamba2_gated_norm(const Tensor& y, const Tensor& x, const Tensor& z, const Tensor& D, const Tensor& w,
+                             int64_t groups, const Tensor& out, DeviceKind dev) {
+  const char* op = "mamba2_gated_norm";
+  for (auto [n, t] :
+       {std::pair<const char*, const Tensor*>{"y", &y}, {"x", &x}, {"z", &z}, {"D", &D}, {"w", &w}, {"out", &out}})
+    need_f32(op, n, *t, dev);
+  need_ndim(op, "y", y, 2);
+  need_ndim(op, "D", D, 1);
+  const int64_t C = y.dim(1), H = D.dim(0);
+  need_shape(op, "x", x, y.shape());
+  need_shape(op, "z", z, y.shape());
+  need_shape(op, "out", out, y.shape());
+  need_shape(op, "w", w, {C});
+  if (H <= 0 || C % H != 0) fail(op, "D " + D.str() + ": heads do not split the " + std::to_string(C) + " channels");
+  if (groups <= 0 || C % groups != 0)
+    fail(op, std::to_string(groups) + " groups do not split the " + std::to_string(C) + " channels");
+}
+
+void check_kda_gates(const Tensor& a, const Tensor& b, const Tensor& A, const Tensor& dt_bias, const Tensor& g,
+                     const Tensor& beta, DeviceKind dev) {
+  const char* op = "kda_gates";
+  for (auto [n, t] : {std::pair<const char*, const Tensor*>{"a", &a},
+                      {"b", &b},
+                      {"A", &A},
+                      {"dt_bias", &dt_bias},
+                      {"g", &g},
+                      {"beta", &beta}})
+    need_f32(op, n, *t, dev);
+  need_ndim(op, "a", a, 3);
+  const int64_t T = a.dim(0), H = a.dim(1), dk = a.dim(2);
+  need_shape(op, "b", b, {T, H});
+  need_shape(op, "A", A, {H});
+  need_shape(op, "dt_bias", dt_bias, {H * dk});
+  need_shape(op, "g", g, a.shape());
+  need_shape(op, "beta", beta, {T, H});
+}
+
+void check_add_rows_scaled(const Tensor& src, std::span<const int32_t> rows, std::span<const float> weights,
+                           const Tensor& dst, DeviceKind dev) {
+  const char* op = "add_rows_scaled";
+  need_f32(op, "src", src, dev);
+  need_f32(op, "dst", dst, dev);
+  need_ndim(op, "src", src, 2);
+  need_ndim(op, "dst", dst, 2);
+  if (src.dim(1) != dst.dim(1)) fail(op, "src " + src.str() + " and dst " + dst.str() + ": row sizes differ");
+  if (static_cast<int64_t>(rows.size()) != src.dim(0) || weights.size() != rows.size())
+    fail(op,
+         std::to_string(rows.size()) + " rows and " + std::to_string(weights.size()) + " weights for src " + src.str());
+  std::vector<char> seen(static_cast<size_t>(dst.dim(0)), 0);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (rows[i] < 0 || rows[i] >= dst.dim(0))
+      fail(op, "row " + std::to_string(rows[i]) + " at " + std::to_string(i) + " out of range for dst " + dst.str());
+    if (seen[static_cast<size_t>(rows[i])]++) fail(op, "row " + std::to_string(rows[i]) + " appears twice");
+  }
+  if (overlaps(src, dst)) fail(op, "src and dst overlap");
+}
+
 void check_compose_state(const Tensor& T, const Tensor& S, const Tensor& B, const Tensor& out, DeviceKind dev) {
   const char* op = "compose_state";
   need_def(op, "T", T, dev);
@@ -314,9 +468,8 @@ void check_compose_state(const Tensor& T, const Tensor& S, const Tensor& B, cons
   need_ndim(op, "S", S, 3);
   const int64_t H = T.dim(0), dk = T.dim(1);
   if (T.dim(2) != dk) fail(op, "T " + T.str() + ": matrices must be square");
-  // T [H, 1, 1] against S [H, dk, dv]: a scaled identity per head (scalar-decay families), CPU only.
+  // T [H, 1, 1] against S [H, dk, dv]: a scaled identity per head (scalar-decay families).
   const bool scaled = dk == 1 && S.dim(1) != 1;
-  if (scaled && dev != DeviceKind::CPU) fail(op, "T " + T.str() + ": scaled-identity transitions are CPU-only");
   if (S.dim(0) != H || (S.dim(1) != dk && !scaled))
     fail(op, "T " + T.str() + " and S " + S.str() + ": shapes do not chain");
   need_shape(op, "B", B, S.shape());

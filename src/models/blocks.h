@@ -33,12 +33,12 @@ class ArchBlocks {
   virtual size_t expert_bytes() const = 0;
 };
 
-// Nemotron-H (Mamba2, NoPE attention, ReLU^2 MLP and MoE blocks): CPU backend only for now.
+// Nemotron-H (Mamba2, NoPE attention, ReLU^2 MLP and MoE blocks).
 std::unique_ptr<ArchBlocks> nemotron_h_blocks(const ModelConfig& c, const LoadWeight& load, Backend& be);
-// MiniMax (lightning attention, RoPE attention, MoE, scaled residuals): CPU backend only for now.
+// MiniMax (lightning attention, RoPE attention, MoE, scaled residuals).
 std::unique_ptr<ArchBlocks> minimax_blocks(const ModelConfig& c, const LoadWeight& load, Backend& be);
 
-// Kimi-Linear (KDA, MLA without RoPE, sigmoid-routed MoE): CPU backend only for now.
+// Kimi-Linear (KDA, MLA without RoPE, sigmoid-routed MoE).
 std::unique_ptr<ArchBlocks> kimi_linear_blocks(const ModelConfig& c, const LoadWeight& load, Backend& be);
 
 // The registry: architectures whose blocks live in their own file, with the names of the weights

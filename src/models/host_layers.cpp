@@ -11,8 +11,7 @@ void ffn_forward(Backend& be, const Tensor& x, const FfnWeights& w, Tensor& out)
     be.matmul_swiglu(x, w.gate, w.up, h);
   } else {
     be.matmul(x, w.up, h);
-    float* p = h.data<float>();
-    for (int64_t i = 0; i < h.numel(); ++i) p[i] = p[i] > 0 ? p[i] * p[i] : 0.0f;
+    be.activate(Backend::Activation::ReluSquared, h);
   }
   be.matmul(h, w.down, out);
 }
@@ -20,21 +19,23 @@ void ffn_forward(Backend& be, const Tensor& x, const FfnWeights& w, Tensor& out)
 void routed_experts(Backend& be, const Tensor& x, const MoeRouting& r, const std::vector<FfnWeights>& experts,
                     Tensor& out) {
   const int64_t H = x.dim(1);
-  std::fill(out.data<float>(), out.data<float>() + out.numel(), 0.f);
+  be.fill(out, 0.f);
+  std::vector<int32_t> rows;
+  std::vector<float> weights;
   for (int64_t e = 0; e < r.experts; ++e) {
     const int64_t s0 = r.start[e], s1 = r.start[e + 1], R = s1 - s0;
     if (R == 0) continue;
+    rows.clear();
+    weights.clear();
+    for (int64_t i = s0; i < s1; ++i) {
+      rows.push_back(static_cast<int32_t>(r.order[i] / r.top_k));
+      weights.push_back(r.weight[r.order[i]]);
+    }
+    // Gather the expert's tokens (an embedding lookup in x), run it, add its weighted outputs.
     Tensor xe = be.alloc_uninit(DType::F32, {R, H}), ye = be.alloc_uninit(DType::F32, {R, H});
-    for (int64_t i = 0; i < R; ++i) {
-      const int64_t t = r.order[s0 + i] / r.top_k;
-      std::copy(x.data<float>() + t * H, x.data<float>() + (t + 1) * H, xe.data<float>() + i * H);
-    }
+    be.embedding(x, rows, xe);
     ffn_forward(be, xe, experts[static_cast<size_t>(e)], ye);
-    for (int64_t i = 0; i < R; ++i) {
-      const int64_t slot = r.order[s0 + i], t = slot / r.top_k;
-      const float w = r.weight[slot];
-      for (int64_t j = 0; j < H; ++j) out.data<float>()[t * H + j] += w * ye.data<float>()[i * H + j];
-    }
+    be.add_rows_scaled(ye, rows, weights, out);
   }
 }
 
@@ -57,31 +58,11 @@ void attend_spans(Model& model, Backend& be, const Tensor& q, const Tensor& k, c
   }
 }
 
-void causal_conv_silu(const float* in, int64_t in_stride, int64_t n, int64_t C, const float* w, int64_t K,
-                      const float* bias, float* state, float* out) {
-  for (int64_t t = 0; t < n; ++t)
-    for (int64_t c = 0; c < C; ++c) {
-      float acc = bias ? bias[c] : 0.0f;
-      for (int64_t j = 0; j < K; ++j) {
-        const int64_t src = t - (K - 1) + j;
-        acc += w[c * K + j] * (src < 0 ? state[(K - 1 + src) * C + c] : in[src * in_stride + c]);
-      }
-      out[t * C + c] = silu(acc);
-    }
-  if (n == 0 || K < 2) return;
-  // The new state: the last K-1 inputs of (old state, rows).
-  std::vector<float> hist(static_cast<size_t>((K - 1 + n) * C));
-  std::copy(state, state + (K - 1) * C, hist.begin());
-  for (int64_t t = 0; t < n; ++t) std::copy(in + t * in_stride, in + t * in_stride + C, hist.begin() + (K - 1 + t) * C);
-  std::copy(hist.end() - (K - 1) * C, hist.end(), state);
-}
-
-void write_scaled_identity(const std::vector<float>& scale, Tensor& t) {
-  const int64_t H = t.dim(0), n = t.dim(1);
-  float* p = t.data<float>();
-  std::fill(p, p + t.numel(), 0.f);
-  for (int64_t h = 0; h < H; ++h)
-    for (int64_t i = 0; i < n; ++i) p[(h * n + i) * n + i] = scale[static_cast<size_t>(h)];
+Tensor host_tensor(const std::vector<float>& v, Shape shape) {
+  Tensor t = Tensor::empty(DType::F32, std::move(shape));
+  if (t.numel() != static_cast<int64_t>(v.size())) throw std::logic_error("host_tensor: size mismatch");
+  std::copy(v.begin(), v.end(), t.data<float>());
+  return t;
 }
 
 std::vector<float> host_f32(const Tensor& t) {

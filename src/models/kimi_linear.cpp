@@ -8,8 +8,8 @@
 //         kv_b_proj(RMSNorm(kv_a_proj_with_mqa(x))); softmax attention scaled by head_dim^-0.5
 // and the FFN a SwiGLU MLP on the first layers, then sigmoid-routed grouped top-k experts (SwiGLU,
 // Moonshot's w1 gate / w3 up / w2 down) plus shared experts. RMSNorm weights multiply directly; the
-// latents' norms use eps 1e-6, as transformers builds them. KDA runs on host memory: CPU backend
-// only until the CUDA backend has a KDA kernel. The K/V cache holds the expanded keys and values.
+// latents' norms use eps 1e-6, as transformers builds them. Every piece is a backend op (CPU and
+// CUDA) but the MoE routing (host). The K/V cache holds the expanded keys and values.
 #include <cmath>
 #include <stdexcept>
 
@@ -25,8 +25,8 @@ namespace {
 
 struct Kda {
   Tensor q, k, v, f_a, f_b, b, g_a, g_b, o_norm, o;
-  std::vector<float> conv;        // [3 HD, K]: q's, then k's, then v's
-  std::vector<float> A, dt_bias;  // exp(A_log) [heads]; [HD]
+  Tensor conv, conv_bias;  // f32 [3 HD, K]: q's, then k's, then v's; zeros [3 HD] (the convs have no bias)
+  Tensor A, dt_bias;       // f32 exp(A_log) [heads]; [HD]
 };
 struct Mla {
   Tensor q, q_a, q_a_norm, q_b, kv_a, kv_a_norm, kv_b, o;
@@ -46,8 +46,6 @@ struct Layer {
 class KimiLinear : public ArchBlocks {
  public:
   KimiLinear(const ModelConfig& c, const LoadWeight& load, Backend& be) : c_(c), be_(be) {
-    if (be.device().kind != DeviceKind::CPU)
-      throw std::runtime_error(c.architecture + " runs on the CPU backend only for now (no CUDA KDA kernel yet)");
     H_ = c.hidden_size;
     Hl_ = c.linear_num_value_heads;
     dk_ = c.linear_key_head_dim;
@@ -55,6 +53,8 @@ class KimiLinear : public ArchBlocks {
     HD_ = Hl_ * dk_;
     Hq_ = c.num_attention_heads;
     D_ = c.head_dim;
+    for (int64_t part = 0; part < 2; ++part)
+      for (int64_t h = 0; h < Hq_; ++h) kv_order_.push_back(2 * h + part);
     auto dev = [&](const std::string& n, const Shape& s) { return be.to_device(load(n, s)); };
     auto swiglu = [&](const std::string& p, const char* g, const char* u, const char* d, int64_t I) {
       return FfnWeights{dev(p + g + ".weight", {I, H_}), dev(p + u + ".weight", {I, H_}),
@@ -73,15 +73,19 @@ class KimiLinear : public ArchBlocks {
         w.q = dev(a + "q_proj.weight", {HD_, H_});
         w.k = dev(a + "k_proj.weight", {HD_, H_});
         w.v = dev(a + "v_proj.weight", {HD_, H_});
+        std::vector<float> conv;
         for (const char* n : {"q_conv1d", "k_conv1d", "v_conv1d"}) {
           const auto part = host_f32(load(a + n + ".weight", {HD_, 1, K_}));
-          w.conv.insert(w.conv.end(), part.begin(), part.end());
+          conv.insert(conv.end(), part.begin(), part.end());
         }
+        w.conv = be.to_device(host_tensor(conv, {3 * HD_, K_}));
+        w.conv_bias = be.alloc(DType::F32, {3 * HD_});
         w.f_a = dev(a + "f_a_proj.weight", {dk_, H_});
         w.f_b = dev(a + "f_b_proj.weight", {HD_, dk_});
-        w.A = host_f32(load(a + "A_log", {1, 1, Hl_, 1}));
-        for (float& x : w.A) x = std::exp(x);
-        w.dt_bias = host_f32(load(a + "dt_bias", {HD_}));
+        std::vector<float> A = host_f32(load(a + "A_log", {1, 1, Hl_, 1}));
+        for (float& x : A) x = std::exp(x);
+        w.A = be.to_device(host_tensor(A, {Hl_}));
+        w.dt_bias = be.to_device(load(a + "dt_bias", {HD_}).to_f32());
         w.b = dev(a + "b_proj.weight", {Hl_, H_});
         w.g_a = dev(a + "g_a_proj.weight", {dk_, H_});
         w.g_b = dev(a + "g_b_proj.weight", {HD_, dk_});
@@ -148,7 +152,8 @@ class KimiLinear : public ArchBlocks {
       const int64_t E = c_.num_experts;
       Tensor logits = be_.alloc_uninit(DType::F32, {T, E});
       be_.matmul(y, l.router, logits);
-      const MoeRouting r = route_sigmoid_grouped(logits.data<float>(), l.bias.data(), T, E,
+      const Tensor host_logits = be_.to_host(logits);  // routing on the host: [T, E] floats
+      const MoeRouting r = route_sigmoid_grouped(host_logits.data<float>(), l.bias.data(), T, E,
                                                  static_cast<int>(c_.num_experts_per_tok), c_.n_group, c_.topk_group,
                                                  c_.norm_topk_prob, static_cast<float>(c_.routed_scaling_factor));
       routed_experts(be_, y, r, l.experts, mix);
@@ -177,49 +182,32 @@ class KimiLinear : public ArchBlocks {
     be_.matmul(fa, w.f_b, fb);
     be_.matmul(ga, w.g_b, gate);
     // Gates for all rows: g [T, heads, dk], beta [T, heads].
-    std::vector<float> g(static_cast<size_t>(T * HD_)), beta(static_cast<size_t>(T * Hl_));
-    for (int64_t t = 0; t < T; ++t) {
-      for (int64_t i = 0; i < HD_; ++i) {
-        const float z = fb.data<float>()[t * HD_ + i] + w.dt_bias[static_cast<size_t>(i)];
-        const float sp = z > 20.0f ? z : std::log(1.0f + std::exp(z));  // as transformers writes it
-        g[static_cast<size_t>(t * HD_ + i)] = -w.A[static_cast<size_t>(i / dk_)] * sp;
-      }
-      for (int64_t h = 0; h < Hl_; ++h)
-        beta[static_cast<size_t>(t * Hl_ + h)] = 1.0f / (1.0f + std::exp(-braw.data<float>()[t * Hl_ + h]));
-    }
-    std::vector<float> conv(static_cast<size_t>(T * 3 * HD_));
+    Tensor g = be_.alloc_uninit(DType::F32, {T, Hl_, dk_}), beta = be_.alloc_uninit(DType::F32, {T, Hl_});
+    be_.kda_gates(fb.reshape({T, Hl_, dk_}), braw, w.A, w.dt_bias, g, beta);
+    Tensor conv = be_.alloc_uninit(DType::F32, {T, 3 * HD_});
+    Tensor qs = be_.alloc_uninit(DType::F32, {T, Hl_, dk_}), ks = be_.alloc_uninit(DType::F32, {T, Hl_, dk_}),
+           vs = be_.alloc_uninit(DType::F32, {T, Hl_, dk_});
     Tensor o = be_.alloc_uninit(DType::F32, {T, HD_});
+    Backend::Recurrence kda{linear::Family::KDA, true, 1.0f / std::sqrt(static_cast<float>(dk_))};
     int64_t r0 = 0;
     for (const LayerSpan& sp : spans) {
-      const int64_t n = sp.rows;
+      const int64_t n = sp.rows, r1 = r0 + n;
       if (sp.record) throw std::logic_error(c_.architecture + ": compact bodies are not supported");
       LayerState& ls = *sp.state;
-      float* cv = &conv[static_cast<size_t>(r0 * 3 * HD_)];
-      causal_conv_silu(qkv.data<float>() + r0 * 3 * HD_, 3 * HD_, n, 3 * HD_, w.conv.data(), K_, nullptr,
-                       ls.conv.data<float>(), cv);
+      Tensor cv = conv.slice_rows(r0, r1), q1 = qs.slice_rows(r0, r1), k1 = ks.slice_rows(r0, r1),
+             v1 = vs.slice_rows(r0, r1);
       if (n > 0) {
-        std::vector<float> qs(static_cast<size_t>(n * HD_)), ks(qs.size()), vs(qs.size());
-        for (int64_t t = 0; t < n; ++t) {
-          std::copy(cv + t * 3 * HD_, cv + t * 3 * HD_ + HD_, qs.begin() + t * HD_);
-          std::copy(cv + t * 3 * HD_ + HD_, cv + t * 3 * HD_ + 2 * HD_, ks.begin() + t * HD_);
-          std::copy(cv + t * 3 * HD_ + 2 * HD_, cv + (t + 1) * 3 * HD_, vs.begin() + t * HD_);
+        be_.causal_conv1d_bias_silu(qkv.slice_rows(r0, r1), w.conv, w.conv_bias, ls.conv, cv);
+        for (auto [t, col] : {std::pair<Tensor*, int64_t>{&q1, 0}, {&k1, HD_}, {&v1, 2 * HD_}}) {
+          Tensor t2 = t->reshape({n, HD_});
+          be_.copy_cols(cv, col, t2);
         }
-        linear::RecInputs in;
-        in.q = qs.data();
-        in.k = ks.data();
-        in.v = vs.data();
-        in.g = &g[static_cast<size_t>(r0 * HD_)];
-        in.beta = &beta[static_cast<size_t>(r0 * Hl_)];
-        in.l2norm_qk = true;
-        in.q_scale = 1.0f / std::sqrt(static_cast<float>(dk_));
-        linear::chunked_forward(linear::Family::KDA, {n, Hl_, Hl_, dk_, dk_}, in, ls.ssm.data<float>(),
-                                o.data<float>() + r0 * HD_, sp.transition ? sp.transition->data<float>() : nullptr,
-                                be_.num_threads());
-      } else if (sp.transition) {
-        be_.set_identity(*sp.transition);
       }
+      Tensor os = o.slice_rows(r0, r1).reshape({n, Hl_, dk_});
+      be_.linear_recurrence(kda, q1, k1, v1, g.slice_rows(r0, r1), beta.slice_rows(r0, r1), Tensor(), ls.ssm, os,
+                            sp.transition);
       if (sp.after.any()) model.apply_after(ls, sp.after);
-      r0 += n;
+      r0 = r1;
     }
     Tensor o2 = o.reshape({T * Hl_, dk_});
     be_.rms_norm(o2, w.o_norm, static_cast<float>(c_.rms_norm_eps), false, o2);
@@ -243,13 +231,12 @@ class KimiLinear : public ArchBlocks {
     be_.rms_norm(kva, w.kv_a_norm, 1e-6f, false, kva);
     Tensor kv = be_.alloc_uninit(DType::F32, {T, Hq_ * 2 * D_});  // per head [k D | v D]
     be_.matmul(kva, w.kv_b, kv);
+    Tensor kv2 = be_.alloc_uninit(DType::F32, {T, Hq_ * 2 * D_});  // [k of every head | v of every head]
+    be_.gather_col_blocks(kv, kv_order_, kv2);
     Tensor k = be_.alloc_uninit(DType::F32, {T, Hq_, D_}), v = be_.alloc_uninit(DType::F32, {T, Hq_, D_});
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t h = 0; h < Hq_; ++h) {
-        const float* src = kv.data<float>() + (t * Hq_ + h) * 2 * D_;
-        std::copy(src, src + D_, k.data<float>() + (t * Hq_ + h) * D_);
-        std::copy(src + D_, src + 2 * D_, v.data<float>() + (t * Hq_ + h) * D_);
-      }
+    Tensor k2 = k.reshape({T, Hq_ * D_}), v2 = v.reshape({T, Hq_ * D_});
+    be_.copy_cols(kv2, 0, k2);
+    be_.copy_cols(kv2, Hq_ * D_, v2);
     Tensor o = be_.alloc_uninit(DType::F32, {T, Hq_, D_});
     const float scale = 1.0f / std::sqrt(static_cast<float>(D_));
     attend_spans(model, be_, q, k, v, spans, scale, o);
@@ -259,6 +246,7 @@ class KimiLinear : public ArchBlocks {
   const ModelConfig& c_;
   Backend& be_;
   int64_t H_, Hl_, dk_, K_, HD_, Hq_, D_;
+  std::vector<int64_t> kv_order_;  // kv_b_proj's column blocks [k D | v D] per head -> all k, all v
   std::vector<Layer> layers_;
   size_t expert_bytes_ = 0;
 };

@@ -9,8 +9,7 @@
 //   attention   GQA softmax attention, NeoX RoPE over the whole head (transformers 5.17 ignores
 //               partial_rotary_factor here), no gate, no q/k norms
 // and the MoE softmax top-k over SwiGLU experts (Mixtral's w1 gate / w3 up / w2 down), renormalised.
-// RMSNorm weights multiply directly. The lightning recurrence runs on host memory: CPU backend only
-// until the CUDA backend has a retention kernel.
+// RMSNorm weights multiply directly. Every piece is a backend op (CPU and CUDA).
 #include <cmath>
 #include <stdexcept>
 
@@ -26,7 +25,8 @@ struct Layer {
   LayerKind kind;
   Tensor in_norm, post_norm;
   Tensor qkv, gate, out, norm;   // lightning
-  std::vector<float> log_gamma;  // lightning: -slope per head
+  std::vector<float> log_gamma;  // lightning: -slope per head (host copy of log_gamma_dev)
+  Tensor log_gamma_dev;          // f32 [heads]
   Tensor q, k, v, o;             // attention
   Tensor router;
   ExpertWeights experts;
@@ -35,11 +35,12 @@ struct Layer {
 class MiniMax : public ArchBlocks {
  public:
   MiniMax(const ModelConfig& c, const LoadWeight& load, Backend& be) : c_(c), be_(be) {
-    if (be.device().kind != DeviceKind::CPU)
-      throw std::runtime_error(c.architecture + " runs on the CPU backend only for now (no CUDA lightning kernel yet)");
     H_ = c.hidden_size;
     Hh_ = c.num_attention_heads;
     D_ = c.head_dim;
+    // The fused projection's column blocks of D per head are [q | k | v]; gathered as all q, all k, all v.
+    for (int64_t part = 0; part < 3; ++part)
+      for (int64_t h = 0; h < Hh_; ++h) qkv_order_.push_back(3 * h + part);
     auto dev = [&](const std::string& n, const Shape& s) { return be.to_device(load(n, s)); };
     const int64_t L = c.num_hidden_layers, E = c.num_experts, I = c.moe_intermediate_size;
     for (int64_t i = 0; i < L; ++i) {
@@ -62,6 +63,7 @@ class MiniMax : public ArchBlocks {
           slope[h] = static_cast<float>(std::pow(base, static_cast<double>(h + 1))) * static_cast<float>(factor);
         l.log_gamma.resize(slope.size());
         for (size_t h = 0; h < slope.size(); ++h) l.log_gamma[h] = -slope[h];
+        l.log_gamma_dev = be.to_device(host_tensor(l.log_gamma, {Hh_}));
       } else {
         const int64_t kv = c.num_key_value_heads * D_;
         l.q = dev(a + "q_proj.weight", {Hh_ * D_, H_});
@@ -90,14 +92,10 @@ class MiniMax : public ArchBlocks {
   void replay(const RecurrenceInputs& in, Tensor& ssm) override {
     const int64_t n = in.rows();
     if (n == 0) return;
-    std::vector<float> out(static_cast<size_t>(n * Hh_ * D_));
-    linear::RecInputs r;
-    r.q = in.k.data<float>();  // only shapes outputs nobody reads
-    r.k = in.k.data<float>();
-    r.v = in.v.data<float>();
-    r.log_gamma = in.g.data<float>();
-    linear::chunked_forward(linear::Family::Retention, {n, Hh_, Hh_, D_, D_}, r, ssm.data<float>(), out.data(), nullptr,
-                            be_.num_threads());
+    // The keys stand in for the queries: the outputs are dropped.
+    Tensor out = be_.alloc_uninit(DType::F32, {n, Hh_, D_});
+    be_.linear_recurrence({linear::Family::Retention}, in.k, in.k, in.v, Tensor(), Tensor(),
+                          in.g.slice_rows(0, 1).reshape({Hh_}), ssm, out);
   }
 
   void layer_forward(Model& model, int64_t layer, Tensor& x, std::span<const LayerSpan> spans) override {
@@ -122,10 +120,8 @@ class MiniMax : public ArchBlocks {
   }
 
  private:
-  // out = a * x + b * y (host).
-  static void scaled_sum(const Tensor& x, double a, const Tensor& y, double b, Tensor& out) {
-    const float fa = static_cast<float>(a), fb = static_cast<float>(b);
-    for (int64_t i = 0; i < out.numel(); ++i) out.data<float>()[i] = fa * x.data<float>()[i] + fb * y.data<float>()[i];
+  void scaled_sum(const Tensor& x, double a, const Tensor& y, double b, Tensor& out) {
+    be_.scale_add(x, static_cast<float>(a), y, static_cast<float>(b), out);
   }
 
   void lightning(Model& model, const Layer& l, const Tensor& y, std::span<const LayerSpan> spans, Tensor& mix) {
@@ -133,57 +129,42 @@ class MiniMax : public ArchBlocks {
     Tensor qkv = be_.alloc_uninit(DType::F32, {T, 3 * HD});
     Tensor gate = be_.alloc_uninit(DType::F32, {T, HD});
     be_.matmul_many(y, {l.qkv, l.gate}, {qkv, gate});
-    const float* p = qkv.data<float>();
-    Tensor o = be_.alloc_uninit(DType::F32, {T, HD});
-    std::vector<float> q, k, v;
+    // Per head the projection's rows are [q D | k D | v D]; SiLU on all three.
+    Tensor parts = be_.alloc_uninit(DType::F32, {T, 3 * HD});
+    be_.gather_col_blocks(qkv, qkv_order_, parts);
+    be_.activate(Backend::Activation::Silu, parts);
+    Tensor q = be_.alloc_uninit(DType::F32, {T, Hh_, D_}), k = be_.alloc_uninit(DType::F32, {T, Hh_, D_});
+    Tensor v = be_.alloc_uninit(DType::F32, {T, Hh_, D_});
+    for (auto [t, col] : {std::pair<Tensor*, int64_t>{&q, 0}, {&k, HD}, {&v, 2 * HD}}) {
+      Tensor t2 = t->reshape({T, HD});
+      be_.copy_cols(parts, col, t2);
+    }
+    Tensor o = be_.alloc_uninit(DType::F32, {T, Hh_, D_});
     int64_t r0 = 0;
     for (const LayerSpan& sp : spans) {
-      const int64_t n = sp.rows;
-      // Per head the projection's rows are [q D | k D | v D]; SiLU on all three.
-      q.resize(static_cast<size_t>(n * HD));
-      k.resize(q.size());
-      v.resize(q.size());
-      for (int64_t t = 0; t < n; ++t)
-        for (int64_t h = 0; h < Hh_; ++h)
-          for (int64_t d = 0; d < D_; ++d) {
-            const float* src = p + (r0 + t) * 3 * HD + h * 3 * D_ + d;
-            const size_t dst = static_cast<size_t>(t * HD + h * D_ + d);
-            q[dst] = silu(src[0]);
-            k[dst] = silu(src[D_]);
-            v[dst] = silu(src[2 * D_]);
-          }
-      if (n > 0) {
-        linear::RecInputs in;
-        in.q = q.data();
-        in.k = k.data();
-        in.v = v.data();
-        in.log_gamma = l.log_gamma.data();
-        linear::chunked_forward(linear::Family::Retention, {n, Hh_, Hh_, D_, D_}, in, sp.state->ssm.data<float>(),
-                                o.data<float>() + r0 * HD, nullptr, be_.num_threads());
-      }
+      const int64_t n = sp.rows, r1 = r0 + n;
+      Tensor ks = k.slice_rows(r0, r1), vs = v.slice_rows(r0, r1), os = o.slice_rows(r0, r1);
+      // T_C = gamma^n per head: a scaled identity [H, 1, 1] (or dense [H, D, D]).
+      be_.linear_recurrence({linear::Family::Retention}, q.slice_rows(r0, r1), ks, vs, Tensor(), Tensor(),
+                            l.log_gamma_dev, sp.state->ssm, os, sp.transition);
       if (sp.record && n > 0) {  // a compact PIC body: k, v, and the log decay in every row of g
         RecurrenceInputs& rec = *sp.record;
         rec.k = be_.alloc_uninit(DType::F32, {n, Hh_, D_});
         rec.v = be_.alloc_uninit(DType::F32, {n, Hh_, D_});
-        rec.g = be_.alloc_uninit(DType::F32, {n, Hh_});
         rec.beta = be_.alloc(DType::F32, {n, Hh_});
-        std::copy(k.begin(), k.end(), rec.k.data<float>());
-        std::copy(v.begin(), v.end(), rec.v.data<float>());
-        for (int64_t t = 0; t < n; ++t)
-          std::copy(l.log_gamma.begin(), l.log_gamma.end(), rec.g.data<float>() + t * Hh_);
-      }
-      if (sp.transition) {  // gamma^n per head, as a scaled identity [H, 1, 1] (or dense [H, D, D])
-        std::vector<float> scale(static_cast<size_t>(Hh_));
-        for (int64_t h = 0; h < Hh_; ++h)
-          scale[h] = std::exp(static_cast<float>(n) * l.log_gamma[static_cast<size_t>(h)]);
-        write_scaled_identity(scale, *sp.transition);
+        be_.copy(ks, rec.k);
+        be_.copy(vs, rec.v);
+        std::vector<float> g;
+        for (int64_t t = 0; t < n; ++t) g.insert(g.end(), l.log_gamma.begin(), l.log_gamma.end());
+        rec.g = be_.to_device(host_tensor(g, {n, Hh_}));
       }
       if (sp.after.any()) model.apply_after(*sp.state, sp.after);
-      r0 += n;
+      r0 = r1;
     }
-    be_.rms_norm(o, l.norm, 1e-6f, false, o);
-    be_.sigmoid_mul(o, gate, o);
-    be_.matmul(o, l.out, mix);
+    Tensor o2 = o.reshape({T, HD});
+    be_.rms_norm(o2, l.norm, 1e-6f, false, o2);
+    be_.sigmoid_mul(o2, gate, o2);
+    be_.matmul(o2, l.out, mix);
   }
 
   void attention(Model& model, const Layer& l, const Tensor& y, std::span<const LayerSpan> spans, Tensor& mix) {
@@ -208,6 +189,7 @@ class MiniMax : public ArchBlocks {
   const ModelConfig& c_;
   Backend& be_;
   int64_t H_, Hh_, D_;
+  std::vector<int64_t> qkv_order_;
   std::vector<Layer> layers_;
   size_t expert_bytes_ = 0;
 };

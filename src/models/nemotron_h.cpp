@@ -9,8 +9,8 @@
 //   MoE        sigmoid router scores, choice by score + e_score_correction_bias within the best
 //              topk_group groups (a group scored by its two best), weights = the chosen scores
 //              normalised and times routed_scaling_factor; ReLU^2 experts; plus a shared ReLU^2 MLP.
-// RMSNorm weights multiply directly (no 1 + w). The token mixers run on host memory: CPU backend
-// only until the CUDA backend has Mamba2 kernels.
+// RMSNorm weights multiply directly (no 1 + w). Every piece is a backend op (CPU and CUDA); the MoE
+// routing alone is computed on the host (models/host_layers.h).
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
@@ -26,10 +26,10 @@ namespace hypic {
 namespace {
 
 struct Mamba {
-  Tensor in_proj, out_proj;           // device: [I + Cd + nh, H], [H, I]
-  std::vector<float> conv_w, conv_b;  // [Cd, K], [Cd]
-  std::vector<float> A, D, dt_bias;   // [nh]; A = -exp(A_log)
-  std::vector<float> norm;            // [I]
+  Tensor in_proj, out_proj;  // [I + Cd + nh, H], [H, I]
+  Tensor conv_w, conv_b;     // f32 [Cd, K], [Cd]
+  Tensor A, D, dt_bias;      // f32 [nh]; A = -exp(A_log)
+  Tensor norm;               // f32 [I]
 };
 struct Attn {
   Tensor q, k, v, o;
@@ -54,8 +54,6 @@ struct Block {
 class NemotronH : public ArchBlocks {
  public:
   NemotronH(const ModelConfig& c, const LoadWeight& load, Backend& be) : c_(c), be_(be) {
-    if (be.device().kind != DeviceKind::CPU)
-      throw std::runtime_error(c.architecture + " runs on the CPU backend only for now (no CUDA Mamba2 kernels yet)");
     H_ = c.hidden_size;
     nh_ = c.linear_num_value_heads;
     P_ = c.linear_value_head_dim;
@@ -79,13 +77,16 @@ class NemotronH : public ArchBlocks {
         auto& w = b.mamba;
         w.in_proj = dev(m + "in_proj.weight", {I_ + Cd_ + nh_, H_});
         w.out_proj = dev(m + "out_proj.weight", {H_, I_});
-        w.conv_w = host_f32(load(m + "conv1d.weight", {Cd_, 1, K_}));
-        w.conv_b = c.conv_bias ? host_f32(load(m + "conv1d.bias", {Cd_})) : std::vector<float>(Cd_, 0.0f);
-        w.A = host_f32(load(m + "A_log", {nh_}));
-        for (float& a : w.A) a = -std::exp(a);
-        w.D = host_f32(load(m + "D", {nh_}));
-        w.dt_bias = host_f32(load(m + "dt_bias", {nh_}));
-        w.norm = host_f32(load(m + "norm.weight", {I_}));
+        // The small per-channel weights in f32 on the device (the ops take them so).
+        auto f32 = [&](const std::string& n, const Shape& s) { return be.to_device(load(n, s).to_f32()); };
+        w.conv_w = f32(m + "conv1d.weight", {Cd_, 1, K_}).reshape({Cd_, K_});
+        w.conv_b = c.conv_bias ? f32(m + "conv1d.bias", {Cd_}) : be.alloc(DType::F32, {Cd_});
+        std::vector<float> A = host_f32(load(m + "A_log", {nh_}));
+        for (float& a : A) a = -std::exp(a);
+        w.A = be.to_device(host_tensor(A, {nh_}));
+        w.D = f32(m + "D", {nh_});
+        w.dt_bias = f32(m + "dt_bias", {nh_});
+        w.norm = f32(m + "norm.weight", {I_});
       } else if (b.kind == LayerKind::Attention) {
         const int64_t q = c.num_attention_heads * c.head_dim, kv = c.num_key_value_heads * c.head_dim;
         b.attn = Attn{dev(m + "q_proj.weight", {q, H_}), dev(m + "k_proj.weight", {kv, H_}),
@@ -116,16 +117,10 @@ class NemotronH : public ArchBlocks {
   bool scalar_transition() const override { return true; }
 
   void replay(const RecurrenceInputs& in, Tensor& ssm) override {
-    const int64_t n = in.rows();
-    if (n == 0) return;
-    std::vector<float> out(static_cast<size_t>(n * I_));
-    linear::RecInputs r;
-    r.q = in.k.data<float>();  // only shapes outputs nobody reads
-    r.k = in.k.data<float>();
-    r.v = in.v.data<float>();
-    r.g = in.g.data<float>();
-    linear::chunked_forward(linear::Family::Mamba2, {n, G_, nh_, N_, P_}, r, ssm.data<float>(), out.data(), nullptr,
-                            be_.num_threads());
+    if (in.rows() == 0) return;
+    // The keys stand in for the queries: the outputs are dropped.
+    Tensor out = be_.alloc_uninit(DType::F32, {in.rows(), nh_, P_});
+    be_.linear_recurrence({linear::Family::Mamba2}, in.k, in.k, in.v, in.g, Tensor(), Tensor(), ssm, out);
   }
 
   void layer_forward(Model& model, int64_t layer, Tensor& x, std::span<const LayerSpan> spans) override {
@@ -147,88 +142,56 @@ class NemotronH : public ArchBlocks {
 
  private:
   void mamba(Model& model, const Mamba& w, const Tensor& xn, std::span<const LayerSpan> spans, Tensor& mix) {
-    const int64_t T = xn.dim(0), W = I_ + Cd_ + nh_;
+    const int64_t T = xn.dim(0), W = I_ + Cd_ + nh_, GN = G_ * N_;
     Tensor proj = be_.alloc_uninit(DType::F32, {T, W});
     be_.matmul(xn, w.in_proj, proj);
-    const float* pr = proj.data<float>();
-    std::vector<float> xbc(static_cast<size_t>(T * Cd_)), q, k, v, g, out;
-    Tensor y = be_.alloc_uninit(DType::F32, {T, I_});
-    float* yp = y.data<float>();
+    // proj's columns: [z I | xBC Cd | dt nh]; the conv's: [x I | B GN | C GN].
+    Tensor z = be_.alloc_uninit(DType::F32, {T, I_}), xbc_in = be_.alloc_uninit(DType::F32, {T, Cd_});
+    Tensor dt = be_.alloc_uninit(DType::F32, {T, nh_}), xbc = be_.alloc_uninit(DType::F32, {T, Cd_});
+    be_.copy_cols(proj, 0, z);
+    be_.copy_cols(proj, I_, xbc_in);
+    be_.copy_cols(proj, I_ + Cd_, dt);
+    Tensor x = be_.alloc_uninit(DType::F32, {T, nh_, P_}), B = be_.alloc_uninit(DType::F32, {T, G_, N_});
+    Tensor C = be_.alloc_uninit(DType::F32, {T, G_, N_}), g = be_.alloc_uninit(DType::F32, {T, nh_});
+    Tensor v = be_.alloc_uninit(DType::F32, {T, nh_, P_}), y = be_.alloc_uninit(DType::F32, {T, nh_, P_});
     const float tmin = static_cast<float>(c_.time_step_min);
     int64_t r0 = 0;
     for (const LayerSpan& sp : spans) {
       LayerState& ls = *sp.state;
-      const int64_t n = sp.rows;
-      // Causal depthwise conv with bias + SiLU over the xBC columns.
-      causal_conv_silu(pr + r0 * W + I_, W, n, Cd_, w.conv_w.data(), K_, w.conv_b.data(), ls.conv.data<float>(),
-                       &xbc[static_cast<size_t>(r0 * Cd_)]);
-      // The SSM as a scalar-decay linear recurrence.
-      q.assign(static_cast<size_t>(n * G_ * N_), 0.f);
-      k.assign(q.size(), 0.f);
-      v.assign(static_cast<size_t>(n * I_), 0.f);
-      g.assign(static_cast<size_t>(n * nh_), 0.f);
-      out.assign(v.size(), 0.f);
-      for (int64_t t = 0; t < n; ++t) {
-        const float* row = &xbc[static_cast<size_t>((r0 + t) * Cd_)];
-        std::copy(row + I_, row + I_ + G_ * N_, k.begin() + t * G_ * N_);
-        std::copy(row + I_ + G_ * N_, row + Cd_, q.begin() + t * G_ * N_);
-        for (int64_t h = 0; h < nh_; ++h) {
-          const float dt =
-              std::max(softplus(pr[(r0 + t) * W + I_ + Cd_ + h] + w.dt_bias[static_cast<size_t>(h)]), tmin);
-          g[static_cast<size_t>(t * nh_ + h)] = dt * w.A[static_cast<size_t>(h)];
-          for (int64_t p = 0; p < P_; ++p) v[static_cast<size_t>(t * I_ + h * P_ + p)] = dt * row[h * P_ + p];
-        }
-      }
-      std::vector<float> logT;
-      if (sp.transition)
-        logT.assign(static_cast<size_t>(linear::transition_floats(linear::Family::Mamba2, nh_, N_)), 0.f);
+      const int64_t n = sp.rows, r1 = r0 + n;
+      Tensor xs = x.slice_rows(r0, r1), Bs = B.slice_rows(r0, r1), Cs = C.slice_rows(r0, r1);
+      Tensor gs = g.slice_rows(r0, r1), vs = v.slice_rows(r0, r1), ys = y.slice_rows(r0, r1);
       if (n > 0) {
-        linear::RecInputs in;
-        in.q = q.data();
-        in.k = k.data();
-        in.v = v.data();
-        in.g = g.data();
-        linear::chunked_forward(linear::Family::Mamba2, {n, G_, nh_, N_, P_}, in, ls.ssm.data<float>(), out.data(),
-                                logT.empty() ? nullptr : logT.data(), be_.num_threads());
+        // Causal depthwise conv with bias + SiLU over the xBC columns, then the SSM as a
+        // scalar-decay linear recurrence (k = B, q = C, v = dt x, g = dt A).
+        Tensor cv = xbc.slice_rows(r0, r1), x2 = xs.reshape({n, I_}), B2 = Bs.reshape({n, GN}),
+               C2 = Cs.reshape({n, GN});
+        be_.causal_conv1d_bias_silu(xbc_in.slice_rows(r0, r1), w.conv_w, w.conv_b, ls.conv, cv);
+        be_.copy_cols(cv, 0, x2);
+        be_.copy_cols(cv, I_, B2);
+        be_.copy_cols(cv, I_ + GN, C2);
+        be_.mamba2_gates(dt.slice_rows(r0, r1), xs, w.A, w.dt_bias, tmin, gs, vs);
       }
+      // T_C = exp(sum of g) per head: a scaled identity [nh, 1, 1] (or dense [nh, N, N]).
+      be_.linear_recurrence({linear::Family::Mamba2}, Cs, Bs, vs, gs, Tensor(), Tensor(), ls.ssm, ys, sp.transition);
       if (sp.record && n > 0) {  // a compact PIC body: k = B, v = dt x, g = dt A (beta unused: zeros)
         RecurrenceInputs& rec = *sp.record;
         rec.k = be_.alloc_uninit(DType::F32, {n, G_, N_});
         rec.v = be_.alloc_uninit(DType::F32, {n, nh_, P_});
         rec.g = be_.alloc_uninit(DType::F32, {n, nh_});
         rec.beta = be_.alloc(DType::F32, {n, nh_});
-        std::copy(k.begin(), k.end(), rec.k.data<float>());
-        std::copy(v.begin(), v.end(), rec.v.data<float>());
-        std::copy(g.begin(), g.end(), rec.g.data<float>());
-      }
-      if (sp.transition) {  // exp(sum of g) per head, as a scaled identity [nh, 1, 1] (or dense [nh, N, N])
-        std::vector<float> scale(static_cast<size_t>(nh_));
-        for (int64_t h = 0; h < nh_; ++h) scale[h] = std::exp(logT[static_cast<size_t>(h)]);
-        write_scaled_identity(scale, *sp.transition);
-      }
-      // D skip, gate, grouped RMSNorm.
-      const int64_t gs = I_ / G_;
-      const float eps = static_cast<float>(c_.rms_norm_eps);
-      for (int64_t t = 0; t < n; ++t) {
-        const float* row = &xbc[static_cast<size_t>((r0 + t) * Cd_)];
-        float* yr = yp + (r0 + t) * I_;
-        for (int64_t h = 0; h < nh_; ++h)
-          for (int64_t p = 0; p < P_; ++p) {
-            const int64_t i = h * P_ + p;
-            yr[i] = (out[static_cast<size_t>(t * I_ + i)] + w.D[static_cast<size_t>(h)] * row[i]) *
-                    silu(pr[(r0 + t) * W + i]);
-          }
-        for (int64_t gi = 0; gi < G_; ++gi) {
-          double ss = 0;
-          for (int64_t i = gi * gs; i < (gi + 1) * gs; ++i) ss += double(yr[i]) * yr[i];
-          const float r = 1.0f / std::sqrt(static_cast<float>(ss / gs) + eps);
-          for (int64_t i = gi * gs; i < (gi + 1) * gs; ++i) yr[i] = w.norm[static_cast<size_t>(i)] * (yr[i] * r);
-        }
+        be_.copy(Bs, rec.k);
+        be_.copy(vs, rec.v);
+        be_.copy(gs, rec.g);
       }
       if (sp.after.any()) model.apply_after(ls, sp.after);
-      r0 += n;
+      r0 = r1;
     }
-    be_.matmul(y, w.out_proj, mix);
+    // D skip, gate, grouped RMSNorm, out_proj.
+    Tensor yn = be_.alloc_uninit(DType::F32, {T, I_});
+    be_.mamba2_gated_norm(y.reshape({T, I_}), x.reshape({T, I_}), z, w.D, w.norm, G_,
+                          static_cast<float>(c_.rms_norm_eps), yn);
+    be_.matmul(yn, w.out_proj, mix);
   }
 
   void attention(Model& model, const Attn& w, const Tensor& xn, std::span<const LayerSpan> spans, Tensor& mix) {
@@ -248,7 +211,8 @@ class NemotronH : public ArchBlocks {
     const int64_t T = xn.dim(0), E = c_.num_experts;
     Tensor logits = be_.alloc_uninit(DType::F32, {T, E});
     be_.matmul(xn, w.router, logits);
-    const MoeRouting r = route_sigmoid_grouped(logits.data<float>(), w.bias.data(), T, E,
+    const Tensor host_logits = be_.to_host(logits);  // routing on the host: [T, E] floats
+    const MoeRouting r = route_sigmoid_grouped(host_logits.data<float>(), w.bias.data(), T, E,
                                                static_cast<int>(c_.num_experts_per_tok), c_.n_group, c_.topk_group,
                                                c_.norm_topk_prob, static_cast<float>(c_.routed_scaling_factor));
     routed_experts(be_, xn, r, w.experts, out);

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <stdexcept>
@@ -798,6 +799,121 @@ TEST_F(CpuOps, GatedDeltaRuleMatchesRecurrence) {
          out = be->alloc(DType::F32, {3, 3, 5});
   EXPECT_EQ(error_of([&] { be->gated_delta_rule(q, k, v, g, beta, true, st, out); }),
             "gated_delta_rule: v f32[3, 3, 5] and k f32[3, 2, 4]: value heads not a multiple of key heads");
+}
+
+// ---- the other families' recurrences --------------------------------------------------------------
+// Largest absolute difference over the largest reference magnitude.
+double rel_max(const Tensor& got, const Vec& ref) {
+  Vec g = vals(got);
+  EXPECT_EQ(g.size(), ref.size());
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size() && i < g.size(); ++i) {
+    if (!std::isfinite(g[i])) return std::numeric_limits<double>::infinity();
+    num = std::max(num, std::abs(g[i] - ref[i]));
+    den = std::max(den, std::abs(ref[i]));
+  }
+  return num / std::max(den, 1e-30);
+}
+
+// CpuBackend::linear_recurrence (the chunked kernels, chunks of 32) against the fp64 token-by-token
+// reference for every family, from a nonzero state: outputs, the state reached, and T_C dense
+// (the reference's product from the identity) and, where the family allows, as a scaled identity.
+TEST_F(CpuOps, LinearRecurrenceMatchesReferenceForEveryFamily) {
+  struct Case {
+    int64_t T, Hk, Hv, dk, dv;
+  };
+  uint32_t seed = 500;
+  for (linear::Family f : linear::kAllFamilies) {
+    const linear::FamilyTraits tr = linear::traits(f);
+    const bool scaled_ok = !tr.delta && tr.decay != linear::Decay::Channel;
+    for (Case c : {Case{45, 1, 2, 12, 9}, Case{5, 2, 4, 7, 6}, Case{70, 2, 2, 16, 20}, Case{1, 1, 3, 8, 5}})
+      for (bool l2 : {false, true}) {
+        SCOPED_TRACE(std::string(tr.name) + " T=" + std::to_string(c.T) + " dk=" + std::to_string(c.dk) +
+                     " l2=" + std::to_string(l2));
+        const int64_t T = c.T, Hk = c.Hk, Hv = c.Hv, dk = c.dk, dv = c.dv;
+        // Without the norm, |k| ~ 0.8 keeps I - beta k k^T from amplifying.
+        const float qk = l2 ? 1.f : 0.8f / std::sqrt(static_cast<float>(dk));
+        Tensor q = randn({T, Hk, dk}, ++seed, qk), k = randn({T, Hk, dk}, ++seed, qk), v = randn({T, Hv, dv}, ++seed);
+        Tensor g, beta, lg;
+        auto neg_softplus = [](Tensor t, float scale) {
+          for (int64_t i = 0; i < t.numel(); ++i)
+            t.data<float>()[i] = -scale * std::log1p(std::exp(t.data<float>()[i]));
+          return t;
+        };
+        if (tr.decay == linear::Decay::Scalar) g = neg_softplus(randn({T, Hv}, ++seed), 0.3f);
+        if (tr.decay == linear::Decay::Channel) g = neg_softplus(randn({T, Hv, dk}, ++seed), 0.3f);
+        if (tr.delta) {
+          beta = randn({T, Hv}, ++seed);
+          for (int64_t i = 0; i < beta.numel(); ++i)
+            beta.data<float>()[i] = static_cast<float>(sig(beta.data<float>()[i]));
+        }
+        if (tr.decay == linear::Decay::FixedScalar) {
+          lg = Tensor::empty(DType::F32, {Hv});
+          for (int64_t h = 0; h < Hv; ++h)
+            lg.data<float>()[h] = std::log(1.f - std::exp2(-2.f - static_cast<float>(h)));
+        }
+        const Backend::Recurrence r{f, l2, l2 ? 0.6f : 1.3f};
+        const Tensor s0 = randn({Hv, dk, dv}, ++seed, 0.5f);
+
+        linear::RecInputs in;
+        in.q = q.data<float>();
+        in.k = k.data<float>();
+        in.v = v.data<float>();
+        in.g = g.defined() ? g.data<float>() : nullptr;
+        in.beta = beta.defined() ? beta.data<float>() : nullptr;
+        in.log_gamma = lg.defined() ? lg.data<float>() : nullptr;
+        in.l2norm_qk = l2;
+        in.q_scale = r.q_scale;
+        Vec rs = vals(s0), ro(static_cast<size_t>(T * Hv * dv)), rt(static_cast<size_t>(Hv * dk * dk), 0.0);
+        for (int64_t h = 0; h < Hv; ++h)
+          for (int64_t i = 0; i < dk; ++i) rt[static_cast<size_t>((h * dk + i) * dk + i)] = 1.0;
+        linear::reference_forward(f, {T, Hk, Hv, dk, dv}, in, rs.data(), ro.data(), rt.data());
+
+        Tensor st = s0.clone(), out = be->alloc(DType::F32, {T, Hv, dv}), td = be->alloc(DType::F32, {Hv, dk, dk});
+        be->linear_recurrence(r, q, k, v, g, beta, lg, st, out, &td);
+        EXPECT_LE(rel_max(out, ro), 1e-4);
+        EXPECT_LE(rel_max(st, rs), 1e-4);
+        EXPECT_LE(rel_max(td, rt), 1e-4);
+        if (!scaled_ok) continue;
+        Tensor st2 = s0.clone(), out2 = be->alloc(DType::F32, {T, Hv, dv}), ts = be->alloc(DType::F32, {Hv, 1, 1});
+        be->linear_recurrence(r, q, k, v, g, beta, lg, st2, out2, &ts);
+        Vec diag(static_cast<size_t>(Hv));  // T_C = c I: the factor is any diagonal entry
+        for (int64_t h = 0; h < Hv; ++h) diag[static_cast<size_t>(h)] = rt[static_cast<size_t>(h * dk * dk)];
+        EXPECT_LE(rel_max(ts, diag), 1e-4);
+        EXPECT_LE(rel_max(st2, rs), 1e-4);
+        EXPECT_LE(rel_max(out2, ro), 1e-4);
+      }
+  }
+  // An empty span: the state stays, T_C is the identity (factor 1).
+  {
+    Tensor q = be->alloc(DType::F32, {0, 1, 4}), v = be->alloc(DType::F32, {0, 2, 3}),
+           g = be->alloc(DType::F32, {0, 2});
+    Tensor st = randn({2, 4, 3}, 7), st0 = st.clone(), out = be->alloc(DType::F32, {0, 2, 3});
+    Tensor ts = randn({2, 1, 1}, 8), td = randn({2, 4, 4}, 9);
+    be->linear_recurrence({linear::Family::Mamba2}, q, q, v, g, Tensor(), Tensor(), st, out, &ts);
+    be->linear_recurrence({linear::Family::Mamba2}, q, q, v, g, Tensor(), Tensor(), st, out, &td);
+    EXPECT_EQ(rel_max(st, vals(st0)), 0.0);
+    EXPECT_EQ(vals(ts), Vec({1.0, 1.0}));
+    for (int64_t i = 0; i < td.numel(); ++i) EXPECT_EQ(td.data<float>()[i], i % 16 % 5 == 0 ? 1.f : 0.f) << i;
+  }
+  // Bad calls name the tensor and the problem.
+  const int64_t T = 3, Hv = 2, dk = 4, dv = 5;
+  Tensor q = be->alloc(DType::F32, {T, 1, dk}), v = be->alloc(DType::F32, {T, Hv, dv});
+  Tensor g = be->alloc(DType::F32, {T, Hv}), gc = be->alloc(DType::F32, {T, Hv, dk}),
+         beta = be->alloc(DType::F32, {T, Hv});
+  Tensor lg = be->alloc(DType::F32, {Hv}), st = be->alloc(DType::F32, {Hv, dk, dv}),
+         out = be->alloc(DType::F32, {T, Hv, dv});
+  Tensor ts = be->alloc(DType::F32, {Hv, 1, 1});
+  EXPECT_EQ(error_of([&] { be->linear_recurrence({linear::Family::Retention}, q, q, v, g, Tensor(), lg, st, out); }),
+            "linear_recurrence: g f32[3, 2]: the retention family takes none");
+  EXPECT_EQ(error_of([&] { be->linear_recurrence({linear::Family::KDA}, q, q, v, gc, beta, Tensor(), st, out, &ts); }),
+            "linear_recurrence: transition f32[2, 1, 1]: the kda family's T_C is not a scaled identity");
+  EXPECT_EQ(error_of([&] {
+              be->linear_recurrence({linear::Family::DeltaNet}, q, q, v, Tensor(), Tensor(), Tensor(), st, out);
+            }),
+            "linear_recurrence: beta is undefined");
+  EXPECT_EQ(error_of([&] { be->linear_recurrence({linear::Family::GLA}, q, q, v, g, Tensor(), Tensor(), st, out); }),
+            "linear_recurrence: g f32[3, 2]: expected shape [3, 2, 4]");
 }
 
 // ---- segment summaries ---------------------------------------------------------------------------

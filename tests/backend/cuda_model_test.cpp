@@ -44,7 +44,8 @@ class CudaModel : public ::testing::Test {
 // Continuous batching on the GPU: a mixed prefill batch, then decode steps of all sequences at
 // once, each matching what the CPU backend computes for that sequence alone.
 TEST_F(CudaModel, BatchedForwardMatchesCpuPerSequence) {
-  for (const std::string name : {"qwen3_5_dense", "qwen3_5_moe", "qwen3_next"}) {
+  for (const std::string name :
+       {"qwen3_5_dense", "qwen3_5_moe", "qwen3_next", "nemotron_h", "minimax", "kimi_linear"}) {
     auto g = load_model(dir(name), "cuda");
     g.backend->set_precise(true);  // f32 arithmetic on both sides: differences are ordering only
     auto c = load_model(dir(name), "cpu", 2);
@@ -82,7 +83,7 @@ TEST_F(CudaModel, BatchedForwardMatchesCpuPerSequence) {
 // Every prefill mode (full, prefix, pic with seams, naive) gives the GPU the same last-row
 // log-probs as the CPU, cold and warm (entries built on the device, then reused in another order).
 TEST_F(CudaModel, PicPrefillModesMatchCpu) {
-  for (const std::string name : {"qwen3_5_dense", "qwen3_5_moe"}) {
+  for (const std::string name : {"qwen3_5_dense", "qwen3_5_moe", "nemotron_h", "minimax"}) {
     auto g = load_model(dir(name), "cuda");
     g.backend->set_precise(true);  // f32 arithmetic on both sides: differences are ordering only
     auto c = load_model(dir(name), "cpu", 2);
@@ -115,7 +116,8 @@ TEST_F(CudaModel, PicPrefillModesMatchCpu) {
 // (hits are used exactly as fresh entries). Precise mode holds them to the f32 bound; the default
 // mode (bf16 tensor-core attention) to a bf16 bound, printed for the record.
 TEST_F(CudaModel, PicExactnessProperties) {
-  for (const std::string name : {"qwen3_5_dense", "qwen3_5_moe", "qwen3_next"}) {
+  for (const std::string name :
+       {"qwen3_5_dense", "qwen3_5_moe", "qwen3_next", "nemotron_h", "minimax", "kimi_linear"}) {
     auto g = load_model(dir(name), "cuda");
     std::mt19937 rng(29);
     const int32_t V = static_cast<int32_t>(g.model->config().vocab_size);

@@ -787,6 +787,106 @@ TEST_F(CudaOps, ComposeStateAndIdentity) {
   EXPECT_EQ(err(ig, ic), 0.0);
 }
 
+// The other families' recurrences (linear_recurrence.cu, the token kernel) against the CPU's chunked
+// kernels: every family, dk 16 / 48 (padded rows) / 128 / 64, dv unlike dk and not a multiple of the
+// column blocks, grouped key heads, T 0 / 1 / 37 / 300, the norm on and off, from a nonzero state.
+// Each call three times: no transition, dense T_C, and the scaled identity where the family has one.
+// Error: the largest difference over the largest reference magnitude.
+TEST_F(CudaOps, LinearRecurrenceEveryFamilyMatchesCpu) {
+  struct Case {
+    int64_t T, Hk, Hv, dk, dv;
+  };
+  auto rel = [&](const Tensor& got, const Tensor& want) {
+    Tensor g = gpu->to_host(got).to_f32(), w = want.to_f32();
+    EXPECT_EQ(g.shape(), w.shape());
+    double num = 0, den = 0;
+    for (int64_t i = 0; i < g.numel() && i < w.numel(); ++i) {
+      const double a = g.data<float>()[i], b = w.data<float>()[i];
+      if (!std::isfinite(a)) return std::numeric_limits<double>::infinity();
+      num = std::max(num, std::abs(a - b));
+      den = std::max(den, std::abs(b));
+    }
+    return num / std::max(den, 1e-30);
+  };
+  auto dev_or_none = [&](const Tensor& t) { return t.defined() ? dev(t) : Tensor(); };
+  auto neg_softplus = [](Tensor t, float scale) {
+    for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = -scale * std::log1p(std::exp(t.data<float>()[i]));
+    return t;
+  };
+  for (linear::Family f : linear::kAllFamilies) {
+    const linear::FamilyTraits tr = linear::traits(f);
+    const bool scaled_ok = !tr.delta && tr.decay != linear::Decay::Channel;
+    for (Case c : {Case{0, 1, 2, 16, 24}, Case{1, 2, 4, 48, 40}, Case{37, 1, 3, 16, 20}, Case{37, 2, 4, 48, 64},
+                   Case{37, 1, 2, 128, 72}, Case{300, 1, 2, 48, 24}, Case{300, 2, 4, 16, 33}, Case{300, 1, 1, 64, 8}})
+      for (bool l2 : {false, true}) {
+        SCOPED_TRACE(std::string(tr.name) + " T=" + std::to_string(c.T) + " dk=" + std::to_string(c.dk) +
+                     " dv=" + std::to_string(c.dv) + " l2=" + std::to_string(l2));
+        const int64_t T = c.T, Hk = c.Hk, Hv = c.Hv, dk = c.dk, dv = c.dv;
+        // Without the norm, |k| ~ 0.8 keeps I - beta k k^T from amplifying. Long spans decay slowly,
+        // so T_C stays well inside f32's range.
+        const float qk = l2 ? 1.f : 0.8f / std::sqrt(static_cast<float>(dk)), gscale = T > 100 ? 0.05f : 1.f;
+        Tensor q = randn({T, Hk, dk}, rng, qk), k = randn({T, Hk, dk}, rng, qk), v = randn({T, Hv, dv}, rng);
+        Tensor g, beta, lg;
+        if (tr.decay == linear::Decay::Scalar) g = neg_softplus(randn({T, Hv}, rng), gscale);
+        if (tr.decay == linear::Decay::Channel) g = neg_softplus(randn({T, Hv, dk}, rng), gscale);
+        if (tr.delta) {
+          beta = randn({T, Hv}, rng);
+          for (int64_t i = 0; i < beta.numel(); ++i)
+            beta.data<float>()[i] = 1.f / (1.f + std::exp(-beta.data<float>()[i]));
+        }
+        if (tr.decay == linear::Decay::FixedScalar) {
+          lg = Tensor::empty(DType::F32, {Hv});
+          for (int64_t h = 0; h < Hv; ++h)
+            lg.data<float>()[h] = std::log(1.f - std::exp2(-3.f - static_cast<float>(h)));
+        }
+        const Backend::Recurrence r{f, l2, l2 ? 0.6f : 1.3f};
+        const Tensor s0 = randn({Hv, dk, dv}, rng, 0.5f);
+        const Tensor qd = dev(q), kd = dev(k), vd = dev(v), gd = dev_or_none(g), bd = dev_or_none(beta),
+                     ld = dev_or_none(lg);
+        for (int form = 0; form < 3; ++form) {  // no transition, dense, scaled identity
+          if (form == 2 && !scaled_ok) continue;
+          SCOPED_TRACE("transition form " + std::to_string(form));
+          const Shape ts = form == 2 ? Shape{Hv, 1, 1} : Shape{Hv, dk, dk};
+          Tensor sc = s0.clone(), sg = dev(s0);
+          Tensor oc = cpu->alloc(DType::F32, {T, Hv, dv}), og = poisoned(DType::F32, {T, Hv, dv});
+          Tensor tc = cpu->alloc(DType::F32, ts), tg = poisoned(DType::F32, ts);
+          cpu->linear_recurrence(r, q, k, v, g, beta, lg, sc, oc, form ? &tc : nullptr);
+          gpu->linear_recurrence(r, qd, kd, vd, gd, bd, ld, sg, og, form ? &tg : nullptr);
+          EXPECT_LE(rel(og, oc), 1e-4);
+          EXPECT_LE(rel(sg, sc), 1e-4);
+          if (form) {
+            EXPECT_LE(rel(tg, tc), 1e-4);
+          }
+        }
+      }
+  }
+  // Key heads above the token kernel's registers are refused by name.
+  Tensor q = gpu->alloc(DType::F32, {2, 1, 256}), v = gpu->alloc(DType::F32, {2, 1, 8});
+  Tensor st = gpu->alloc(DType::F32, {1, 256, 8}), out = gpu->alloc(DType::F32, {2, 1, 8});
+  EXPECT_NE(error_of([&] {
+              gpu->linear_recurrence({linear::Family::LinearAttention}, q, q, v, Tensor(), Tensor(), Tensor(), st, out);
+            }).find("linear_recurrence: key head dim 256"),
+            std::string::npos);
+}
+
+// compose_state with T [H, 1, 1] (a scaled identity per head, the T_C of Mamba2 and lightning),
+// f32 and bf16, out a fresh tensor or B itself.
+TEST_F(CudaOps, ComposeStateWithScaledIdentity) {
+  const int64_t H = 3, dk = 40, dv = 56;
+  Tensor T = randn({H, 1, 1}, rng), S = randn({H, dk, dv}, rng), B = randn({H, dk, dv}, rng);
+  for (DType dt : {DType::F32, DType::BF16})
+    for (float alpha : {1.f, -0.5f}) {
+      const Tensor Tt = dt == DType::F32 ? T : as(T, dt);
+      Tensor oc = cpu->alloc(DType::F32, {H, dk, dv}), og = poisoned(DType::F32, {H, dk, dv});
+      cpu->compose_state(Tt, S, B, alpha, oc);
+      gpu->compose_state(dev(Tt), dev(S), dev(B), alpha, og);
+      EXPECT_LE(err(og, oc), 1e-6) << dtype_name(dt) << " alpha=" << alpha;
+      Tensor bg = dev(B);
+      gpu->compose_state(dev(Tt), dev(S), bg, alpha, bg);
+      EXPECT_LE(err(bg, oc), 1e-6) << "in place, " << dtype_name(dt) << " alpha=" << alpha;
+    }
+}
+
 TEST_F(CudaOps, MoeExperts) {
   // Up to 256 slots: the few-slot kernels; 300 (16-bit weights): the grouped tensor-core kernels
   // (several M tiles per expert, K not a multiple of their 64-column stages, fewer output columns
@@ -1294,3 +1394,105 @@ TEST_F(CudaOps, ArgmaxRowsMatchesCpu) {
     }
   }
 }
+
+// ---- The layer pieces of Nemotron-H (Mamba2), MiniMax and Kimi-Linear against the CPU backend -----
+// The conv with bias and its state, Mamba2's gates and gated group norm, scale_add, the
+// activations and the weighted row scatter of routed experts. GPU outputs start as NaN.
+namespace hybrid_ops {
+
+Tensor randn(Shape s, std::mt19937& rng, float scale = 1.0f) {
+  Tensor t = Tensor::empty(DType::F32, std::move(s));
+  std::normal_distribution<float> nd(0.f, scale);
+  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = nd(rng);
+  return t;
+}
+
+// Relative L2 distance of two host f32 tensors (NaN anywhere: infinity).
+double rel(const Tensor& a, const Tensor& b) {
+  EXPECT_EQ(a.numel(), b.numel());
+  double d = 0, n = 0;
+  for (int64_t i = 0; i < a.numel(); ++i) {
+    const double x = a.data<float>()[i], y = b.data<float>()[i];
+    if (std::isnan(x) || std::isnan(y)) return std::numeric_limits<double>::infinity();
+    d += (x - y) * (x - y);
+    n += y * y;
+  }
+  return std::sqrt(d / std::max(n, 1e-30));
+}
+
+class CudaHybridOps : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (const std::string why = backend_unavailable("cuda"); !why.empty())
+      GTEST_SKIP() << "cuda backend unavailable: " << why;
+    gpu_ = make_backend("cuda");
+    cpu_ = make_backend("cpu", 2);
+  }
+  Tensor up(const Tensor& h) { return gpu_->to_device(h); }
+  Tensor nan_like(const Shape& s) {
+    Tensor t = gpu_->alloc(DType::F32, s);
+    gpu_->fill(t, std::numeric_limits<float>::quiet_NaN());
+    return t;
+  }
+  Tensor down(const Tensor& d) { return gpu_->to_host(d); }
+  std::unique_ptr<Backend> gpu_, cpu_;
+  std::mt19937 rng_{41};
+};
+
+TEST_F(CudaHybridOps, ConvWithBiasAndItsState) {
+  for (int64_t K : {1, 2, 4})
+    for (int64_t T : {1, 2, 7, 300}) {
+      const int64_t C = 37;
+      Tensor x = randn({T, C}, rng_), w = randn({C, K}, rng_), b = randn({C}, rng_);
+      Tensor st = randn({K - 1, C}, rng_), st_c = Tensor::empty(DType::F32, {K - 1, C});
+      std::copy(st.data<float>(), st.data<float>() + st.numel(), st_c.data<float>());
+      Tensor out_c = Tensor::empty(DType::F32, {T, C});
+      cpu_->causal_conv1d_bias_silu(x, w, b, st_c, out_c);
+      Tensor st_g = up(st), out_g = nan_like({T, C});
+      gpu_->causal_conv1d_bias_silu(up(x), up(w), up(b), st_g, out_g);
+      EXPECT_LE(rel(down(out_g), out_c), 1e-6) << "K " << K << " T " << T;
+      if (K > 1) EXPECT_EQ(rel(down(st_g), st_c), 0.0) << "state, K " << K << " T " << T;
+    }
+}
+
+TEST_F(CudaHybridOps, Mamba2GatesAndGatedNorm) {
+  const int64_t T = 19, H = 6, P = 10, groups = 3;
+  Tensor dt = randn({T, H}, rng_, 3.f), x = randn({T, H, P}, rng_), A = randn({H}, rng_), bias = randn({H}, rng_);
+  Tensor g_c = Tensor::empty(DType::F32, {T, H}), v_c = Tensor::empty(DType::F32, {T, H, P});
+  cpu_->mamba2_gates(dt, x, A, bias, 0.05f, g_c, v_c);
+  Tensor g_g = nan_like({T, H}), v_g = nan_like({T, H, P});
+  gpu_->mamba2_gates(up(dt), up(x), up(A), up(bias), 0.05f, g_g, v_g);
+  EXPECT_LE(rel(down(g_g), g_c), 1e-6);
+  EXPECT_LE(rel(down(v_g), v_c), 1e-6);
+
+  Tensor y = randn({T, H * P}, rng_), x2 = randn({T, H * P}, rng_), z = randn({T, H * P}, rng_);
+  Tensor D = randn({H}, rng_), w = randn({H * P}, rng_);
+  Tensor o_c = Tensor::empty(DType::F32, {T, H * P});
+  cpu_->mamba2_gated_norm(y, x2, z, D, w, groups, 1e-5f, o_c);
+  Tensor o_g = nan_like({T, H * P});
+  gpu_->mamba2_gated_norm(up(y), up(x2), up(z), up(D), up(w), groups, 1e-5f, o_g);
+  EXPECT_LE(rel(down(o_g), o_c), 1e-5);
+}
+
+TEST_F(CudaHybridOps, ScaleAddActivationsAndRowScatter) {
+  Tensor x = randn({33, 65}, rng_), y = randn({33, 65}, rng_);
+  Tensor o_c = Tensor::empty(DType::F32, {33, 65}), o_g = nan_like({33, 65});
+  cpu_->scale_add(x, 1.7f, y, -0.8f, o_c);
+  gpu_->scale_add(up(x), 1.7f, up(y), -0.8f, o_g);
+  EXPECT_LE(rel(down(o_g), o_c), 1e-6);
+  for (auto act : {Backend::Activation::Silu, Backend::Activation::ReluSquared}) {
+    Tensor a_c = randn({1000}, rng_), a_g = up(a_c);
+    cpu_->activate(act, a_c);
+    gpu_->activate(act, a_g);
+    EXPECT_LE(rel(down(a_g), a_c), 1e-6);
+  }
+  Tensor src = randn({4, 65}, rng_), dst = randn({10, 65}, rng_);
+  const std::vector<int32_t> rows = {7, 0, 9, 3};
+  const std::vector<float> wts = {0.5f, -1.f, 2.f, 0.25f};
+  Tensor dst_g = up(dst);
+  cpu_->add_rows_scaled(src, rows, wts, dst);
+  gpu_->add_rows_scaled(up(src), rows, wts, dst_g);
+  EXPECT_LE(rel(down(dst_g), dst), 1e-6);
+}
+
+}  // namespace hybrid_ops

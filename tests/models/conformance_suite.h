@@ -71,14 +71,6 @@ inline double top2_margin(const Tensor& ref, int64_t r) {
   return a - b;
 }
 
-// Reference checkpoints a backend does not run yet: skipped by name, so that the suite says what it
-// did not check.
-inline std::string not_supported_yet(const std::string& model, const std::string& backend) {
-  if ((model == "nemotron_h" || model == "minimax" || model == "kimi_linear") && backend != "cpu")
-    return model + ": its recurrence has no " + backend + " kernels yet";
-  return "";
-}
-
 using Param = std::tuple<std::string, std::string>;  // (model folder, backend)
 
 class Conformance : public ::testing::TestWithParam<Param> {
@@ -88,7 +80,6 @@ class Conformance : public ::testing::TestWithParam<Param> {
     backend_ = std::get<1>(GetParam());
     if (const std::string why = backend_unavailable(backend_); !why.empty())
       GTEST_SKIP() << backend_ << " backend unavailable: " << why;
-    if (const std::string why = not_supported_yet(model_, backend_); !why.empty()) GTEST_SKIP() << why;
     dir_ = (fs::path(HYPIC_TEST_DATA) / "models" / model_).string();
     ref_ = std::make_unique<SafetensorsFile>(dir_ + "/reference.safetensors");
     lm_ = std::make_unique<LoadedModel>(load_model(dir_, backend_, 2));

@@ -956,6 +956,156 @@ void CpuBackend::gated_delta_rule(const Tensor& q, const Tensor& k, const Tensor
 }
 
 // ================================================================================================
+// The other families' recurrences (linear/recurrence.h's chunked kernels) and the layer pieces of
+// Nemotron-H and MiniMax.
+// ================================================================================================
+void CpuBackend::linear_recurrence(const Recurrence& r, const Tensor& q, const Tensor& k, const Tensor& v,
+                                   const Tensor& g, const Tensor& beta, const Tensor& log_gamma, Tensor& state,
+                                   Tensor& out, Tensor* transition) {
+  check_linear_recurrence(r, q, k, v, g, beta, log_gamma, state, out, transition, DeviceKind::CPU);
+  const int64_t T = q.dim(0), Hk = q.dim(1), dk = q.dim(2), Hv = v.dim(1), dv = v.dim(2);
+  const bool want_t = transition && transition->defined();
+  const bool scaled = want_t && transition->dim(1) == 1 && dk != 1;
+  linear::RecInputs in;
+  in.q = q.data<float>();
+  in.k = k.data<float>();
+  in.v = v.data<float>();
+  in.g = g.defined() ? g.data<float>() : nullptr;
+  in.beta = beta.defined() ? beta.data<float>() : nullptr;
+  in.log_gamma = log_gamma.defined() ? log_gamma.data<float>() : nullptr;
+  in.l2norm_qk = r.l2norm_qk;
+  in.q_scale = r.q_scale;
+  std::vector<float> compact(want_t ? static_cast<size_t>(linear::transition_floats(r.family, Hv, dk)) : 0);
+  const linear::Runner runner = [this](int64_t workers, const std::function<void(int64_t)>& body) {
+    pool_.parallel_for(workers, [&](int64_t b, int64_t e) {
+      for (int64_t w = b; w < e; ++w) body(w);
+    });
+  };
+  linear::ScopedRunner use_pool(&runner);
+  if (T > 0)
+    linear::chunked_forward(r.family, {T, Hk, Hv, dk, dv}, in, state.data<float>(), out.data<float>(),
+                            want_t ? compact.data() : nullptr, pool_.size());
+  if (!want_t) return;
+  float* tp = transition->data<float>();
+  if (scaled) {  // the factor of T_C = c I per head
+    const linear::TStorage st = linear::traits(r.family).storage;
+    for (int64_t h = 0; h < Hv; ++h)
+      tp[h] = st == linear::TStorage::LogScalar    ? std::exp(T > 0 ? compact[static_cast<size_t>(h)] : 0.f)
+              : st == linear::TStorage::FromLength ? std::exp(static_cast<float>(T) * in.log_gamma[h])
+                                                   : 1.f;
+  } else if (T == 0) {
+    set_identity(*transition);
+  } else {
+    const std::vector<float> dense = linear::expand_transition(r.family, Hv, dk, compact.data(), T, in.log_gamma);
+    std::copy(dense.begin(), dense.end(), tp);
+  }
+}
+
+void CpuBackend::causal_conv1d_bias_silu(const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& state,
+                                         Tensor& out) {
+  check_conv_bias(x, w, bias, state, out, DeviceKind::CPU);
+  const int64_t n = x.dim(0), C = x.dim(1), K = w.dim(1);
+  const float *in = x.data<float>(), *wp = w.data<float>(), *bp = bias.data<float>();
+  float *st = state.data<float>(), *o = out.data<float>();
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t c = 0; c < C; ++c) {
+      float acc = bp[c];
+      for (int64_t j = 0; j < K; ++j) {
+        const int64_t src = t - (K - 1) + j;
+        acc += wp[c * K + j] * (src < 0 ? st[(K - 1 + src) * C + c] : in[src * C + c]);
+      }
+      o[t * C + c] = acc / (1.0f + std::exp(-acc));
+    }
+  if (n == 0 || K < 2) return;
+  // The new state: the last K-1 inputs of (old state, rows).
+  std::vector<float> hist(static_cast<size_t>((K - 1 + n) * C));
+  std::copy(st, st + (K - 1) * C, hist.begin());
+  std::copy(in, in + n * C, hist.begin() + (K - 1) * C);
+  std::copy(hist.end() - (K - 1) * C, hist.end(), st);
+}
+
+void CpuBackend::mamba2_gates(const Tensor& dt_raw, const Tensor& x, const Tensor& A, const Tensor& dt_bias,
+                              float dt_min, Tensor& g, Tensor& v) {
+  check_mamba2_gates(dt_raw, x, A, dt_bias, g, v, DeviceKind::CPU);
+  const int64_t T = x.dim(0), H = x.dim(1), P = x.dim(2);
+  const float *dr = dt_raw.data<float>(), *xp = x.data<float>(), *ap = A.data<float>(), *bp = dt_bias.data<float>();
+  float *gp = g.data<float>(), *vp = v.data<float>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      const float u = dr[t * H + h] + bp[h];
+      const float dt = std::max(u > 20.0f ? u : std::log1p(std::exp(u)), dt_min);  // torch softplus, threshold 20
+      gp[t * H + h] = dt * ap[h];
+      for (int64_t p = 0; p < P; ++p) vp[(t * H + h) * P + p] = dt * xp[(t * H + h) * P + p];
+    }
+}
+
+void CpuBackend::mamba2_gated_norm(const Tensor& y, const Tensor& x, const Tensor& z, const Tensor& D, const Tensor& w,
+                                   int64_t groups, float eps, Tensor& out) {
+  check_mamba2_gated_norm(y, x, z, D, w, groups, out, DeviceKind::CPU);
+  const int64_t T = y.dim(0), C = y.dim(1), P = C / D.dim(0), gs = C / groups;
+  const float *yp = y.data<float>(), *xp = x.data<float>(), *zp = z.data<float>(), *dp = D.data<float>(),
+              *wp = w.data<float>();
+  float* op = out.data<float>();
+  pool_.parallel_for(T, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      float* o = op + t * C;
+      for (int64_t i = 0; i < C; ++i) {
+        const float zi = zp[t * C + i];
+        o[i] = (yp[t * C + i] + dp[i / P] * xp[t * C + i]) * (zi / (1.0f + std::exp(-zi)));
+      }
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        double ss = 0;
+        for (int64_t i = gi * gs; i < (gi + 1) * gs; ++i) ss += double(o[i]) * o[i];
+        const float r = 1.0f / std::sqrt(static_cast<float>(ss / gs) + eps);
+        for (int64_t i = gi * gs; i < (gi + 1) * gs; ++i) o[i] = wp[i] * (o[i] * r);
+      }
+    }
+  });
+}
+
+void CpuBackend::kda_gates(const Tensor& a, const Tensor& b, const Tensor& A, const Tensor& dt_bias, Tensor& g,
+                           Tensor& beta) {
+  check_kda_gates(a, b, A, dt_bias, g, beta, DeviceKind::CPU);
+  const int64_t T = a.dim(0), H = a.dim(1), dk = a.dim(2), C = H * dk;
+  const float *ap = a.data<float>(), *bp = b.data<float>(), *Ap = A.data<float>(), *db = dt_bias.data<float>();
+  float *gp = g.data<float>(), *bt = beta.data<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t i = 0; i < C; ++i) {
+      const float z = ap[t * C + i] + db[i];
+      const float sp = z > 20.0f ? z : std::log(1.0f + std::exp(z));  // as transformers writes it
+      gp[t * C + i] = -Ap[i / dk] * sp;
+    }
+    for (int64_t h = 0; h < H; ++h) bt[t * H + h] = 1.0f / (1.0f + std::exp(-bp[t * H + h]));
+  }
+}
+
+void CpuBackend::scale_add(const Tensor& x, float a, const Tensor& y, float b, Tensor& out) {
+  binary(pool_, "scale_add", "x", x, "y", y, out, [a, b](float u, float w) { return a * u + b * w; });
+}
+
+void CpuBackend::activate(Activation act, Tensor& x) {
+  need_f32("activate", "x", x, DeviceKind::CPU);
+  float* p = x.data<float>();
+  const int64_t n = x.numel();
+  pool_.parallel_for(n, [&](int64_t b, int64_t e) {
+    if (act == Activation::Silu)
+      for (int64_t i = b; i < e; ++i) p[i] = p[i] / (1.0f + std::exp(-p[i]));
+    else
+      for (int64_t i = b; i < e; ++i) p[i] = p[i] > 0 ? p[i] * p[i] : 0.0f;
+  });
+}
+
+void CpuBackend::add_rows_scaled(const Tensor& src, std::span<const int32_t> rows, std::span<const float> weights,
+                                 Tensor& dst) {
+  check_add_rows_scaled(src, rows, weights, dst, DeviceKind::CPU);
+  const int64_t C = src.dim(1);
+  const float* sp = src.data<float>();
+  float* dp = dst.data<float>();
+  for (size_t i = 0; i < rows.size(); ++i)
+    for (int64_t j = 0; j < C; ++j) dp[rows[i] * C + j] += weights[i] * sp[static_cast<int64_t>(i) * C + j];
+}
+
+// ================================================================================================
 // Segment summaries: out[h] = alpha * T[h] S[h] + B[h] (one sgemm per head), identity fill.
 // ================================================================================================
 void CpuBackend::compose_state(const Tensor& T, const Tensor& S, const Tensor& B, float alpha, Tensor& out) {

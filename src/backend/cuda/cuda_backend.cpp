@@ -1331,6 +1331,11 @@ void CudaBackend::compose_state(const Tensor& T, const Tensor& S, const Tensor& 
     compose_state(t, S, B, alpha, out);
     return;
   }
+  if (dk == 1 && S.dim(1) != 1) {  // T [H, 1, 1]: a scaled identity per head
+    launch_compose_scaled(impl_->stream, T.data<float>(), S.data<float>(), B.data<float>(), alpha, out.data<float>(), H,
+                          S.dim(1) * dv);
+    return;
+  }
   copy(B, out);
   // Row-major out_h[dk,dv] += alpha T_h S_h is column-major out_h^T = alpha S_h^T T_h^T + out_h^T.
   const float beta = 1.f;
@@ -1338,6 +1343,103 @@ void CudaBackend::compose_state(const Tensor& T, const Tensor& S, const Tensor& 
                                          static_cast<int>(dk), static_cast<int>(dk), &alpha, S.data<float>(),
                                          static_cast<int>(dv), dk * dv, T.data<float>(), static_cast<int>(dk), dk * dk,
                                          &beta, out.data<float>(), static_cast<int>(dv), dk * dv, static_cast<int>(H)));
+}
+
+// ---- the other families: recurrences and the Mamba2 / MiniMax layer pieces ----------------------
+
+void CudaBackend::linear_recurrence(const Recurrence& r, const Tensor& q, const Tensor& k, const Tensor& v,
+                                    const Tensor& g, const Tensor& beta, const Tensor& log_gamma, Tensor& state,
+                                    Tensor& out, Tensor* transition) {
+  OpScope scope_(*impl_, "linear_recurrence");
+  check_linear_recurrence(r, q, k, v, g, beta, log_gamma, state, out, transition, kDev);
+  const int64_t dk = q.dim(2);
+  // The token kernel keeps a column of S in registers.
+  if (dk > kLinearRecurrenceMaxDk)
+    fail("linear_recurrence", "key head dim " + std::to_string(dk) + " of q " + q.str() + " above " +
+                                  std::to_string(kLinearRecurrenceMaxDk) + " is not supported on cuda");
+  const linear::FamilyTraits tr = linear::traits(r.family);
+  LinearRecurrenceArgs a;
+  a.q = q.data<float>();
+  a.k = k.data<float>();
+  a.v = v.data<float>();
+  a.g = g.defined() ? g.data<float>() : nullptr;
+  a.beta = beta.defined() ? beta.data<float>() : nullptr;
+  a.log_gamma = log_gamma.defined() ? log_gamma.data<float>() : nullptr;
+  a.decay = static_cast<int>(tr.decay);
+  a.delta = tr.delta;
+  a.l2norm = r.l2norm_qk;
+  a.q_scale = r.q_scale;
+  a.T = q.dim(0);
+  a.Hk = q.dim(1);
+  a.Hv = v.dim(1);
+  a.dk = dk;
+  a.dv = v.dim(2);
+  a.state = state.data<float>();
+  a.out = out.data<float>();
+  if (transition && transition->defined()) {
+    // [Hv, 1, 1] against dk != 1: the factor of a scaled identity (as the shared check reads it).
+    const bool scaled = transition->dim(1) == 1 && dk != 1;
+    (scaled ? a.t_factor : a.transition) = transition->data<float>();
+  }
+  launch_linear_recurrence(impl_->stream, a);
+}
+
+void CudaBackend::causal_conv1d_bias_silu(const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& state,
+                                          Tensor& out) {
+  OpScope scope_(*impl_, "causal_conv1d_bias_silu");
+  check_conv_bias(x, w, bias, state, out, kDev);
+  const int64_t T = x.dim(0), C = x.dim(1), K = w.dim(1);
+  if (T == 0 || C == 0) return;
+  launch_conv1d_bias_silu(impl_->stream, x.data<float>(), w.data<float>(), bias.data<float>(), state.data<float>(),
+                          out.data<float>(), T, C, K);
+}
+
+void CudaBackend::mamba2_gates(const Tensor& dt_raw, const Tensor& x, const Tensor& A, const Tensor& dt_bias,
+                               float dt_min, Tensor& g, Tensor& v) {
+  OpScope scope_(*impl_, "mamba2_gates");
+  check_mamba2_gates(dt_raw, x, A, dt_bias, g, v, kDev);
+  launch_mamba2_gates(impl_->stream, dt_raw.data<float>(), x.data<float>(), A.data<float>(), dt_bias.data<float>(),
+                      dt_min, g.data<float>(), v.data<float>(), x.dim(0), x.dim(1), x.dim(2));
+}
+
+void CudaBackend::mamba2_gated_norm(const Tensor& y, const Tensor& x, const Tensor& z, const Tensor& D, const Tensor& w,
+                                    int64_t groups, float eps, Tensor& out) {
+  OpScope scope_(*impl_, "mamba2_gated_norm");
+  check_mamba2_gated_norm(y, x, z, D, w, groups, out, kDev);
+  const int64_t C = y.dim(1);
+  launch_mamba2_gated_norm(impl_->stream, y.data<float>(), x.data<float>(), z.data<float>(), D.data<float>(),
+                           w.data<float>(), eps, out.data<float>(), y.dim(0), C, C / D.dim(0), groups);
+}
+
+void CudaBackend::kda_gates(const Tensor& a, const Tensor& b, const Tensor& A, const Tensor& dt_bias, Tensor& g,
+                            Tensor& beta) {
+  OpScope scope_(*impl_, "kda_gates");
+  check_kda_gates(a, b, A, dt_bias, g, beta, kDev);
+  launch_kda_gates(impl_->stream, a.data<float>(), b.data<float>(), A.data<float>(), dt_bias.data<float>(),
+                   g.data<float>(), beta.data<float>(), a.dim(0), a.dim(1), a.dim(2));
+}
+
+void CudaBackend::scale_add(const Tensor& x, float a, const Tensor& y, float b, Tensor& out) {
+  OpScope scope_(*impl_, "scale_add");
+  check_binary("scale_add", "x", x, "y", y, out, kDev);
+  launch_scale_add(impl_->stream, x.data<float>(), a, y.data<float>(), b, out.data<float>(), x.numel());
+}
+
+void CudaBackend::activate(Activation act, Tensor& x) {
+  OpScope scope_(*impl_, "activate");
+  need_f32("activate", "x", x, kDev);
+  launch_activate(impl_->stream, act == Activation::Silu ? 0 : 1, x.data<float>(), x.numel());
+}
+
+void CudaBackend::add_rows_scaled(const Tensor& src, std::span<const int32_t> rows, std::span<const float> weights,
+                                  Tensor& dst) {
+  OpScope scope_(*impl_, "add_rows_scaled");
+  check_add_rows_scaled(src, rows, weights, dst, kDev);
+  const int64_t R = src.dim(0);
+  if (R == 0) return;
+  Tensor r = upload(rows.data(), DType::I32, R), w = upload(weights.data(), DType::F32, R);
+  launch_add_rows_scaled(impl_->stream, src.data<float>(), r.data<int32_t>(), w.data<float>(), dst.data<float>(), R,
+                         src.dim(1));
 }
 
 void CudaBackend::set_identity(Tensor& t) {

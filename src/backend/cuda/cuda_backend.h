@@ -130,6 +130,22 @@ class CudaBackend : public Backend {
   void argmax_rows(const Tensor& x, Tensor& ids) override;
   void sample_rows(const Tensor& x, const Tensor& params, const Tensor& mask, Tensor& ids) override;
 
+  void linear_recurrence(const Recurrence& r, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                         const Tensor& beta, const Tensor& log_gamma, Tensor& state, Tensor& out,
+                         Tensor* transition = nullptr) override;
+  void causal_conv1d_bias_silu(const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& state,
+                               Tensor& out) override;
+  void mamba2_gates(const Tensor& dt_raw, const Tensor& x, const Tensor& A, const Tensor& dt_bias, float dt_min,
+                    Tensor& g, Tensor& v) override;
+  void mamba2_gated_norm(const Tensor& y, const Tensor& x, const Tensor& z, const Tensor& D, const Tensor& w,
+                         int64_t groups, float eps, Tensor& out) override;
+  void kda_gates(const Tensor& a, const Tensor& b, const Tensor& A, const Tensor& dt_bias, Tensor& g,
+                 Tensor& beta) override;
+  void scale_add(const Tensor& x, float a, const Tensor& y, float b, Tensor& out) override;
+  void activate(Activation act, Tensor& x) override;
+  void add_rows_scaled(const Tensor& src, std::span<const int32_t> rows, std::span<const float> weights,
+                       Tensor& dst) override;
+
   void compose_state(const Tensor& T, const Tensor& S, const Tensor& B, float alpha, Tensor& out) override;
   void set_identity(Tensor& t) override;
 

@@ -623,6 +623,35 @@ int row_threads(int64_t D) {
   return D >= 1024 ? 1024 : D >= 256 ? 256 : D >= 64 ? 64 : 32;
 }
 
+// out = a x + b y.
+__global__ void k_scale_add(const float* x, float a, const float* y, float b, float* out, int64_t n) {
+  pdl_entry();
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    out[i] = a * x[i] + b * y[i];
+}
+
+// act 0: SiLU; act 1: ReLU^2.
+__global__ void k_activate(int act, float* x, int64_t n) {
+  pdl_entry();
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float v = x[i];
+    x[i] = act == 0 ? silu(v) : (v > 0.f ? v * v : 0.f);
+  }
+}
+
+// dst[rows[r]] += weights[r] * src[r] (rows distinct: no two threads write one element).
+__global__ void k_add_rows_scaled(const float* src, const int32_t* rows, const float* weights, float* dst, int64_t R,
+                                  int64_t C) {
+  pdl_entry();
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < R * C;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / C, c = i % C;
+    dst[rows[r] * C + c] += weights[r] * src[i];
+  }
+}
+
 }  // namespace
 
 namespace {
@@ -863,6 +892,25 @@ void launch_moe_combine(cudaStream_t s, const float* y, const int32_t* pos, cons
   launch(s, dim3(static_cast<unsigned>(T), static_cast<unsigned>((H + kCombineThreads - 1) / kCombineThreads)),
          kCombineThreads, 0, k_moe_combine, y, pos, w, top_k, H, out, tail);
   CUDA_LAUNCH_CHECK("k_moe_combine");
+}
+
+void launch_scale_add(cudaStream_t s, const float* x, float a, const float* y, float b, float* out, int64_t n) {
+  if (n == 0) return;
+  launch(s, blocks_for(n), kThreads, 0, k_scale_add, x, a, y, b, out, n);
+  CUDA_LAUNCH_CHECK("k_scale_add");
+}
+
+void launch_activate(cudaStream_t s, int act, float* x, int64_t n) {
+  if (n == 0) return;
+  launch(s, blocks_for(n), kThreads, 0, k_activate, act, x, n);
+  CUDA_LAUNCH_CHECK("k_activate");
+}
+
+void launch_add_rows_scaled(cudaStream_t s, const float* src, const int32_t* rows, const float* weights, float* dst,
+                            int64_t R, int64_t C) {
+  if (R * C == 0) return;
+  launch(s, blocks_for(R * C), kThreads, 0, k_add_rows_scaled, src, rows, weights, dst, R, C);
+  CUDA_LAUNCH_CHECK("k_add_rows_scaled");
 }
 
 }  // namespace hypic::cuda

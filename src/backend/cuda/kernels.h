@@ -306,4 +306,46 @@ struct ChecksumPiece {
 void launch_payload_checksum(cudaStream_t s, const ChecksumPiece* pieces, int n_pieces, uint64_t max_bytes,
                              unsigned long long* out);
 
+// ---- Mamba2 (Nemotron-H) and MiniMax pieces (mamba2.cu, elementwise.cu) -------------------------
+// Kimi-Linear's KDA gates (Backend::kda_gates): a, g [T, H, dk]; b, beta [T, H].
+void launch_kda_gates(cudaStream_t s, const float* a, const float* b, const float* A, const float* dt_bias, float* g,
+                      float* beta, int64_t T, int64_t H, int64_t dk);
+// out = a x + b y over n floats.
+void launch_scale_add(cudaStream_t s, const float* x, float a, const float* y, float b, float* out, int64_t n);
+// x <- silu(x) (act 0) or max(x, 0)^2 (act 1) over n floats.
+void launch_activate(cudaStream_t s, int act, float* x, int64_t n);
+// dst[rows[i], :] += weights[i] * src[i, :] for i < R (rows distinct), C columns.
+void launch_add_rows_scaled(cudaStream_t s, const float* src, const int32_t* rows, const float* weights, float* dst,
+                            int64_t R, int64_t C);
+// Depthwise causal conv1d + bias + SiLU over x [T, C] (w [C, K], bias [C]); state [K-1, C] holds
+// the inputs before row 0 and is advanced.
+void launch_conv1d_bias_silu(cudaStream_t s, const float* x, const float* w, const float* bias, float* state,
+                             float* out, int64_t T, int64_t C, int64_t K);
+void launch_mamba2_gates(cudaStream_t s, const float* dt_raw, const float* x, const float* A, const float* dt_bias,
+                         float dt_min, float* g, float* v, int64_t T, int64_t H, int64_t P);
+void launch_mamba2_gated_norm(cudaStream_t s, const float* y, const float* x, const float* z, const float* D,
+                              const float* w, float eps, float* out, int64_t T, int64_t C, int64_t P, int64_t groups);
+
+// ---- the other families' recurrences (linear_recurrence.cu) ------------------------------------
+// One span of a linear::Family's recurrence (linear/recurrence.h), token by token. q, k [T, Hk, dk];
+// v, out [T, Hv, dv]; state [Hv, dk, dv] advanced in place. decay follows linear::Decay: 0 none,
+// 1 fixed (log_gamma [Hv]), 2 scalar (g [T, Hv]), 3 channel (g [T, Hv, dk]); beta [T, Hv] when
+// delta. transition (dense [Hv, dk, dk]) and t_factor ([Hv], the factor of a scaled identity, for
+// decays 0-2 without delta) receive T_C of the span when set. dk <= kLinearRecurrenceMaxDk.
+constexpr int64_t kLinearRecurrenceMaxDk = 128;
+struct LinearRecurrenceArgs {
+  const float *q = nullptr, *k = nullptr, *v = nullptr;
+  const float *g = nullptr, *beta = nullptr, *log_gamma = nullptr;
+  int decay = 0;
+  bool delta = false, l2norm = false;
+  float q_scale = 1.f;
+  int64_t T = 0, Hk = 1, Hv = 0, dk = 0, dv = 0;
+  float *state = nullptr, *out = nullptr;
+  float *transition = nullptr, *t_factor = nullptr;
+};
+void launch_linear_recurrence(cudaStream_t s, const LinearRecurrenceArgs& a);
+// out = alpha * t[h] * S + B per head (a scaled-identity transition), n floats a head; out may be B.
+void launch_compose_scaled(cudaStream_t s, const float* t, const float* S, const float* B, float alpha, float* out,
+                           int64_t H, int64_t n);
+
 }  // namespace hypic::cuda
