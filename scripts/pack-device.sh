@@ -13,7 +13,9 @@ trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/bin" "$stage/lib" "$out"
 grep -qx '/.device/' .git/info/exclude 2>/dev/null || echo '/.device/' >> .git/info/exclude
 
-bins=("$build/hypic")
+# PACK_HYPIC=0 leaves the hypic binary out (a tests-only call: the carried tree's limit).
+bins=()
+[ "${PACK_HYPIC:-1}" = 1 ] && bins+=("$build/hypic")
 # The load generator (cpp-httplib is compiled into it), for `hypic serve --backend cuda` runs there.
 # PACK_TOOLS=0 leaves them out (the carried tree has a 64 MiB limit); PACK_TOOLS=hypic_rag_trace
 # (a list of names) packs only those.

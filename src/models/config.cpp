@@ -333,10 +333,50 @@ void check_state_sizes(const Fields& f, const ModelConfig& c) {
 
 }  // namespace
 
+// Python's json module writes the non-finite floats as bare Infinity, -Infinity and NaN, which JSON
+// has no words for; config.json files saved by transformers 4 carry them (Nemotron-H's
+// time_step_limit [0.0, Infinity]). Outside strings they become the strings "Infinity", "-Infinity"
+// and "NaN": a field this engine ignores parses, a field it reads is refused by name.
+static std::string quote_nonfinite_floats(const std::string& text) {
+  std::string out;
+  out.reserve(text.size() + 16);
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      out += c;
+      if (c == '\\' && i + 1 < text.size())
+        out += text[++i];
+      else if (c == '"')
+        in_string = false;
+      continue;
+    }
+    if (c == '"') {
+      in_string = true;
+      out += c;
+      continue;
+    }
+    bool replaced = false;
+    for (const char* word : {"-Infinity", "Infinity", "NaN"}) {
+      const size_t n = std::char_traits<char>::length(word);
+      if (text.compare(i, n, word) == 0) {
+        out += '"';
+        out += word;
+        out += '"';
+        i += n - 1;
+        replaced = true;
+        break;
+      }
+    }
+    if (!replaced) out += c;
+  }
+  return out;
+}
+
 ModelConfig parse_model_config(const std::string& json_text, const std::string& path) {
   json root;
   try {
-    root = json::parse(json_text);
+    root = json::parse(quote_nonfinite_floats(json_text));
   } catch (const json::exception& e) {
     throw std::runtime_error(path + ": malformed JSON: " + e.what());
   }

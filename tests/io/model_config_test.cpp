@@ -1,7 +1,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <stdexcept>
 
 #include "models/config.h"
@@ -323,6 +325,34 @@ TEST(ModelConfigErrors, MalformedJson) {
     FAIL();
   } catch (const std::runtime_error& e) {
     EXPECT_THAT(e.what(), AllOf(HasSubstr(kPath), HasSubstr("not a JSON object")));
+  }
+}
+
+// transformers 4 saves Nemotron-H's time_step_limit as [0.0, Infinity] (Python's json words, not
+// JSON's): such a file loads, the words inside strings stay as they are, and a non-finite value in a
+// field the engine reads is refused by name.
+TEST(ModelConfig, PythonNonFiniteFloatsAreAccepted) {
+  std::ifstream in(std::string(HYPIC_TEST_DATA) + "/models/nemotron_h/config.json");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  json j = json::parse(ss.str());
+  j["time_step_limit"] = {0.0, 1.0};
+  j["comment"] = "NaN and Infinity stay words here";
+  std::string text = j.dump();
+  const std::string limit = "[0.0,1.0]";
+  ASSERT_NE(text.find(limit), std::string::npos);
+  text.replace(text.find(limit), limit.size(), "[0.0, Infinity, -Infinity, NaN]");
+  const ModelConfig c = parse_model_config(text, kPath);
+  EXPECT_EQ(c.arch, Arch::NemotronH);
+  EXPECT_EQ(c.num_hidden_layers, j["layers_block_type"].size());
+  const std::string eps = "\"layer_norm_epsilon\":1e-05";
+  ASSERT_NE(text.find(eps), std::string::npos);
+  text.replace(text.find(eps), eps.size(), "\"layer_norm_epsilon\": NaN");
+  try {
+    parse_model_config(text, kPath);
+    FAIL() << "a NaN epsilon was accepted";
+  } catch (const std::runtime_error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("layer_norm_epsilon"));
   }
 }
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The peer side of bench/gpu_compare.sh: transformers (its torch fallbacks for Gated DeltaNet, sdpa
+"""The peer side of bench/gpu_compare.sh: transformers (its torch fallbacks for the linear layers, sdpa
 attention) on the same config with random bf16 weights, on the same GPU. Prints one JSON line per
 measurement: prefill seconds at each length, decode milliseconds per step at each batch after a
 context, and peak GPU memory. Timed with CUDA events after a warm-up; the median of --repeats."""
@@ -23,6 +23,9 @@ def build(config_path):
         cfg, cls = T.Qwen3_5TextConfig(**kw), T.Qwen3_5ForCausalLM
     elif arch == "Qwen3NextForCausalLM":
         cfg, cls = T.Qwen3NextConfig(**kw), T.Qwen3NextForCausalLM
+    elif hasattr(T, arch) and hasattr(T, arch.replace("ForCausalLM", "Config")):
+        # Nemotron-H, Kimi-Linear, MiniMax: transformers' torch paths (no mamba-ssm / fla kernels here).
+        cfg, cls = getattr(T, arch.replace("ForCausalLM", "Config"))(**kw), getattr(T, arch)
     else:
         sys.exit(f"unsupported architecture {arch}")
     torch.set_default_dtype(torch.bfloat16)
@@ -83,8 +86,10 @@ def main():
             try:
                 s = timed(lambda: model(ids, use_cache=True, logits_to_keep=1), a.repeats)
                 rec = {"bench": "prefill", "tokens": n, "seconds": s}
-            except torch.OutOfMemoryError as e:
+            except torch.OutOfMemoryError:
                 rec = {"bench": "prefill", "tokens": n, "error": "out of memory"}
+            except Exception as e:  # a torch fallback that cannot take the shape: reported, not fatal
+                rec = {"bench": "prefill", "tokens": n, "error": str(e)[:300]}
             rec.update(peer="transformers", model=name, peak_device_bytes=torch.cuda.max_memory_allocated())
             print(json.dumps(rec), flush=True)
             torch.cuda.empty_cache()
@@ -109,6 +114,8 @@ def main():
                 rec = {"bench": "decode", "batch": b, "context": a.context, "ms_per_token": statistics.median(steps)}
             except torch.OutOfMemoryError:
                 rec = {"bench": "decode", "batch": b, "context": a.context, "error": "out of memory"}
+            except Exception as e:
+                rec = {"bench": "decode", "batch": b, "context": a.context, "error": str(e)[:300]}
             rec.update(peer="transformers", model=name, peak_device_bytes=torch.cuda.max_memory_allocated())
             print(json.dumps(rec), flush=True)
             torch.cuda.empty_cache()
