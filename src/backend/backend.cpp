@@ -187,6 +187,50 @@ void Backend::copy_rows(std::span<const RowCopy> pieces, int rot_dim, double the
   }
 }
 
+namespace {
+// Checks that runs of rows cover a tensor's rows exactly, one state each.
+void check_runs(const char* op, std::span<Tensor* const> states, std::span<const int64_t> rows, int64_t total) {
+  if (states.size() != rows.size())
+    checks::fail(op, std::to_string(states.size()) + " states for " + std::to_string(rows.size()) + " runs");
+  int64_t sum = 0;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (rows[i] < 0 || !states[i]) checks::fail(op, "run " + std::to_string(i) + " has no state or negative rows");
+    sum += rows[i];
+  }
+  if (sum != total)
+    checks::fail(op, "runs of " + std::to_string(sum) + " rows for " + std::to_string(total) + " rows of input");
+}
+}  // namespace
+
+void Backend::linear_recurrence_runs(const Recurrence& r, const Tensor& q, const Tensor& k, const Tensor& v,
+                                     const Tensor& g, const Tensor& beta, const Tensor& log_gamma,
+                                     std::span<Tensor* const> states, std::span<const int64_t> rows, Tensor& out) {
+  check_runs("linear_recurrence_runs", states, rows, q.defined() && q.ndim() > 0 ? q.dim(0) : 0);
+  int64_t r0 = 0;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const int64_t r1 = r0 + rows[i];
+    auto part = [&](const Tensor& t) { return t.defined() ? t.slice_rows(r0, r1) : Tensor(); };
+    Tensor o = out.slice_rows(r0, r1);
+    linear_recurrence(r, part(q), part(k), part(v), part(g), part(beta), log_gamma, *states[i], o);
+    r0 = r1;
+  }
+}
+
+void Backend::causal_conv1d_bias_silu_runs(const Tensor& x, const Tensor& w, const Tensor& bias,
+                                           std::span<Tensor* const> states, std::span<const int64_t> rows,
+                                           Tensor& out) {
+  check_runs("causal_conv1d_bias_silu_runs", states, rows, x.defined() && x.ndim() > 0 ? x.dim(0) : 0);
+  int64_t r0 = 0;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const int64_t r1 = r0 + rows[i];
+    if (r1 > r0) {
+      Tensor o = out.slice_rows(r0, r1);
+      causal_conv1d_bias_silu(x.slice_rows(r0, r1), w, bias, *states[i], o);
+    }
+    r0 = r1;
+  }
+}
+
 void Backend::gather_col_blocks(const Tensor& src, std::span<const int64_t> order, Tensor& dst) {
   checks::check_gather_col_blocks(src, order, dst, device().kind);
   const int64_t C = checks::last_dim(src), w = C / static_cast<int64_t>(order.size());

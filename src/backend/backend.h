@@ -282,10 +282,22 @@ class Backend {
   virtual void linear_recurrence(const Recurrence& r, const Tensor& q, const Tensor& k, const Tensor& v,
                                  const Tensor& g, const Tensor& beta, const Tensor& log_gamma, Tensor& state,
                                  Tensor& out, Tensor* transition = nullptr) = 0;
+  // The same for several sequences at once (a batch of decode steps, or prompts of several
+  // sequences): run i is the next rows[i] rows of q..beta and out, from *states[i] (advanced in
+  // place). No transitions. The base class calls linear_recurrence run by run (so the CPU's results
+  // are those of separate calls); the GPU runs all the runs in one launch.
+  virtual void linear_recurrence_runs(const Recurrence& r, const Tensor& q, const Tensor& k, const Tensor& v,
+                                      const Tensor& g, const Tensor& beta, const Tensor& log_gamma,
+                                      std::span<Tensor* const> states, std::span<const int64_t> rows, Tensor& out);
   // Depthwise causal conv1d with a bias added before the SiLU (Mamba2's conv); otherwise as
   // causal_conv1d_silu. bias [C].
   virtual void causal_conv1d_bias_silu(const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& state,
                                        Tensor& out) = 0;
+  // The same for several sequences at once: run i is the next rows[i] rows of x and out, from
+  // *states[i]. The base class runs them one by one; the GPU in one launch.
+  virtual void causal_conv1d_bias_silu_runs(const Tensor& x, const Tensor& w, const Tensor& bias,
+                                            std::span<Tensor* const> states, std::span<const int64_t> rows,
+                                            Tensor& out);
   // Mamba2's discretisation: dt = max(softplus(dt_raw + dt_bias), dt_min) per token and head, then
   // g = dt * A (the log decay) and v = dt * x. dt_raw, g [T, H]; x, v [T, H, P]; A, dt_bias [H] f32.
   virtual void mamba2_gates(const Tensor& dt_raw, const Tensor& x, const Tensor& A, const Tensor& dt_bias, float dt_min,

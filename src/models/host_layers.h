@@ -27,6 +27,25 @@ void routed_experts(Backend& be, const Tensor& x, const MoeRouting& r, const std
 void attend_spans(Model& model, Backend& be, const Tensor& q, const Tensor& k, const Tensor& v,
                   std::span<const LayerSpan> spans, float scale, Tensor& o);
 
+// Whether a layer call's spans are plain runs of rows (no transition, recorded body or after-work:
+// a batch of decode steps or of whole prompts), which the backend's *_runs ops take in one call.
+inline bool plain_spans(std::span<const LayerSpan> spans) {
+  for (const LayerSpan& sp : spans)
+    if (sp.transition || sp.record || sp.after.any()) return false;
+  return true;
+}
+// The spans' rows and one of their states each (member: &LayerState::ssm or &LayerState::conv).
+struct SpanRuns {
+  std::vector<Tensor*> states;
+  std::vector<int64_t> rows;
+  SpanRuns(std::span<const LayerSpan> spans, Tensor LayerState::*member) {
+    for (const LayerSpan& sp : spans) {
+      states.push_back(&(sp.state->*member));
+      rows.push_back(sp.rows);
+    }
+  }
+};
+
 // Host f32 copy of a (small) weight.
 std::vector<float> host_f32(const Tensor& t);
 // A host f32 tensor holding v (shape's element count == v.size()).

@@ -140,8 +140,13 @@ class MiniMax : public ArchBlocks {
       be_.copy_cols(parts, col, t2);
     }
     Tensor o = be_.alloc_uninit(DType::F32, {T, Hh_, D_});
+    if (plain_spans(spans)) {  // a batch: one call for every sequence's rows
+      const SpanRuns ssm(spans, &LayerState::ssm);
+      be_.linear_recurrence_runs({linear::Family::Retention}, q, k, v, Tensor(), Tensor(), l.log_gamma_dev, ssm.states,
+                                 ssm.rows, o);
+    }
     int64_t r0 = 0;
-    for (const LayerSpan& sp : spans) {
+    for (const LayerSpan& sp : plain_spans(spans) ? std::span<const LayerSpan>() : spans) {
       const int64_t n = sp.rows, r1 = r0 + n;
       Tensor ks = k.slice_rows(r0, r1), vs = v.slice_rows(r0, r1), os = o.slice_rows(r0, r1);
       // T_C = gamma^n per head: a scaled identity [H, 1, 1] (or dense [H, D, D]).

@@ -1495,4 +1495,62 @@ TEST_F(CudaHybridOps, ScaleAddActivationsAndRowScatter) {
   EXPECT_LE(rel(down(dst_g), dst), 1e-6);
 }
 
+// A batch of runs (decode steps or prompts of several sequences) in one call equals each run
+// alone on the CPU, for a scalar-decay family (Mamba2), lightning and KDA (channel decay, delta).
+TEST_F(CudaHybridOps, RunsOfSeveralSequencesMatchCpu) {
+  const std::vector<int64_t> rows = {1, 5, 0, 1, 40};
+  const int64_t T = 47, Hk = 2, Hv = 4, dk = 16, dv = 24, C = 21, K = 4;
+  struct Case {
+    linear::Family f;
+    bool l2;
+  };
+  for (const Case cs :
+       {Case{linear::Family::Mamba2, false}, Case{linear::Family::Retention, false}, Case{linear::Family::KDA, true}}) {
+    const linear::FamilyTraits tr = linear::traits(cs.f);
+    Tensor q = randn({T, Hk, dk}, rng_, 0.3f), k = randn({T, Hk, dk}, rng_, 0.3f), v = randn({T, Hv, dv}, rng_);
+    Tensor g, beta, lg;
+    if (tr.decay == linear::Decay::Scalar || tr.decay == linear::Decay::Channel) {
+      g = randn(tr.decay == linear::Decay::Scalar ? Shape{T, Hv} : Shape{T, Hv, dk}, rng_);
+      for (int64_t i = 0; i < g.numel(); ++i) g.data<float>()[i] = -std::log1p(std::exp(g.data<float>()[i])) * 0.2f;
+    }
+    if (tr.delta) {
+      beta = randn({T, Hv}, rng_);
+      for (int64_t i = 0; i < beta.numel(); ++i) beta.data<float>()[i] = 1.f / (1.f + std::exp(-beta.data<float>()[i]));
+    }
+    if (tr.decay == linear::Decay::FixedScalar) {
+      lg = randn({Hv}, rng_);
+      for (int64_t i = 0; i < Hv; ++i) lg.data<float>()[i] = -std::abs(lg.data<float>()[i]) * 0.1f;
+    }
+    const Backend::Recurrence r{cs.f, cs.l2, cs.l2 ? 0.25f : 1.f};
+    std::vector<Tensor> st_c, st_g;
+    std::vector<Tensor*> pc, pg;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      st_c.push_back(randn({Hv, dk, dv}, rng_, 0.5f));
+      st_g.push_back(up(st_c.back()));
+    }
+    for (size_t i = 0; i < rows.size(); ++i) pc.push_back(&st_c[i]), pg.push_back(&st_g[i]);
+    Tensor out_c = Tensor::empty(DType::F32, {T, Hv, dv}), out_g = nan_like({T, Hv, dv});
+    cpu_->linear_recurrence_runs(r, q, k, v, g, beta, lg, pc, rows, out_c);
+    auto dev = [&](const Tensor& t) { return t.defined() ? up(t) : Tensor(); };
+    gpu_->linear_recurrence_runs(r, up(q), up(k), up(v), dev(g), dev(beta), dev(lg), pg, rows, out_g);
+    EXPECT_LE(rel(down(out_g), out_c), 2e-4) << linear::traits(cs.f).name;
+    for (size_t i = 0; i < rows.size(); ++i)
+      EXPECT_LE(rel(down(st_g[i]), st_c[i]), 2e-4) << linear::traits(cs.f).name << " state " << i;
+  }
+  // The conv with bias over the same runs.
+  Tensor x = randn({T, C}, rng_), w = randn({C, K}, rng_), b = randn({C}, rng_);
+  std::vector<Tensor> cc, cg;
+  std::vector<Tensor*> pc, pg;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    cc.push_back(randn({K - 1, C}, rng_));
+    cg.push_back(up(cc.back()));
+  }
+  for (size_t i = 0; i < rows.size(); ++i) pc.push_back(&cc[i]), pg.push_back(&cg[i]);
+  Tensor oc = Tensor::empty(DType::F32, {T, C}), og = nan_like({T, C});
+  cpu_->causal_conv1d_bias_silu_runs(x, w, b, pc, rows, oc);
+  gpu_->causal_conv1d_bias_silu_runs(up(x), up(w), up(b), pg, rows, og);
+  EXPECT_LE(rel(down(og), oc), 1e-6);
+  for (size_t i = 0; i < rows.size(); ++i) EXPECT_EQ(rel(down(cg[i]), cc[i]), 0.0) << "conv state " << i;
+}
+
 }  // namespace hybrid_ops

@@ -138,4 +138,32 @@ TEST_F(HybridOps, BadCallsAreNamed) {
             std::string::npos);
 }
 
+// Runs of rows (a batch of sequences) give each run what it gets alone, and runs that do not cover
+// the rows are refused by name.
+TEST_F(HybridOps, RunsEqualSeparateCallsAndAreChecked) {
+  const int64_t T = 6, H = 2, d = 4;
+  Tensor q = randn({T, H, d}, rng_, 0.3f), k = randn({T, H, d}, rng_, 0.3f), v = randn({T, H, d}, rng_);
+  Tensor g = randn({T, H}, rng_);
+  for (int64_t i = 0; i < g.numel(); ++i) g.data<float>()[i] = -std::abs(g.data<float>()[i]);
+  const Backend::Recurrence r{linear::Family::Mamba2};
+  Tensor s1 = randn({H, d, d}, rng_), s2 = randn({H, d, d}, rng_);
+  Tensor a1 = Tensor::empty(DType::F32, s1.shape()), a2 = Tensor::empty(DType::F32, s2.shape());
+  std::copy(s1.data<float>(), s1.data<float>() + s1.numel(), a1.data<float>());
+  std::copy(s2.data<float>(), s2.data<float>() + s2.numel(), a2.data<float>());
+  Tensor out = Tensor::empty(DType::F32, {T, H, d}), ref = Tensor::empty(DType::F32, {T, H, d});
+  std::vector<Tensor*> states = {&s1, &s2};
+  be_->linear_recurrence_runs(r, q, k, v, g, Tensor(), Tensor(), states, std::vector<int64_t>{2, 4}, out);
+  Tensor o1 = ref.slice_rows(0, 2), o2 = ref.slice_rows(2, 6);
+  be_->linear_recurrence(r, q.slice_rows(0, 2), k.slice_rows(0, 2), v.slice_rows(0, 2), g.slice_rows(0, 2), Tensor(),
+                         Tensor(), a1, o1);
+  be_->linear_recurrence(r, q.slice_rows(2, 6), k.slice_rows(2, 6), v.slice_rows(2, 6), g.slice_rows(2, 6), Tensor(),
+                         Tensor(), a2, o2);
+  for (int64_t i = 0; i < out.numel(); ++i) ASSERT_EQ(out.data<float>()[i], ref.data<float>()[i]);
+  for (int64_t i = 0; i < s2.numel(); ++i) ASSERT_EQ(s2.data<float>()[i], a2.data<float>()[i]);
+  EXPECT_NE(error_of([&] {
+              be_->linear_recurrence_runs(r, q, k, v, g, Tensor(), Tensor(), states, std::vector<int64_t>{2, 3}, out);
+            }).find("runs of 5 rows for 6 rows"),
+            std::string::npos);
+}
+
 }  // namespace

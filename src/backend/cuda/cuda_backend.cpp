@@ -1384,6 +1384,86 @@ void CudaBackend::linear_recurrence(const Recurrence& r, const Tensor& q, const 
   launch_linear_recurrence(impl_->stream, a);
 }
 
+namespace {
+// Device tables of a batch of runs: the rows' prefix sums [runs + 1] and the states' addresses.
+struct RunTables {
+  std::vector<int64_t> row0;
+  std::vector<uintptr_t> state;
+  int64_t max_run = 0;
+};
+RunTables run_tables(const char* op, std::span<Tensor* const> states, std::span<const int64_t> rows,
+                     const Shape& state_shape, int64_t total) {
+  if (states.size() != rows.size())
+    fail(op, std::to_string(states.size()) + " states for " + std::to_string(rows.size()) + " runs");
+  RunTables t;
+  t.row0.push_back(0);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (rows[i] < 0 || !states[i]) fail(op, "run " + std::to_string(i) + " has no state or negative rows");
+    need_f32(op, "state", *states[i], kDev);
+    need_shape(op, "state", *states[i], state_shape);
+    t.row0.push_back(t.row0.back() + rows[i]);
+    t.state.push_back(reinterpret_cast<uintptr_t>(states[i]->data<float>()));
+    t.max_run = std::max(t.max_run, rows[i]);
+  }
+  if (t.row0.back() != total)
+    fail(op, "runs of " + std::to_string(t.row0.back()) + " rows for " + std::to_string(total) + " rows of input");
+  return t;
+}
+}  // namespace
+
+void CudaBackend::linear_recurrence_runs(const Recurrence& r, const Tensor& q, const Tensor& k, const Tensor& v,
+                                         const Tensor& g, const Tensor& beta, const Tensor& log_gamma,
+                                         std::span<Tensor* const> states, std::span<const int64_t> rows, Tensor& out) {
+  OpScope scope_(*impl_, "linear_recurrence_runs");
+  if (states.empty()) fail("linear_recurrence_runs", "no runs");
+  // Shapes as one span of all rows against the first state; every state of that shape.
+  check_linear_recurrence(r, q, k, v, g, beta, log_gamma, *states[0], out, nullptr, kDev);
+  const RunTables t = run_tables("linear_recurrence_runs", states, rows, states[0]->shape(), q.dim(0));
+  const int64_t dk = q.dim(2);
+  if (dk > kLinearRecurrenceMaxDk)
+    fail("linear_recurrence_runs", "key head dim " + std::to_string(dk) + " of q " + q.str() + " above " +
+                                       std::to_string(kLinearRecurrenceMaxDk) + " is not supported on cuda");
+  const linear::FamilyTraits tr = linear::traits(r.family);
+  Tensor row0 = upload(t.row0.data(), DType::I64, static_cast<int64_t>(t.row0.size()));
+  Tensor addr = upload(t.state.data(), DType::I64, static_cast<int64_t>(t.state.size()));
+  LinearRecurrenceArgs a;
+  a.q = q.data<float>();
+  a.k = k.data<float>();
+  a.v = v.data<float>();
+  a.g = g.defined() ? g.data<float>() : nullptr;
+  a.beta = beta.defined() ? beta.data<float>() : nullptr;
+  a.log_gamma = log_gamma.defined() ? log_gamma.data<float>() : nullptr;
+  a.decay = static_cast<int>(tr.decay);
+  a.delta = tr.delta;
+  a.l2norm = r.l2norm_qk;
+  a.q_scale = r.q_scale;
+  a.T = q.dim(0);
+  a.Hk = q.dim(1);
+  a.Hv = v.dim(1);
+  a.dk = dk;
+  a.dv = v.dim(2);
+  a.out = out.data<float>();
+  a.runs = static_cast<int64_t>(rows.size());
+  a.max_run = t.max_run;
+  a.run_rows = row0.data<int64_t>();
+  a.run_states = reinterpret_cast<float* const*>(addr.data<int64_t>());
+  launch_linear_recurrence(impl_->stream, a);
+}
+
+void CudaBackend::causal_conv1d_bias_silu_runs(const Tensor& x, const Tensor& w, const Tensor& bias,
+                                               std::span<Tensor* const> states, std::span<const int64_t> rows,
+                                               Tensor& out) {
+  OpScope scope_(*impl_, "causal_conv1d_bias_silu_runs");
+  if (states.empty()) fail("causal_conv1d_bias_silu_runs", "no runs");
+  check_conv_bias(x, w, bias, *states[0], out, kDev);
+  const RunTables t = run_tables("causal_conv1d_bias_silu_runs", states, rows, states[0]->shape(), x.dim(0));
+  Tensor row0 = upload(t.row0.data(), DType::I64, static_cast<int64_t>(t.row0.size()));
+  Tensor addr = upload(t.state.data(), DType::I64, static_cast<int64_t>(t.state.size()));
+  launch_conv1d_bias_silu_runs(impl_->stream, x.data<float>(), w.data<float>(), bias.data<float>(),
+                               reinterpret_cast<float* const*>(addr.data<int64_t>()), row0.data<int64_t>(),
+                               static_cast<int64_t>(rows.size()), t.max_run, out.data<float>(), x.dim(1), w.dim(1));
+}
+
 void CudaBackend::causal_conv1d_bias_silu(const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& state,
                                           Tensor& out) {
   OpScope scope_(*impl_, "causal_conv1d_bias_silu");

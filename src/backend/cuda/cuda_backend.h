@@ -133,6 +133,12 @@ class CudaBackend : public Backend {
   void linear_recurrence(const Recurrence& r, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                          const Tensor& beta, const Tensor& log_gamma, Tensor& state, Tensor& out,
                          Tensor* transition = nullptr) override;
+  void linear_recurrence_runs(const Recurrence& r, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                              const Tensor& beta, const Tensor& log_gamma, std::span<Tensor* const> states,
+                              std::span<const int64_t> rows, Tensor& out) override;
+  void causal_conv1d_bias_silu_runs(const Tensor& x, const Tensor& w, const Tensor& bias,
+                                    std::span<Tensor* const> states, std::span<const int64_t> rows,
+                                    Tensor& out) override;
   void causal_conv1d_bias_silu(const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& state,
                                Tensor& out) override;
   void mamba2_gates(const Tensor& dt_raw, const Tensor& x, const Tensor& A, const Tensor& dt_bias, float dt_min,

@@ -321,6 +321,11 @@ void launch_add_rows_scaled(cudaStream_t s, const float* src, const int32_t* row
 // the inputs before row 0 and is advanced.
 void launch_conv1d_bias_silu(cudaStream_t s, const float* x, const float* w, const float* bias, float* state,
                              float* out, int64_t T, int64_t C, int64_t K);
+// The same over runs of rows with a state each (device arrays: run_rows [runs + 1] prefix, states
+// [runs]); max_run the longest run.
+void launch_conv1d_bias_silu_runs(cudaStream_t s, const float* x, const float* w, const float* bias,
+                                  float* const* states, const int64_t* run_rows, int64_t runs, int64_t max_run,
+                                  float* out, int64_t C, int64_t K);
 void launch_mamba2_gates(cudaStream_t s, const float* dt_raw, const float* x, const float* A, const float* dt_bias,
                          float dt_min, float* g, float* v, int64_t T, int64_t H, int64_t P);
 void launch_mamba2_gated_norm(cudaStream_t s, const float* y, const float* x, const float* z, const float* D,
@@ -342,6 +347,11 @@ struct LinearRecurrenceArgs {
   int64_t T = 0, Hk = 1, Hv = 0, dk = 0, dv = 0;
   float *state = nullptr, *out = nullptr;
   float *transition = nullptr, *t_factor = nullptr;
+  // Several sequences' runs in one launch (no transitions): run z is rows [run_rows[z],
+  // run_rows[z + 1]) from the state at run_states[z] (both device arrays of runs (+ 1) entries).
+  int64_t runs = 0, max_run = 0;
+  const int64_t* run_rows = nullptr;
+  float* const* run_states = nullptr;
 };
 void launch_linear_recurrence(cudaStream_t s, const LinearRecurrenceArgs& a);
 // out = alpha * t[h] * S + B per head (a scaled-identity transition), n floats a head; out may be B.

@@ -64,12 +64,15 @@ __global__ void __launch_bounds__(kCols* DK / kRows) k_linear_recurrence(LinearR
 
   const int tid = threadIdx.x, p = tid % P, h = blockIdx.y;
   const int dk = static_cast<int>(a.dk), dv = static_cast<int>(a.dv);
-  const int64_t T = a.T, Hk = a.Hk, Hv = a.Hv, hk = h / (Hv / Hk);
+  // One sequence's run of rows [tb, tb + T) (a.runs: one run per blockIdx.z, its own state).
+  const int64_t tb = a.run_rows ? a.run_rows[blockIdx.z] : 0;
+  const int64_t T = a.run_rows ? a.run_rows[blockIdx.z + 1] - tb : a.T, Hk = a.Hk, Hv = a.Hv, hk = h / (Hv / Hk);
+  float* const state = a.run_states ? a.run_states[blockIdx.z] : a.state;
   const int col0 = blockIdx.x * kCols, col = col0 + tid / P;
   const int ncols = dv + (a.transition ? dk : 0);
   const bool valid = col < ncols, is_T = col >= dv;
   const int c = is_T ? col - dv : col;
-  float* base = is_T ? a.transition + static_cast<int64_t>(h) * dk * dk : a.state + static_cast<int64_t>(h) * dk * dv;
+  float* base = is_T ? a.transition + static_cast<int64_t>(h) * dk * dk : state + static_cast<int64_t>(h) * dk * dv;
   const int ld = is_T ? dk : dv;
 
   float s[kRows];
@@ -86,18 +89,18 @@ __global__ void __launch_bounds__(kCols* DK / kRows) k_linear_recurrence(LinearR
     __syncthreads();  // the previous tile is consumed
     for (int e = tid; e < nt * DK; e += kThreads) {
       const int tt = e / DK, i = e % DK;
-      const int64_t src = ((t0 + tt) * Hk + hk) * dk + i;
+      const int64_t src = ((tb + t0 + tt) * Hk + hk) * dk + i;
       qs[tt][i] = i < dk ? a.q[src] : 0.f;
       ks[tt][i] = i < dk ? a.k[src] : 0.f;
-      if constexpr (CHANNEL) ds[tt][i] = i < dk ? expf(a.g[((t0 + tt) * Hv + h) * dk + i]) : 1.f;
+      if constexpr (CHANNEL) ds[tt][i] = i < dk ? expf(a.g[((tb + t0 + tt) * Hv + h) * dk + i]) : 1.f;
     }
     for (int tt = tid; tt < nt; tt += kThreads) {
-      gs[tt] = a.decay == 2 ? a.g[(t0 + tt) * Hv + h] : lg;
-      if constexpr (DELTA) bs[tt] = a.beta[(t0 + tt) * Hv + h];
+      gs[tt] = a.decay == 2 ? a.g[(tb + t0 + tt) * Hv + h] : lg;
+      if constexpr (DELTA) bs[tt] = a.beta[(tb + t0 + tt) * Hv + h];
     }
     for (int e = tid; e < nt * kCols; e += kThreads) {
       const int tt = e / kCols, cc = col0 + e % kCols;
-      vs[tt][e % kCols] = cc < dv ? a.v[((t0 + tt) * Hv + h) * dv + cc] : 0.f;
+      vs[tt][e % kCols] = cc < dv ? a.v[((tb + t0 + tt) * Hv + h) * dv + cc] : 0.f;
     }
     __syncthreads();
     // q and k as the CPU backend scales them: x / sqrt(sum x^2 + 1e-6), then q times q_scale; a
@@ -146,7 +149,7 @@ __global__ void __launch_bounds__(kCols* DK / kRows) k_linear_recurrence(LinearR
         for (int i = 0; i < kRows; ++i) s[i] = fmaf(s[i], d, kt[i * P + p] * vc);
       }
       const float o = col_dot<P>(qs[tt], s, p);
-      if (valid && !is_T && p == 0) a.out[((t0 + tt) * Hv + h) * dv + c] = o;
+      if (valid && !is_T && p == 0) a.out[((tb + t0 + tt) * Hv + h) * dv + c] = o;
     }
   }
 
@@ -168,7 +171,7 @@ void run(cudaStream_t st, const LinearRecurrenceArgs& a) {
   const int64_t ncols = a.dv + (a.transition ? a.dk : 0);
   // At least one block per head: the block at x = 0 also writes the scaled transition.
   const int64_t bx = std::max<int64_t>(1, (ncols + kCols - 1) / kCols);
-  dim3 grid(static_cast<unsigned>(bx), static_cast<unsigned>(a.Hv));
+  dim3 grid(static_cast<unsigned>(bx), static_cast<unsigned>(a.Hv), static_cast<unsigned>(a.run_rows ? a.runs : 1));
   launch(st, grid, kCols * DK / kRows, 0, k_linear_recurrence<DK, CHANNEL, DELTA>, a);
   CUDA_LAUNCH_CHECK("k_linear_recurrence");
 }
@@ -198,8 +201,10 @@ __global__ void k_compose_scaled(const float* __restrict__ t, const float* S, co
 }  // namespace
 
 void launch_linear_recurrence(cudaStream_t s, const LinearRecurrenceArgs& a) {
-  if (a.Hv == 0) return;
-  if (a.T == 0) {  // an empty span: state unchanged, T_C = I
+  if (a.Hv == 0 || (a.run_rows && (a.runs == 0 || a.max_run == 0))) return;
+  if (a.run_rows && (a.transition || a.t_factor))
+    throw std::invalid_argument("linear_recurrence_runs: runs take no transitions");
+  if (!a.run_rows && a.T == 0) {  // an empty span: state unchanged, T_C = I
     if (a.transition) launch_set_identity(s, a.transition, a.Hv, a.dk);
     if (a.t_factor) launch_fill(s, a.t_factor, a.Hv, 1.f);
     return;

@@ -49,6 +49,40 @@ __global__ void k_conv1d_advance(const float* x, float* state, int64_t T, int64_
   }
 }
 
+// The two kernels above over runs of rows with a state each (blockIdx.y: the run).
+__global__ void k_conv1d_bias_silu_runs(const float* x, const float* w, const float* bias, float* const* states,
+                                        const int64_t* run_rows, float* out, int64_t C, int64_t K) {
+  pdl_entry();
+  const int64_t r0 = run_rows[blockIdx.y], T = run_rows[blockIdx.y + 1] - r0;
+  const float* state = states[blockIdx.y];
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < T * C;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = i / C, c = i % C;
+    float acc = bias[c];
+    for (int64_t j = 0; j < K; ++j) {
+      const int64_t src = t - (K - 1) + j;
+      acc += w[c * K + j] * (src < 0 ? state[(K - 1 + src) * C + c] : x[(r0 + src) * C + c]);
+    }
+    out[(r0 + t) * C + c] = silu(acc);
+  }
+}
+
+__global__ void k_conv1d_advance_runs(const float* x, float* const* states, const int64_t* run_rows, int64_t C,
+                                      int64_t K) {
+  pdl_entry();
+  const int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t r0 = run_rows[blockIdx.y], T = run_rows[blockIdx.y + 1] - r0;
+  if (c >= C || T == 0) return;
+  float* state = states[blockIdx.y];
+  const int64_t S = K - 1;
+  float old[8];
+  for (int64_t r = 0; r < S && r < 8; ++r) old[r] = state[r * C + c];
+  for (int64_t r = 0; r < S; ++r) {
+    const int64_t src = r + T;
+    state[r * C + c] = src < S ? old[src] : x[(r0 + src - S) * C + c];
+  }
+}
+
 __global__ void k_mamba2_gates(const float* dt_raw, const float* x, const float* A, const float* dt_bias, float dt_min,
                                float* g, float* v, int64_t T, int64_t H, int64_t P) {
   pdl_entry();
@@ -125,6 +159,20 @@ void launch_conv1d_bias_silu(cudaStream_t s, const float* x, const float* w, con
   if (K < 2) return;
   launch(s, blocks_for(C), kThreads, 0, k_conv1d_advance, x, state, T, C, K);
   CUDA_LAUNCH_CHECK("k_conv1d_advance");
+}
+
+void launch_conv1d_bias_silu_runs(cudaStream_t s, const float* x, const float* w, const float* bias,
+                                  float* const* states, const int64_t* run_rows, int64_t runs, int64_t max_run,
+                                  float* out, int64_t C, int64_t K) {
+  if (runs == 0 || max_run * C == 0) return;
+  if (K - 1 > 8) throw std::invalid_argument("causal_conv1d_bias_silu: kernel width above 9 is not supported on cuda");
+  launch(s, dim3(blocks_for(max_run * C), static_cast<unsigned>(runs)), kThreads, 0, k_conv1d_bias_silu_runs, x, w,
+         bias, states, run_rows, out, C, K);
+  CUDA_LAUNCH_CHECK("k_conv1d_bias_silu_runs");
+  if (K < 2) return;
+  launch(s, dim3(blocks_for(C), static_cast<unsigned>(runs)), kThreads, 0, k_conv1d_advance_runs, x, states, run_rows,
+         C, K);
+  CUDA_LAUNCH_CHECK("k_conv1d_advance_runs");
 }
 
 void launch_mamba2_gates(cudaStream_t s, const float* dt_raw, const float* x, const float* A, const float* dt_bias,
