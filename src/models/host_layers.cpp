@@ -41,6 +41,23 @@ void routed_experts(Backend& be, const Tensor& x, const MoeRouting& r, const std
 
 void attend_spans(Model& model, Backend& be, const Tensor& q, const Tensor& k, const Tensor& v,
                   std::span<const LayerSpan> spans, float scale, Tensor& o) {
+  // A batch of decode steps (a row per sequence, no after-work): one attention_step for all, with
+  // tables of the caches' addresses and the positions (one launch on the GPU instead of two a row).
+  const bool steps = spans.size() > 1 && plain_spans(spans) &&
+                     std::all_of(spans.begin(), spans.end(), [](const LayerSpan& sp) { return sp.rows == 1; });
+  if (steps) {
+    const int64_t B = static_cast<int64_t>(spans.size());
+    Tensor caches = Tensor::empty(DType::I64, {2 * B}), positions = Tensor::empty(DType::I64, {B});
+    for (int64_t b = 0; b < B; ++b) {
+      LayerState& ls = *spans[b].state;
+      if (spans[b].pos0 + 1 > ls.k.dim(0)) throw std::logic_error("KV cache too small: call Model::reserve first");
+      caches.data<int64_t>()[b] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(ls.k.data<float>()));
+      caches.data<int64_t>()[B + b] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(ls.v.data<float>()));
+      positions.data<int64_t>()[b] = spans[b].pos0;
+    }
+    be.attention_step(q, k, v, be.to_device(caches), be.to_device(positions), scale, o);
+    return;
+  }
   int64_t r0 = 0;
   for (const LayerSpan& sp : spans) {
     LayerState& ls = *sp.state;

@@ -83,16 +83,18 @@ __global__ void k_conv1d_advance_runs(const float* x, float* const* states, cons
   }
 }
 
+// One thread per element of v (coalesced: a thread per (token, head) striding over P channels read
+// x at stride P and took a fifth of an 8B prefill). dt is recomputed per element; g by p == 0.
 __global__ void k_mamba2_gates(const float* dt_raw, const float* x, const float* A, const float* dt_bias, float dt_min,
                                float* g, float* v, int64_t T, int64_t H, int64_t P) {
   pdl_entry();
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < T * H;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < T * H * P;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t h = i % H;
-    const float u = dt_raw[i] + dt_bias[h];
+    const int64_t th = i / P, h = th % H;
+    const float u = dt_raw[th] + dt_bias[h];
     const float dt = fmaxf(u > 20.0f ? u : log1pf(expf(u)), dt_min);  // torch softplus, threshold 20
-    g[i] = dt * A[h];
-    for (int64_t p = 0; p < P; ++p) v[i * P + p] = dt * x[i * P + p];
+    v[i] = dt * x[i];
+    if (i % P == 0) g[th] = dt * A[h];
   }
 }
 
@@ -177,8 +179,8 @@ void launch_conv1d_bias_silu_runs(cudaStream_t s, const float* x, const float* w
 
 void launch_mamba2_gates(cudaStream_t s, const float* dt_raw, const float* x, const float* A, const float* dt_bias,
                          float dt_min, float* g, float* v, int64_t T, int64_t H, int64_t P) {
-  if (T * H == 0) return;
-  launch(s, blocks_for(T * H), kThreads, 0, k_mamba2_gates, dt_raw, x, A, dt_bias, dt_min, g, v, T, H, P);
+  if (T * H * P == 0) return;
+  launch(s, blocks_for(T * H * P), kThreads, 0, k_mamba2_gates, dt_raw, x, A, dt_bias, dt_min, g, v, T, H, P);
   CUDA_LAUNCH_CHECK("k_mamba2_gates");
 }
 
