@@ -276,23 +276,32 @@ void check_gdn_gates(const Tensor& a, const Tensor& b, const Tensor& A_log, cons
   need_shape(op, "beta", beta, a.shape());
 }
 
-void check_gated_delta_rule(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
-                            const Tensor& state, const Tensor& out, const Tensor* transition, DeviceKind dev) {
-  const char* op = "gated_delta_rule";
+namespace {
+// The q, k, v, state and out of a linear recurrence over a span: f32 on the device, q and k
+// [T, Hk, dk], v [T, Hv, dv] with Hv a multiple of Hk.
+void need_qkv_span(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& state,
+                   const Tensor& out, DeviceKind dev) {
   need_f32(op, "q", q, dev);
   need_f32(op, "k", k, dev);
   need_f32(op, "v", v, dev);
-  need_f32(op, "g", g, dev);
-  need_f32(op, "beta", beta, dev);
   need_f32(op, "state", state, dev);
   need_f32(op, "out", out, dev);
   need_ndim(op, "q", q, 3);
   need_ndim(op, "v", v, 3);
-  const int64_t T = q.dim(0), Hk = q.dim(1), dk = q.dim(2), Hv = v.dim(1), dv = v.dim(2);
   need_shape(op, "k", k, q.shape());
-  if (v.dim(0) != T) fail(op, "v " + v.str() + " and q " + q.str() + ": token counts differ");
-  if (Hk <= 0 || Hv % Hk != 0)
+  if (v.dim(0) != q.dim(0)) fail(op, "v " + v.str() + " and q " + q.str() + ": token counts differ");
+  if (q.dim(1) <= 0 || v.dim(1) % q.dim(1) != 0)
     fail(op, "v " + v.str() + " and k " + k.str() + ": value heads not a multiple of key heads");
+}
+}  // namespace
+
+void check_gated_delta_rule(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                            const Tensor& state, const Tensor& out, const Tensor* transition, DeviceKind dev) {
+  const char* op = "gated_delta_rule";
+  need_qkv_span(op, q, k, v, state, out, dev);
+  need_f32(op, "g", g, dev);
+  need_f32(op, "beta", beta, dev);
+  const int64_t T = q.dim(0), dk = q.dim(2), Hv = v.dim(1), dv = v.dim(2);
   need_shape(op, "g", g, {T, Hv});
   need_shape(op, "beta", beta, {T, Hv});
   need_shape(op, "state", state, {Hv, dk, dv});
@@ -308,18 +317,8 @@ void check_linear_recurrence(const Backend::Recurrence& r, const Tensor& q, cons
                              const Tensor& out, const Tensor* transition, DeviceKind dev) {
   const char* op = "linear_recurrence";
   const linear::FamilyTraits tr = linear::traits(r.family);
-  need_f32(op, "q", q, dev);
-  need_f32(op, "k", k, dev);
-  need_f32(op, "v", v, dev);
-  need_f32(op, "state", state, dev);
-  need_f32(op, "out", out, dev);
-  need_ndim(op, "q", q, 3);
-  need_ndim(op, "v", v, 3);
-  const int64_t T = q.dim(0), Hk = q.dim(1), dk = q.dim(2), Hv = v.dim(1), dv = v.dim(2);
-  need_shape(op, "k", k, q.shape());
-  if (v.dim(0) != T) fail(op, "v " + v.str() + " and q " + q.str() + ": token counts differ");
-  if (Hk <= 0 || Hv % Hk != 0)
-    fail(op, "v " + v.str() + " and k " + k.str() + ": value heads not a multiple of key heads");
+  need_qkv_span(op, q, k, v, state, out, dev);
+  const int64_t T = q.dim(0), dk = q.dim(2), Hv = v.dim(1), dv = v.dim(2);
   const std::string fam(tr.name);
   auto need_absent = [&](const char* name, const Tensor& t) {
     if (t.defined()) fail(op, std::string(name) + " " + t.str() + ": the " + fam + " family takes none");

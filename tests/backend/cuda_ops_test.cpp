@@ -1400,13 +1400,6 @@ TEST_F(CudaOps, ArgmaxRowsMatchesCpu) {
 // activations and the weighted row scatter of routed experts. GPU outputs start as NaN.
 namespace hybrid_ops {
 
-Tensor randn(Shape s, std::mt19937& rng, float scale = 1.0f) {
-  Tensor t = Tensor::empty(DType::F32, std::move(s));
-  std::normal_distribution<float> nd(0.f, scale);
-  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = nd(rng);
-  return t;
-}
-
 // Relative L2 distance of two host f32 tensors (NaN anywhere: infinity).
 double rel(const Tensor& a, const Tensor& b) {
   EXPECT_EQ(a.numel(), b.numel());

@@ -1347,16 +1347,15 @@ void CudaBackend::compose_state(const Tensor& T, const Tensor& S, const Tensor& 
 
 // ---- the other families: recurrences and the Mamba2 / MiniMax layer pieces ----------------------
 
-void CudaBackend::linear_recurrence(const Recurrence& r, const Tensor& q, const Tensor& k, const Tensor& v,
-                                    const Tensor& g, const Tensor& beta, const Tensor& log_gamma, Tensor& state,
-                                    Tensor& out, Tensor* transition) {
-  OpScope scope_(*impl_, "linear_recurrence");
-  check_linear_recurrence(r, q, k, v, g, beta, log_gamma, state, out, transition, kDev);
-  const int64_t dk = q.dim(2);
+namespace {
+// The arguments of the recurrence kernel that a span and a batch of runs share.
+LinearRecurrenceArgs recurrence_args(const char* op, const Backend::Recurrence& r, const Tensor& q, const Tensor& k,
+                                     const Tensor& v, const Tensor& g, const Tensor& beta, const Tensor& log_gamma,
+                                     Tensor& out) {
   // The token kernel keeps a column of S in registers.
-  if (dk > kLinearRecurrenceMaxDk)
-    fail("linear_recurrence", "key head dim " + std::to_string(dk) + " of q " + q.str() + " above " +
-                                  std::to_string(kLinearRecurrenceMaxDk) + " is not supported on cuda");
+  if (q.dim(2) > kLinearRecurrenceMaxDk)
+    fail(op, "key head dim " + std::to_string(q.dim(2)) + " of q " + q.str() + " above " +
+                 std::to_string(kLinearRecurrenceMaxDk) + " is not supported on cuda");
   const linear::FamilyTraits tr = linear::traits(r.family);
   LinearRecurrenceArgs a;
   a.q = q.data<float>();
@@ -1372,13 +1371,23 @@ void CudaBackend::linear_recurrence(const Recurrence& r, const Tensor& q, const 
   a.T = q.dim(0);
   a.Hk = q.dim(1);
   a.Hv = v.dim(1);
-  a.dk = dk;
+  a.dk = q.dim(2);
   a.dv = v.dim(2);
-  a.state = state.data<float>();
   a.out = out.data<float>();
+  return a;
+}
+}  // namespace
+
+void CudaBackend::linear_recurrence(const Recurrence& r, const Tensor& q, const Tensor& k, const Tensor& v,
+                                    const Tensor& g, const Tensor& beta, const Tensor& log_gamma, Tensor& state,
+                                    Tensor& out, Tensor* transition) {
+  OpScope scope_(*impl_, "linear_recurrence");
+  check_linear_recurrence(r, q, k, v, g, beta, log_gamma, state, out, transition, kDev);
+  LinearRecurrenceArgs a = recurrence_args("linear_recurrence", r, q, k, v, g, beta, log_gamma, out);
+  a.state = state.data<float>();
   if (transition && transition->defined()) {
     // [Hv, 1, 1] against dk != 1: the factor of a scaled identity (as the shared check reads it).
-    const bool scaled = transition->dim(1) == 1 && dk != 1;
+    const bool scaled = transition->dim(1) == 1 && a.dk != 1;
     (scaled ? a.t_factor : a.transition) = transition->data<float>();
   }
   launch_linear_recurrence(impl_->stream, a);
@@ -1419,30 +1428,9 @@ void CudaBackend::linear_recurrence_runs(const Recurrence& r, const Tensor& q, c
   // Shapes as one span of all rows against the first state; every state of that shape.
   check_linear_recurrence(r, q, k, v, g, beta, log_gamma, *states[0], out, nullptr, kDev);
   const RunTables t = run_tables("linear_recurrence_runs", states, rows, states[0]->shape(), q.dim(0));
-  const int64_t dk = q.dim(2);
-  if (dk > kLinearRecurrenceMaxDk)
-    fail("linear_recurrence_runs", "key head dim " + std::to_string(dk) + " of q " + q.str() + " above " +
-                                       std::to_string(kLinearRecurrenceMaxDk) + " is not supported on cuda");
-  const linear::FamilyTraits tr = linear::traits(r.family);
+  LinearRecurrenceArgs a = recurrence_args("linear_recurrence_runs", r, q, k, v, g, beta, log_gamma, out);
   Tensor row0 = upload(t.row0.data(), DType::I64, static_cast<int64_t>(t.row0.size()));
   Tensor addr = upload(t.state.data(), DType::I64, static_cast<int64_t>(t.state.size()));
-  LinearRecurrenceArgs a;
-  a.q = q.data<float>();
-  a.k = k.data<float>();
-  a.v = v.data<float>();
-  a.g = g.defined() ? g.data<float>() : nullptr;
-  a.beta = beta.defined() ? beta.data<float>() : nullptr;
-  a.log_gamma = log_gamma.defined() ? log_gamma.data<float>() : nullptr;
-  a.decay = static_cast<int>(tr.decay);
-  a.delta = tr.delta;
-  a.l2norm = r.l2norm_qk;
-  a.q_scale = r.q_scale;
-  a.T = q.dim(0);
-  a.Hk = q.dim(1);
-  a.Hv = v.dim(1);
-  a.dk = dk;
-  a.dv = v.dim(2);
-  a.out = out.data<float>();
   a.runs = static_cast<int64_t>(rows.size());
   a.max_run = t.max_run;
   a.run_rows = row0.data<int64_t>();

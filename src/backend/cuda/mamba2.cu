@@ -18,10 +18,10 @@ inline unsigned blocks_for(int64_t n) {
   return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((n + kThreads - 1) / kThreads, 1 << 20)));
 }
 
+// One sequence's rows x [T, C] (already offset to its first row) from its state [K-1, C].
 // out[t, c] = silu(bias[c] + sum_j w[c, j] x(t - (K-1) + j)), x before row 0 read from the state.
-__global__ void k_conv1d_bias_silu(const float* x, const float* w, const float* bias, const float* state, float* out,
-                                   int64_t T, int64_t C, int64_t K) {
-  pdl_entry();
+__device__ void conv_rows(const float* x, const float* w, const float* bias, const float* state, float* out, int64_t T,
+                          int64_t C, int64_t K) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < T * C;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t t = i / C, c = i % C;
@@ -36,10 +36,9 @@ __global__ void k_conv1d_bias_silu(const float* x, const float* w, const float* 
 
 // The new state, the last K-1 inputs of (state, x): one thread per channel reads its old column
 // before writing it, so the update is in place.
-__global__ void k_conv1d_advance(const float* x, float* state, int64_t T, int64_t C, int64_t K) {
-  pdl_entry();
+__device__ void advance_state(const float* x, float* state, int64_t T, int64_t C, int64_t K) {
   const int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (c >= C) return;
+  if (c >= C || T == 0) return;
   const int64_t S = K - 1;
   float old[8];
   for (int64_t r = 0; r < S && r < 8; ++r) old[r] = state[r * C + c];
@@ -49,38 +48,30 @@ __global__ void k_conv1d_advance(const float* x, float* state, int64_t T, int64_
   }
 }
 
+__global__ void k_conv1d_bias_silu(const float* x, const float* w, const float* bias, const float* state, float* out,
+                                   int64_t T, int64_t C, int64_t K) {
+  pdl_entry();
+  conv_rows(x, w, bias, state, out, T, C, K);
+}
+
+__global__ void k_conv1d_advance(const float* x, float* state, int64_t T, int64_t C, int64_t K) {
+  pdl_entry();
+  advance_state(x, state, T, C, K);
+}
+
 // The two kernels above over runs of rows with a state each (blockIdx.y: the run).
 __global__ void k_conv1d_bias_silu_runs(const float* x, const float* w, const float* bias, float* const* states,
                                         const int64_t* run_rows, float* out, int64_t C, int64_t K) {
   pdl_entry();
-  const int64_t r0 = run_rows[blockIdx.y], T = run_rows[blockIdx.y + 1] - r0;
-  const float* state = states[blockIdx.y];
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < T * C;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t t = i / C, c = i % C;
-    float acc = bias[c];
-    for (int64_t j = 0; j < K; ++j) {
-      const int64_t src = t - (K - 1) + j;
-      acc += w[c * K + j] * (src < 0 ? state[(K - 1 + src) * C + c] : x[(r0 + src) * C + c]);
-    }
-    out[(r0 + t) * C + c] = silu(acc);
-  }
+  const int64_t r0 = run_rows[blockIdx.y];
+  conv_rows(x + r0 * C, w, bias, states[blockIdx.y], out + r0 * C, run_rows[blockIdx.y + 1] - r0, C, K);
 }
 
 __global__ void k_conv1d_advance_runs(const float* x, float* const* states, const int64_t* run_rows, int64_t C,
                                       int64_t K) {
   pdl_entry();
-  const int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  const int64_t r0 = run_rows[blockIdx.y], T = run_rows[blockIdx.y + 1] - r0;
-  if (c >= C || T == 0) return;
-  float* state = states[blockIdx.y];
-  const int64_t S = K - 1;
-  float old[8];
-  for (int64_t r = 0; r < S && r < 8; ++r) old[r] = state[r * C + c];
-  for (int64_t r = 0; r < S; ++r) {
-    const int64_t src = r + T;
-    state[r * C + c] = src < S ? old[src] : x[(r0 + src - S) * C + c];
-  }
+  const int64_t r0 = run_rows[blockIdx.y];
+  advance_state(x + r0 * C, states[blockIdx.y], run_rows[blockIdx.y + 1] - r0, C, K);
 }
 
 // One thread per element of v (coalesced: a thread per (token, head) striding over P channels read
