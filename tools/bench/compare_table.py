@@ -2,7 +2,8 @@
 """Prints the side-by-side table of bench/gpu_compare.sh from its JSON lines: hypic, llama.cpp (CUDA)
 and transformers per shape and row, hypic's speed-up over each, and each row's floor (prefill: FLOPs at the measured bf16 GEMM rate;
 decode: the bytes one step must move at the measured copy bandwidth: active bf16 weights, bf16 KV of
-the context, f32 recurrent states read and written) with hypic's ratio to it."""
+the context, f32 recurrent states read and written; for architectures other than Qwen's, the weights
+alone) with hypic's ratio to it."""
 import json
 import sys
 
@@ -48,7 +49,8 @@ def main():
         ll = [r for r in rows if r.get("shape") == s and r.get("peer") == "llama.cpp" and "error" not in r]
         for h in hy:
             if h["bench"] == "prefill":
-                key = f"prefill {h['tokens'] // 1024}k"
+                n = h["tokens"]
+                key = f"prefill {n // 1024}k" if n >= 1024 else f"prefill {n}"
                 t = next((x for x in tf if x.get("bench") == "prefill" and x.get("tokens") == h["tokens"]), None)
                 l = next((x for x in ll if x.get("bench") == "prefill" and x.get("tokens") == h["tokens"]), None)
                 rate = (ceil["bf16_tflops"] * 1e12) if ceil else h["gemm_gflops_per_s"] * 1e9
@@ -61,7 +63,11 @@ def main():
                 t = next((x for x in tf if x.get("bench") == "decode" and x.get("batch") == h["batch"]), None)
                 l = next((x for x in ll if x.get("bench") == "decode" and x.get("batch") == h["batch"]
                           and x.get("context") == h["context"]), None)
-                floor = step_bytes(cfg, h["batch"], h["context"]) / bw * 1e3
+                # Qwen's configs: the whole step's bytes; other architectures: the weights hypic
+                # reports reading (a lower bound: states and KV left out).
+                nbytes = (step_bytes(cfg, h["batch"], h["context"]) if "layer_types" in cfg
+                          else h["step_weight_bytes"])
+                floor = nbytes / bw * 1e3
                 mine, unit = h["ms_per_token"], "ms/step"
                 peer = t.get("ms_per_token") if t else None
                 lpeer = l["ms_per_token"] if l else None
