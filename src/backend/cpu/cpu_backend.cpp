@@ -1007,15 +1007,18 @@ void CpuBackend::causal_conv1d_bias_silu(const Tensor& x, const Tensor& w, const
   const int64_t n = x.dim(0), C = x.dim(1), K = w.dim(1);
   const float *in = x.data<float>(), *wp = w.data<float>(), *bp = bias.data<float>();
   float *st = state.data<float>(), *o = out.data<float>();
-  for (int64_t t = 0; t < n; ++t)
-    for (int64_t c = 0; c < C; ++c) {
-      float acc = bp[c];
-      for (int64_t j = 0; j < K; ++j) {
-        const int64_t src = t - (K - 1) + j;
-        acc += wp[c * K + j] * (src < 0 ? st[(K - 1 + src) * C + c] : in[src * C + c]);
+  // Rows in parallel (each output is its own sum: the same bits on any thread count).
+  pool_.parallel_for(n, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t c = 0; c < C; ++c) {
+        float acc = bp[c];
+        for (int64_t j = 0; j < K; ++j) {
+          const int64_t src = t - (K - 1) + j;
+          acc += wp[c * K + j] * (src < 0 ? st[(K - 1 + src) * C + c] : in[src * C + c]);
+        }
+        o[t * C + c] = acc / (1.0f + std::exp(-acc));
       }
-      o[t * C + c] = acc / (1.0f + std::exp(-acc));
-    }
+  });
   if (n == 0 || K < 2) return;
   // The new state: the last K-1 inputs of (old state, rows).
   std::vector<float> hist(static_cast<size_t>((K - 1 + n) * C));
@@ -1030,13 +1033,15 @@ void CpuBackend::mamba2_gates(const Tensor& dt_raw, const Tensor& x, const Tenso
   const int64_t T = x.dim(0), H = x.dim(1), P = x.dim(2);
   const float *dr = dt_raw.data<float>(), *xp = x.data<float>(), *ap = A.data<float>(), *bp = dt_bias.data<float>();
   float *gp = g.data<float>(), *vp = v.data<float>();
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t h = 0; h < H; ++h) {
-      const float u = dr[t * H + h] + bp[h];
-      const float dt = std::max(u > 20.0f ? u : std::log1p(std::exp(u)), dt_min);  // torch softplus, threshold 20
-      gp[t * H + h] = dt * ap[h];
-      for (int64_t p = 0; p < P; ++p) vp[(t * H + h) * P + p] = dt * xp[(t * H + h) * P + p];
-    }
+  pool_.parallel_for(T, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t h = 0; h < H; ++h) {
+        const float u = dr[t * H + h] + bp[h];
+        const float dt = std::max(u > 20.0f ? u : std::log1p(std::exp(u)), dt_min);  // torch softplus, threshold 20
+        gp[t * H + h] = dt * ap[h];
+        for (int64_t p = 0; p < P; ++p) vp[(t * H + h) * P + p] = dt * xp[(t * H + h) * P + p];
+      }
+  });
 }
 
 void CpuBackend::mamba2_gated_norm(const Tensor& y, const Tensor& x, const Tensor& z, const Tensor& D, const Tensor& w,
@@ -1069,14 +1074,16 @@ void CpuBackend::kda_gates(const Tensor& a, const Tensor& b, const Tensor& A, co
   const int64_t T = a.dim(0), H = a.dim(1), dk = a.dim(2), C = H * dk;
   const float *ap = a.data<float>(), *bp = b.data<float>(), *Ap = A.data<float>(), *db = dt_bias.data<float>();
   float *gp = g.data<float>(), *bt = beta.data<float>();
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t i = 0; i < C; ++i) {
-      const float z = ap[t * C + i] + db[i];
-      const float sp = z > 20.0f ? z : std::log(1.0f + std::exp(z));  // as transformers writes it
-      gp[t * C + i] = -Ap[i / dk] * sp;
+  pool_.parallel_for(T, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t i = 0; i < C; ++i) {
+        const float z = ap[t * C + i] + db[i];
+        const float sp = z > 20.0f ? z : std::log(1.0f + std::exp(z));  // as transformers writes it
+        gp[t * C + i] = -Ap[i / dk] * sp;
+      }
+      for (int64_t h = 0; h < H; ++h) bt[t * H + h] = 1.0f / (1.0f + std::exp(-bp[t * H + h]));
     }
-    for (int64_t h = 0; h < H; ++h) bt[t * H + h] = 1.0f / (1.0f + std::exp(-bp[t * H + h]));
-  }
+  });
 }
 
 void CpuBackend::scale_add(const Tensor& x, float a, const Tensor& y, float b, Tensor& out) {
