@@ -189,7 +189,8 @@ class KimiLinear : public ArchBlocks {
            vs = be_.alloc_uninit(DType::F32, {T, Hl_, dk_});
     Tensor o = be_.alloc_uninit(DType::F32, {T, HD_});
     Backend::Recurrence kda{linear::Family::KDA, true, 1.0f / std::sqrt(static_cast<float>(dk_))};
-    if (plain_spans(spans)) {  // a batch: one call per op for every sequence's rows
+    const bool batch = plain_spans(spans);
+    if (batch) {  // a batch: one call per op for every sequence's rows
       const SpanRuns cs(spans, &LayerState::conv), ss(spans, &LayerState::ssm);
       be_.causal_conv1d_bias_silu_runs(qkv, w.conv, w.conv_bias, cs.states, cs.rows, conv);
       for (auto [t, col] : {std::pair<Tensor*, int64_t>{&qs, 0}, {&ks, HD_}, {&vs, 2 * HD_}}) {
@@ -200,7 +201,7 @@ class KimiLinear : public ArchBlocks {
       be_.linear_recurrence_runs(kda, qs, ks, vs, g, beta, Tensor(), ss.states, ss.rows, o3);
     }
     int64_t r0 = 0;
-    for (const LayerSpan& sp : plain_spans(spans) ? std::span<const LayerSpan>() : spans) {
+    for (const LayerSpan& sp : batch ? std::span<const LayerSpan>() : spans) {
       const int64_t n = sp.rows, r1 = r0 + n;
       if (sp.record) throw std::logic_error(c_.architecture + ": compact bodies are not supported");
       LayerState& ls = *sp.state;

@@ -110,20 +110,16 @@ class MiniMax : public ArchBlocks {
       lightning(model, l, y, spans, mix);
     else
       attention(model, l, y, spans, mix);
-    scaled_sum(y, lin ? c_.linear_attn_alpha : c_.full_attn_alpha, mix, lin ? c_.linear_attn_beta : c_.full_attn_beta,
-               x);
+    be_.scale_add(y, static_cast<float>(lin ? c_.linear_attn_alpha : c_.full_attn_alpha), mix,
+                  static_cast<float>(lin ? c_.linear_attn_beta : c_.full_attn_beta), x);
     be_.rms_norm(x, l.post_norm, eps, false, y);
     Tensor logits = be_.alloc_uninit(DType::F32, {T, c_.num_experts});
     be_.matmul(y, l.router, logits);
     be_.moe_experts(y, logits, static_cast<int>(c_.num_experts_per_tok), true, l.experts, mix);
-    scaled_sum(y, c_.mlp_alpha, mix, c_.mlp_beta, x);
+    be_.scale_add(y, static_cast<float>(c_.mlp_alpha), mix, static_cast<float>(c_.mlp_beta), x);
   }
 
  private:
-  void scaled_sum(const Tensor& x, double a, const Tensor& y, double b, Tensor& out) {
-    be_.scale_add(x, static_cast<float>(a), y, static_cast<float>(b), out);
-  }
-
   void lightning(Model& model, const Layer& l, const Tensor& y, std::span<const LayerSpan> spans, Tensor& mix) {
     const int64_t T = y.dim(0), HD = Hh_ * D_;
     Tensor qkv = be_.alloc_uninit(DType::F32, {T, 3 * HD});
@@ -140,13 +136,14 @@ class MiniMax : public ArchBlocks {
       be_.copy_cols(parts, col, t2);
     }
     Tensor o = be_.alloc_uninit(DType::F32, {T, Hh_, D_});
-    if (plain_spans(spans)) {  // a batch: one call for every sequence's rows
+    const bool batch = plain_spans(spans);
+    if (batch) {  // a batch: one call for every sequence's rows
       const SpanRuns ssm(spans, &LayerState::ssm);
       be_.linear_recurrence_runs({linear::Family::Retention}, q, k, v, Tensor(), Tensor(), l.log_gamma_dev, ssm.states,
                                  ssm.rows, o);
     }
     int64_t r0 = 0;
-    for (const LayerSpan& sp : plain_spans(spans) ? std::span<const LayerSpan>() : spans) {
+    for (const LayerSpan& sp : batch ? std::span<const LayerSpan>() : spans) {
       const int64_t n = sp.rows, r1 = r0 + n;
       Tensor ks = k.slice_rows(r0, r1), vs = v.slice_rows(r0, r1), os = o.slice_rows(r0, r1);
       // T_C = gamma^n per head: a scaled identity [H, 1, 1] (or dense [H, D, D]).

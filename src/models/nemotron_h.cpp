@@ -155,7 +155,8 @@ class NemotronH : public ArchBlocks {
     Tensor C = be_.alloc_uninit(DType::F32, {T, G_, N_}), g = be_.alloc_uninit(DType::F32, {T, nh_});
     Tensor v = be_.alloc_uninit(DType::F32, {T, nh_, P_}), y = be_.alloc_uninit(DType::F32, {T, nh_, P_});
     const float tmin = static_cast<float>(c_.time_step_min);
-    if (plain_spans(spans)) {  // a batch: one call per op for every sequence's rows
+    const bool batch = plain_spans(spans);
+    if (batch) {  // a batch: one call per op for every sequence's rows
       const SpanRuns conv(spans, &LayerState::conv), ssm(spans, &LayerState::ssm);
       be_.causal_conv1d_bias_silu_runs(xbc_in, w.conv_w, w.conv_b, conv.states, conv.rows, xbc);
       Tensor x2 = x.reshape({T, I_}), B2 = B.reshape({T, GN}), C2 = C.reshape({T, GN});
@@ -166,7 +167,7 @@ class NemotronH : public ArchBlocks {
       be_.linear_recurrence_runs({linear::Family::Mamba2}, C, B, v, g, Tensor(), Tensor(), ssm.states, ssm.rows, y);
     }
     int64_t r0 = 0;
-    for (const LayerSpan& sp : plain_spans(spans) ? std::span<const LayerSpan>() : spans) {
+    for (const LayerSpan& sp : batch ? std::span<const LayerSpan>() : spans) {
       LayerState& ls = *sp.state;
       const int64_t n = sp.rows, r1 = r0 + n;
       Tensor xs = x.slice_rows(r0, r1), Bs = B.slice_rows(r0, r1), Cs = C.slice_rows(r0, r1);
