@@ -41,47 +41,6 @@ double secs(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
 
-// Multiply-adds x 2 of the weight matmuls one token goes through (MoE: routed top-k plus the
-// shared expert), plus the LM head.
-double weight_flops_per_token(const ModelConfig& c) {
-  const double H = static_cast<double>(c.hidden_size);
-  const bool nemotron = c.arch == Arch::NemotronH;  // ungated attention and ReLU^2 MLPs (up, down)
-  const double mlp_mats = nemotron ? 2 : 3;
-  double f = 0;
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    const LayerKind kind = c.layer_types[static_cast<size_t>(i)];
-    if (kind == LayerKind::Linear) {
-      const double kd = c.linear_num_key_heads * c.linear_key_head_dim,
-                   vd = c.linear_num_value_heads * c.linear_value_head_dim;
-      f += H * (2 * kd + 2 * vd + 2 * c.linear_num_value_heads) + vd * H;
-      if (nemotron) f -= H * c.linear_num_value_heads;  // one dt projection, no beta
-    } else if (kind == LayerKind::Attention) {
-      const double qd = c.num_attention_heads * c.head_dim, kvd = c.num_key_value_heads * c.head_dim;
-      f += H * ((nemotron ? 1 : 2) * qd + 2 * kvd) + qd * H;
-    }
-    if (nemotron && kind != LayerKind::Ffn) continue;  // one sub-layer per block
-    if (c.layer_is_moe(i))
-      f += H * c.num_experts + mlp_mats * H * c.moe_intermediate_size * c.num_experts_per_tok +
-           mlp_mats * H * c.shared_expert_intermediate_size + H;
-    else
-      f += mlp_mats * H * c.intermediate_size;
-  }
-  return 2 * f;
-}
-
-// Token-mixing work that is not a weight matmul: GDN recurrence (~6 dk dv per value head per
-// token: decay, read, write, output) and causal attention over `ctx` previous positions.
-double mixer_flops_per_token(const ModelConfig& c, double ctx) {
-  double f = 0;
-  for (auto k : c.layer_types) {
-    if (k == LayerKind::Linear)
-      f += 6.0 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim;
-    else if (k == LayerKind::Attention)
-      f += 4.0 * c.num_attention_heads * c.head_dim * ctx;
-  }
-  return f;
-}
-
 // Measured GEMM rate of this backend, the ceiling prefill efficiency is compared with: f32 weights
 // at 512x1024x1024 on the CPU; on a GPU, the model's weight dtype at 8192^3 on random values (large
 // enough to fill the chip; zeros would run faster than real data).
@@ -299,7 +258,7 @@ void register_bench(CLI::App& app) {
           if (r > 0) times.push_back(secs(t0, Clock::now()));
         }
         const double t = median(times);
-        const double flops = n_tok * (weight_flops_per_token(cfg) + mixer_flops_per_token(cfg, n_tok / 2.0));
+        const double flops = n_tok * m.flops_per_token(n_tok / 2.0);
         warn_if_blas_held_back(m.backend());
         nlohmann::json j{{"bench", "prefill"},
                          {"model", lm.description},
@@ -575,10 +534,9 @@ void register_bench(CLI::App& app) {
       Backend& be = m.backend();
       const auto& cfg = m.config();
       const int64_t n = o.tokens;
-      if (cfg.arch != Arch::Qwen3_5 && cfg.arch != Arch::Qwen3_5Moe && cfg.arch != Arch::Qwen3Next)
-        throw std::invalid_argument(
-            "bench entry times the Gated DeltaNet recurrence: Qwen3.5 and Qwen3-Next models only, not " +
-            cfg.architecture);
+      if (std::string(arch_spec(cfg.arch).linear_family) != "gated_deltanet")
+        throw std::invalid_argument("bench entry times the Gated DeltaNet recurrence; the linear layers of " +
+                                    cfg.architecture + " are " + arch_spec(cfg.arch).linear_family);
       const auto lin = std::find(cfg.layer_types.begin(), cfg.layer_types.end(), LayerKind::Linear);
       if (lin == cfg.layer_types.end()) throw std::invalid_argument("the model has no linear layer");
       const int64_t li = lin - cfg.layer_types.begin();

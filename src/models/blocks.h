@@ -8,13 +8,11 @@
 #include <string>
 
 #include "backend/backend.h"
+#include "models/architectures.h"
 #include "models/config.h"
 #include "models/model.h"
 
 namespace hypic {
-
-// A weight as the checkpoint holds it, on the host (counted into the model's size and fingerprint).
-using LoadWeight = std::function<Tensor(const std::string& name, const Shape& shape)>;
 
 class ArchBlocks {
  public:
@@ -32,32 +30,5 @@ class ArchBlocks {
   // Bytes of routed-expert weights (for Model::step_weight_bytes).
   virtual size_t expert_bytes() const = 0;
 };
-
-// Nemotron-H (Mamba2, NoPE attention, ReLU^2 MLP and MoE blocks).
-std::unique_ptr<ArchBlocks> nemotron_h_blocks(const ModelConfig& c, const LoadWeight& load, Backend& be);
-// MiniMax (lightning attention, RoPE attention, MoE, scaled residuals).
-std::unique_ptr<ArchBlocks> minimax_blocks(const ModelConfig& c, const LoadWeight& load, Backend& be);
-
-// Kimi-Linear (KDA, MLA without RoPE, sigmoid-routed MoE).
-std::unique_ptr<ArchBlocks> kimi_linear_blocks(const ModelConfig& c, const LoadWeight& load, Backend& be);
-
-// The registry: architectures whose blocks live in their own file, with the names of the weights
-// Model loads itself. Qwen3.5 / Qwen3.5-MoE / Qwen3-Next are not listed (their layers are Model's).
-struct ArchBlocksEntry {
-  Arch arch;
-  const char* embed;       // token embedding
-  const char* final_norm;  // RMSNorm before the head (weight multiplies directly)
-  std::unique_ptr<ArchBlocks> (*make)(const ModelConfig&, const LoadWeight&, Backend&);
-};
-inline const ArchBlocksEntry* find_arch_blocks(Arch a) {
-  static const ArchBlocksEntry kEntries[] = {
-      {Arch::NemotronH, "backbone.embeddings.weight", "backbone.norm_f.weight", nemotron_h_blocks},
-      {Arch::MiniMax, "model.embed_tokens.weight", "model.norm.weight", minimax_blocks},
-      {Arch::KimiLinear, "model.embed_tokens.weight", "model.norm.weight", kimi_linear_blocks},
-  };
-  for (const auto& e : kEntries)
-    if (e.arch == a) return &e;
-  return nullptr;
-}
 
 }  // namespace hypic

@@ -1,7 +1,7 @@
 // config.json parsing for the Qwen3.5 / Qwen3.5-MoE / Qwen3-Next families, the pieces other
-// architectures share, and the dispatch to the parsers that live with their architectures
-// (nemotron_h.cpp, kimi_linear.cpp, minimax.cpp),
-// each in the field names transformers 5 writes and those of the checkpoints on the Hub.
+// architectures share, and the dispatch (through the registry, architectures.h) to the parsers
+// that live with their architectures, each in the field names transformers 5 writes and those of
+// the checkpoints on the Hub.
 #include "models/config.h"
 
 #include <algorithm>
@@ -18,27 +18,9 @@ namespace hypic {
 
 using json = nlohmann::json;
 
-const char* arch_name(Arch a) {
-  switch (a) {
-    case Arch::Qwen3_5:
-      return "qwen3_5";
-    case Arch::Qwen3_5Moe:
-      return "qwen3_5_moe";
-    case Arch::Qwen3Next:
-      return "qwen3_next";
-    case Arch::NemotronH:
-      return "nemotron_h";
-    case Arch::MiniMax:
-      return "minimax";
-    case Arch::KimiLinear:
-      return "kimi_linear";
-  }
-  return "?";
-}
-
 bool ModelConfig::layer_is_moe(int64_t i) const {
   if (num_experts <= 0) return false;
-  if (arch == Arch::NemotronH || arch == Arch::KimiLinear)
+  if (!moe_blocks.empty())  // the architecture lists its MoE blocks (Nemotron-H, Kimi-Linear)
     return i >= 0 && static_cast<size_t>(i) < moe_blocks.size() && moe_blocks[i];
   if (std::find(mlp_only_layers.begin(), mlp_only_layers.end(), i) != mlp_only_layers.end()) return false;
   return decoder_sparse_step > 0 && (i + 1) % decoder_sparse_step == 0;
@@ -54,26 +36,24 @@ int64_t ModelConfig::num_attention_layers() const {
 
 LayerDesc describe_layer(const ModelConfig& c, int64_t i) {
   LayerDesc d;
+  const ArchSpec& spec = arch_spec(c.arch);
   const LayerKind k = c.layer_types[static_cast<size_t>(i)];
-  const bool nemotron = c.arch == Arch::NemotronH;  // one sub-layer per block
   if (k == LayerKind::Linear) {
     d.mixer = "linear";
-    d.family = c.arch == Arch::NemotronH    ? "mamba2"
-               : c.arch == Arch::MiniMax    ? "lightning"
-               : c.arch == Arch::KimiLinear ? "kda"
-                                            : "gated_deltanet";
-    const int64_t conv_ch = c.arch == Arch::KimiLinear ? 3 * c.linear_num_value_heads * c.linear_value_head_dim
-                                                       : 2 * c.linear_num_key_heads * c.linear_key_head_dim +
-                                                             c.linear_num_value_heads * c.linear_value_head_dim;
+    d.family = spec.linear_family;
+    // Model::new_state's shapes: the recurrent state, and the short conv's last K-1 inputs (q, k, v
+    // as one conv or three).
+    const int64_t conv_ch =
+        2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim;
     d.state_floats = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim +
-                     (c.arch == Arch::MiniMax ? 0 : (c.linear_conv_kernel_dim - 1) * conv_ch);
+                     (spec.short_conv ? (c.linear_conv_kernel_dim - 1) * conv_ch : 0);
   } else if (k == LayerKind::Attention) {
-    d.mixer = c.arch == Arch::KimiLinear ? "mla" : "attention";
+    d.mixer = spec.attention_mixer;
     d.kv_floats_per_token = 2 * c.num_key_value_heads * c.head_dim;
   } else {
     d.mixer = "none";
   }
-  d.ffn = nemotron && k != LayerKind::Ffn ? "none" : c.layer_is_moe(i) ? "moe" : "mlp";
+  d.ffn = spec.one_sublayer_per_block && k != LayerKind::Ffn ? "none" : c.layer_is_moe(i) ? "moe" : "mlp";
   return d;
 }
 
@@ -288,27 +268,11 @@ using namespace config_detail;
 
 namespace {
 
-struct ArchInfo {
-  const char* name;  // architectures[0]
-  const char* model_type;
-  Arch arch;
-  bool nested;
-};
-
-constexpr ArchInfo kArchs[] = {
-    {"Qwen3_5ForCausalLM", "qwen3_5_text", Arch::Qwen3_5, false},
-    {"Qwen3_5ForConditionalGeneration", "qwen3_5", Arch::Qwen3_5, true},
-    {"Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", Arch::Qwen3_5Moe, false},
-    {"Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe", Arch::Qwen3_5Moe, true},
-    {"Qwen3NextForCausalLM", "qwen3_next", Arch::Qwen3Next, false},
-    {"NemotronHForCausalLM", "nemotron_h", Arch::NemotronH, false},
-    {"MiniMaxForCausalLM", "minimax", Arch::MiniMax, false},
-    {"KimiLinearForCausalLM", "kimi_linear", Arch::KimiLinear, false},
-};
-
 std::string supported_list() {
   std::string s;
-  for (const auto& a : kArchs) s += (s.empty() ? "" : ", ") + std::string(a.name);
+  for (const ArchSpec& a : arch_specs())
+    for (const auto& n : a.hf)
+      if (n.architecture) s += (s.empty() ? "" : ", ") + std::string(n.architecture);
   return s;
 }
 
@@ -384,29 +348,36 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
 
   ModelConfig cfg;
   // Architecture: architectures[0], else model_type.
-  const ArchInfo* info = nullptr;
+  const ArchSpec* spec = nullptr;
+  const ArchSpec::HfName* info = nullptr;
+  auto find = [&](const std::string& named, bool by_type) {
+    for (const ArchSpec& a : arch_specs())
+      for (const auto& n : a.hf)
+        if (n.architecture && named == (by_type ? n.model_type : n.architecture)) {
+          spec = &a;
+          info = &n;
+        }
+  };
   std::string named;
   auto ait = root.find("architectures");
   if (ait != root.end() && ait->is_array() && !ait->empty()) {
     if (!(*ait)[0].is_string())
       throw std::runtime_error(path + ": field 'architectures' must be a list of strings, found " + ait->dump());
     named = (*ait)[0].get<std::string>();
-    for (const auto& a : kArchs)
-      if (named == a.name) info = &a;
+    find(named, false);
   } else {
     auto mt = root.find("model_type");
     if (mt == root.end() || !mt->is_string())
       throw std::runtime_error(
           path + ": neither 'architectures' nor 'model_type' names the model (supported: " + supported_list() + ")");
     named = mt->get<std::string>();
-    for (const auto& a : kArchs)
-      if (named == a.model_type) info = &a;
+    find(named, true);
   }
   if (!info)
     throw std::runtime_error("unsupported architecture '" + named + "' in " + path +
                              " (supported: " + supported_list() + ")");
-  cfg.architecture = info->name;
-  cfg.arch = info->arch;
+  cfg.architecture = info->architecture;
+  cfg.arch = spec->arch;
   cfg.nested_text = info->nested;
 
   const json* text = &root;
@@ -417,14 +388,7 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
     text = &*tc;
   }
   Fields f(root, *text, path);
-  if (cfg.arch == Arch::NemotronH)
-    parse_nemotron_h(f, cfg);
-  else if (cfg.arch == Arch::KimiLinear)
-    parse_kimi_linear(f, cfg);
-  else if (cfg.arch == Arch::MiniMax)
-    parse_minimax(f, cfg);
-  else
-    parse_qwen(f, cfg);
+  spec->parse(f, cfg);
   check_state_sizes(f, cfg);
   return cfg;
 }

@@ -5,18 +5,17 @@
 #include <string>
 #include <vector>
 
+#include "models/architectures.h"
 #include "tensor/dtype.h"
 
 namespace hypic {
 
-enum class Arch { Qwen3_5, Qwen3_5Moe, Qwen3Next, NemotronH, MiniMax, KimiLinear };
 // A layer's token mixer: linear attention or a state space (config "linear_attention": Gated
 // DeltaNet, Mamba2, lightning, KDA), softmax attention (config "full_attention"; "full" alone names
 // the prefill mode that recomputes everything), or none (Nemotron-H's MLP and MoE blocks: one
 // sub-layer per block there, so its feed-forward blocks hold no state).
 enum class LayerKind { Linear, Attention, Ffn };
 
-const char* arch_name(Arch a);
 // One character per layer in `hypic info` and bench layer maps: L linear, A attention, - no mixer.
 inline char layer_map_char(LayerKind k) {
   return k == LayerKind::Linear ? 'L' : k == LayerKind::Attention ? 'A' : '-';

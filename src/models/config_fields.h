@@ -151,10 +151,4 @@ void parse_attention_common(const Fields& f, ModelConfig& cfg);
 void parse_layer_types(const Fields& f, ModelConfig& cfg);
 void parse_mlp_widths_and_token_ids(const Fields& f, ModelConfig& cfg);
 
-// The architectures' own parsers (their files; Qwen's in config.cpp).
-void parse_qwen(const Fields& f, ModelConfig& cfg);
-void parse_nemotron_h(const Fields& f, ModelConfig& cfg);
-void parse_kimi_linear(const Fields& f, ModelConfig& cfg);
-void parse_minimax(const Fields& f, ModelConfig& cfg);
-
 }  // namespace hypic::config_detail

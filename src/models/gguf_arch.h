@@ -61,13 +61,4 @@ class GgufKeys {
   std::string arch_;
 };
 
-// Nemotron-H (llama.cpp's nemotron_h, and nemotron_h_moe: routed experts in every feed-forward
-// block), in nemotron_h.cpp.
-void nemotron_h_gguf_config(const GgufKeys& k, ModelConfig& c);
-std::optional<Source> nemotron_h_gguf_source(const ModelConfig& c, const std::string& name);
-
-// Kimi-Linear (llama.cpp's kimi-linear), in kimi_linear.cpp.
-void kimi_linear_gguf_config(const GgufKeys& k, ModelConfig& c);
-std::optional<Source> kimi_linear_gguf_source(const ModelConfig& c, const std::string& name);
-
 }  // namespace hypic::gguf_detail

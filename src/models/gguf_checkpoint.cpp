@@ -12,6 +12,7 @@
 
 #include "backend/backend.h"
 #include "io/gguf_writer.h"
+#include "models/architectures.h"
 #include "models/gguf_arch.h"
 #include "tensor/quant.h"
 
@@ -27,11 +28,11 @@ using json = nlohmann::json;
 
 using gguf_detail::Source;
 
-// The file's tensor for a Hugging Face name under config c, and what undoes the converter's change.
-std::optional<Source> resolve(const ModelConfig& c_, const std::string& name) {
+}  // namespace
+
+// qwen35, qwen35moe, qwen3next: the file's tensor for a Hugging Face name.
+std::optional<Source> gguf_detail::qwen_gguf_source(const ModelConfig& c_, const std::string& name) {
   using Fix = Source::Fix;
-  if (c_.arch == Arch::NemotronH) return gguf_detail::nemotron_h_gguf_source(c_, name);
-  if (c_.arch == Arch::KimiLinear) return gguf_detail::kimi_linear_gguf_source(c_, name);
   if (name == "model.embed_tokens.weight") return Source{"token_embd.weight"};
   if (name == "lm_head.weight") return Source{"output.weight"};
   if (name == "model.norm.weight") return Source{"output_norm.weight", -1, Fix::MinusOne};
@@ -105,6 +106,16 @@ std::optional<Source> resolve(const ModelConfig& c_, const std::string& name) {
     return Source{blk + t, e->first};
   }
   return std::nullopt;
+}
+
+namespace {
+
+// The file's tensor for a Hugging Face name under config c, and what undoes the converter's change
+// (the architecture's mapping, architectures.h).
+std::optional<Source> resolve(const ModelConfig& c, const std::string& name) {
+  const auto source = arch_spec(c.arch).gguf_source;
+  if (!source) return std::nullopt;
+  return source(c, name);
 }
 
 class GgufWeights : public WeightSource {
@@ -391,10 +402,8 @@ int64_t GgufKeys::shared_nonzero(const std::string& k, const std::vector<int64_t
 
 }  // namespace gguf_detail
 
-namespace {
-
 // qwen35, qwen35moe, qwen3next: Gated DeltaNet with full attention every n-th layer.
-void qwen_gguf_config(const gguf_detail::GgufKeys& k, ModelConfig& c) {
+void gguf_detail::qwen_gguf_config(const gguf_detail::GgufKeys& k, ModelConfig& c) {
   const GgufFile& f = k.file();
   const std::string& a = k.arch();
   auto positive = [&](const std::string& key) { return k.positive(key); };
@@ -436,31 +445,20 @@ void qwen_gguf_config(const gguf_detail::GgufKeys& k, ModelConfig& c) {
   }
 }
 
-}  // namespace
-
 ModelConfig gguf_model_config(const GgufFile& f) {
   const std::string a = f.get_string("general.architecture");
   ModelConfig c;
-  if (a == "qwen35") {
-    c.arch = Arch::Qwen3_5;
-    c.architecture = "Qwen3_5ForCausalLM";
-  } else if (a == "qwen35moe") {
-    c.arch = Arch::Qwen3_5Moe;
-    c.architecture = "Qwen3_5MoeForCausalLM";
-  } else if (a == "qwen3next") {
-    c.arch = Arch::Qwen3Next;
-    c.architecture = "Qwen3NextForCausalLM";
-  } else if (a == "nemotron_h" || a == "nemotron_h_moe") {
-    c.arch = Arch::NemotronH;
-    c.architecture = "NemotronHForCausalLM";
-  } else if (a == "kimi-linear") {
-    c.arch = Arch::KimiLinear;
-    c.architecture = "KimiLinearForCausalLM";
-  } else {
-    fail(f, "architecture '" + a +
-                "' is not one hypic runs from GGUF (qwen35, qwen35moe, qwen3next, nemotron_h, nemotron_h_moe, "
-                "kimi-linear)");
-  }
+  const ArchSpec* spec = nullptr;
+  std::string known;
+  for (const ArchSpec& s : arch_specs())
+    for (const char* g : s.gguf) {
+      if (!g) continue;
+      known += (known.empty() ? "" : ", ") + std::string(g);
+      if (a == g) spec = &s;
+    }
+  if (!spec) fail(f, "architecture '" + a + "' is not one hypic runs from GGUF (" + known + ")");
+  c.arch = spec->arch;
+  c.architecture = spec->hf[0].architecture;
   const gguf_detail::GgufKeys k(f, a);
   c.hidden_size = k.positive("embedding_length");
   c.num_hidden_layers = k.positive("block_count");
@@ -470,12 +468,7 @@ ModelConfig gguf_model_config(const GgufFile& f) {
                 std::to_string(f.tensors().size()) + " tensors of the file or the bound of " +
                 std::to_string(kMaxLayers) + " layers");
   c.max_position_embeddings = k.positive("context_length");
-  if (c.arch == Arch::NemotronH)
-    gguf_detail::nemotron_h_gguf_config(k, c);
-  else if (c.arch == Arch::KimiLinear)
-    gguf_detail::kimi_linear_gguf_config(k, c);
-  else
-    qwen_gguf_config(k, c);
+  spec->gguf_config(k, c);
   const GgufTensorInfo* emb = f.find("token_embd.weight");
   if (!emb) fail(f, "missing tensor token_embd.weight");
   const Shape es = emb->shape();

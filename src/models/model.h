@@ -108,6 +108,9 @@ class Model {
   // an untied embedding table it does not look up, with the routed experts counted at the
   // expected share a batch selects (1 - (1 - k/E)^batch under uniform routing).
   double step_weight_bytes(int64_t batch) const;
+  // FLOPs of one token that attends to `context` earlier positions: 2 per weight it multiplies
+  // (routed experts at the expected share k/E), plus its token mixers' recurrence and attention.
+  double flops_per_token(double context) const;
   // Identifies config + weights (names, shapes, dtypes and sampled bytes of every tensor); part
   // of every cache key so entries never cross models.
   uint64_t fingerprint() const { return fingerprint_; }
@@ -171,8 +174,10 @@ class Model {
   std::unique_ptr<Impl> impl_;
   int64_t n_params_ = 0;
   size_t weight_bytes_ = 0;
-  size_t expert_bytes_ = 0;  // routed experts, all layers
-  size_t embed_bytes_ = 0;   // the embedding table when it is not also the head
+  size_t expert_bytes_ = 0;    // routed experts, all layers
+  size_t embed_bytes_ = 0;     // the embedding table when it is not also the head
+  int64_t embed_params_ = 0;   // its values (a lookup, not a product)
+  int64_t routed_params_ = 0;  // routed experts' values, all layers
   uint64_t fingerprint_ = 0;
   bool step_graphs_ = true;
 };

@@ -224,6 +224,7 @@ Model::Model(ModelConfig cfg, const WeightSource& ws, Backend& be)
   }
   auto record = [&](const std::string& name, Tensor t) {
     n_params_ += t.numel();
+    if (name.find(".experts.") != std::string::npos) routed_params_ += t.numel();  // not shared_experts.
     weight_bytes_ += t.nbytes();
     // Name, shape, dtype and the first and last 64 bytes: cheap, and different weights differ.
     XXH64_update(fp, name.data(), name.size());
@@ -244,22 +245,22 @@ Model::Model(ModelConfig cfg, const WeightSource& ws, Backend& be)
                       W(prefix + "down_proj.weight", {m.H, I})};
   };
 
-  if (const ArchBlocksEntry* arch = find_arch_blocks(c.arch)) {
-    m.embed = W(arch->embed, {c.vocab_size, m.H});
-    if (!c.tie_word_embeddings) embed_bytes_ = m.embed.nbytes();
-    m.final_norm = W(arch->final_norm, {m.H});
+  if (const ArchSpec& arch = arch_spec(c.arch); arch.blocks) {
+    m.embed = W(arch.embed, {c.vocab_size, m.H});
+    if (!c.tie_word_embeddings) embed_bytes_ = m.embed.nbytes(), embed_params_ = m.embed.numel();
+    m.final_norm = W(arch.final_norm, {m.H});
     m.norm_offset = false;
     m.lm_head = c.tie_word_embeddings ? m.embed : W("lm_head.weight", {c.vocab_size, m.H});
     m.layers.resize(static_cast<size_t>(c.num_hidden_layers));  // kinds only: the states' shapes
     for (int64_t i = 0; i < c.num_hidden_layers; ++i) m.layers[static_cast<size_t>(i)].kind = c.layer_types[i];
-    m.blocks = arch->make(c, load, be_);
+    m.blocks = arch.blocks(c, load, be_);
     expert_bytes_ = m.blocks->expert_bytes();
     fingerprint_ = XXH64_digest(fp);
     if (const char* e = std::getenv("HYPIC_GRAPHS"); e && std::string(e) == "0") step_graphs_ = false;
     return;
   }
   m.embed = W(P + "embed_tokens.weight", {c.vocab_size, m.H});
-  if (!c.tie_word_embeddings) embed_bytes_ = m.embed.nbytes();
+  if (!c.tie_word_embeddings) embed_bytes_ = m.embed.nbytes(), embed_params_ = m.embed.numel();
   m.final_norm = W(P + "norm.weight", {m.H});
   if (c.tie_word_embeddings)  // as transformers: tied means the embedding is the head
     m.lm_head = m.embed;
@@ -760,6 +761,24 @@ void Model::apply_after_conv(LayerState& ls, const SpanAfter& a) {
     a.keep->conv = be_.alloc_uninit(DType::F32, ls.conv.shape());
     be_.copy(ls.conv, a.keep->conv);
   }
+}
+
+double Model::flops_per_token(double context) const {
+  // Every weight a token meets does one multiply-add (the routed experts' share k/E of them; the
+  // embedding is a lookup, except as a tied head): 2 FLOPs a parameter, norms and conv taps too.
+  const double E = static_cast<double>(cfg_.num_experts), k = static_cast<double>(cfg_.num_experts_per_tok);
+  const double routed = static_cast<double>(routed_params_);
+  double f = 2.0 * (static_cast<double>(n_params_ - embed_params_) - routed + (E > 0 ? routed * k / E : 0.0));
+  // The token mixers: a linear layer's recurrence (~6 dk dv per value head: decay, read, write,
+  // output), attention's scores and values over `context` keys.
+  const auto& c = cfg_;
+  for (LayerKind kind : c.layer_types) {
+    if (kind == LayerKind::Linear)
+      f += 6.0 * static_cast<double>(c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim);
+    else if (kind == LayerKind::Attention)
+      f += 4.0 * static_cast<double>(c.num_attention_heads * c.head_dim) * context;
+  }
+  return f;
 }
 
 double Model::step_weight_bytes(int64_t batch) const {
