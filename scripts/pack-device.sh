@@ -41,6 +41,9 @@ for b in "${bins[@]}"; do
 done
 # The device's newer libstdc++ and libgcc_s serve binaries built against older ones.
 skip='^(linux-vdso|ld-linux|libc\.so|libm\.so|libdl\.so|libpthread\.so|librt\.so|libstdc\+\+|libgcc_s|libcuda|libcudart|libcublas|libnvidia|libopenblas|libgfortran|libquadmath)'
+# PACK_LEAN=1 also leaves out libraries the device's Ubuntu 24.04 has under the same soname (PCRE2,
+# libnuma, fmt 9, UCX 1.x): ~1 MB of archive, for calls at the carried tree's limit.
+[ "${PACK_LEAN:-0}" = 1 ] && skip="${skip%)}|libpcre2-8|libnuma|libfmt|libucp|libucs|libuct|libucm)"
 # OpenBLAS (36 MB, with libgfortran) is left out too: the device machine has its own, and the
 # archive must fit the carried tree's 64 MiB beside the test models. PACK_BLAS=1 packs it.
 [ "${PACK_BLAS:-0}" = 1 ] && skip="${skip/|libopenblas|libgfortran|libquadmath/}"

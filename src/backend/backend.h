@@ -34,9 +34,24 @@ struct RecurrenceInputs {
   int64_t rows() const { return k.defined() ? k.dim(0) : 0; }
 };
 
-// Routed experts of one MoE layer, one view per expert ([I,H], [I,H], [H,I]).
+// Routed experts of one MoE layer, one view per expert ([I,H], [I,H], [H,I]): SwiGLU experts,
+// down(silu(gate x) * up x); with `gate` empty, ReLU^2 experts, down(relu(up x)^2) (Nemotron-H).
 struct ExpertWeights {
   std::vector<Tensor> gate, up, down;
+};
+
+// How a MoE layer's router logits [T, E] pick each token's experts and their weights (the host
+// forms in backend/moe_routing.h define both): softmax scores, top-k (ties to the lower expert),
+// renormalised when norm_topk (Qwen, MiniMax); or, with `sigmoid`, DeepSeek-V3's scheme: sigmoid
+// scores, experts chosen by score + bias among the topk_group best of n_group groups, the chosen
+// scores as weights (over their sum when norm_topk), times `scaling` (Nemotron-H, Kimi-Linear).
+struct MoeRouter {
+  int top_k = 1;
+  bool norm_topk = true;
+  bool sigmoid = false;
+  Tensor bias;  // sigmoid: f32 [E] on the backend's device, or undefined for none
+  int64_t n_group = 1, topk_group = 1;
+  float scaling = 1.f;
 };
 
 // Another process's shared memory could not be mapped here (another host, no IPC between the
@@ -316,10 +331,6 @@ class Backend {
   // x <- act(x) in place (f32): SiLU, or ReLU^2 = max(x, 0)^2 (Nemotron-H's MLP).
   enum class Activation { Silu, ReluSquared };
   virtual void activate(Activation act, Tensor& x) = 0;
-  // dst[rows[i]] += weights[i] * src[i] for every row i of src [R, C] (dst [N, C], rows distinct): one
-  // expert's outputs added into its tokens' rows with their routing weights.
-  virtual void add_rows_scaled(const Tensor& src, std::span<const int32_t> rows, std::span<const float> weights,
-                               Tensor& dst) = 0;
 
   // ---- segment summaries (PIC) -----------------------------------------------------------------
   // Per head: out = alpha * (T S) + B, T [H, dk, dk], S and B [H, dk, dv]; out must not alias S.
@@ -363,10 +374,18 @@ class Backend {
   virtual void sample_rows(const Tensor& x, const Tensor& params, const Tensor& mask, Tensor& ids);
 
   // ---- mixture of experts -------------------------------------------------------------------
-  // Softmax over router logits[T, E], top-k (renormalised when norm_topk), SwiGLU experts,
-  // weighted sum into out[T, H] (overwritten).
-  virtual void moe_experts(const Tensor& x, const Tensor& router_logits, int top_k, bool norm_topk,
+  // Each token's experts chosen from router_logits [T, E] by `router`, run on its row of x [T, H],
+  // weighted sum into out [T, H] (overwritten).
+  virtual void moe_experts(const Tensor& x, const Tensor& router_logits, const MoeRouter& router,
                            const ExpertWeights& experts, Tensor& out) = 0;
+  // Softmax routing: top_k experts, renormalised when norm_topk.
+  void moe_experts(const Tensor& x, const Tensor& router_logits, int top_k, bool norm_topk,
+                   const ExpertWeights& experts, Tensor& out) {
+    MoeRouter r;
+    r.top_k = top_k;
+    r.norm_topk = norm_topk;
+    moe_experts(x, router_logits, r, experts, out);
+  }
   // The end of a MoE block and its residual add in one op: x += moe_experts(xn, ...) +
   // sigmoid(shared_gate) * shared, where shared [T, H] is the shared expert's output and
   // shared_gate [T, 1] its gate logit (both undefined: no shared expert). The GPU folds it all into

@@ -105,8 +105,6 @@ void check_mamba2_gated_norm(const Tensor& y, const Tensor& x, const Tensor& z, 
                              int64_t groups, const Tensor& out, DeviceKind dev);
 void check_kda_gates(const Tensor& a, const Tensor& b, const Tensor& A, const Tensor& dt_bias, const Tensor& g,
                      const Tensor& beta, DeviceKind dev);
-void check_add_rows_scaled(const Tensor& src, std::span<const int32_t> rows, std::span<const float> weights,
-                           const Tensor& dst, DeviceKind dev);
 void check_compose_state(const Tensor& T, const Tensor& S, const Tensor& B, const Tensor& out, DeviceKind dev);
 void check_set_identity(const Tensor& t, DeviceKind dev);
 // Decode-step tables: an I64 tensor of n entries (addresses or positions) on dev.
@@ -119,7 +117,7 @@ void check_attention_step(const Tensor& q, const Tensor& k, const Tensor& v, con
 // x F32 [R, V] (V >= 1), params F32 [R, 3], mask U8 [V] or undefined, ids I32 [R].
 void check_sample_rows(const Tensor& x, const Tensor& params, const Tensor& mask, const Tensor& ids, DeviceKind dev);
 // Returns the experts' intermediate size.
-int64_t check_moe(const Tensor& x, const Tensor& router_logits, int top_k, const ExpertWeights& experts,
+int64_t check_moe(const Tensor& x, const Tensor& router_logits, const MoeRouter& router, const ExpertWeights& experts,
                   const Tensor& out, DeviceKind dev);
 // moe_experts_add's shared expert output [T, H] and gate logit [T, 1] (both or neither defined).
 void check_moe_shared(const Tensor& shared, const Tensor& shared_gate, const Tensor& x, DeviceKind dev);

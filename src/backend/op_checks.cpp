@@ -436,26 +436,6 @@ void check_kda_gates(const Tensor& a, const Tensor& b, const Tensor& A, const Te
   need_shape(op, "beta", beta, {T, H});
 }
 
-void check_add_rows_scaled(const Tensor& src, std::span<const int32_t> rows, std::span<const float> weights,
-                           const Tensor& dst, DeviceKind dev) {
-  const char* op = "add_rows_scaled";
-  need_f32(op, "src", src, dev);
-  need_f32(op, "dst", dst, dev);
-  need_ndim(op, "src", src, 2);
-  need_ndim(op, "dst", dst, 2);
-  if (src.dim(1) != dst.dim(1)) fail(op, "src " + src.str() + " and dst " + dst.str() + ": row sizes differ");
-  if (static_cast<int64_t>(rows.size()) != src.dim(0) || weights.size() != rows.size())
-    fail(op,
-         std::to_string(rows.size()) + " rows and " + std::to_string(weights.size()) + " weights for src " + src.str());
-  std::vector<char> seen(static_cast<size_t>(dst.dim(0)), 0);
-  for (size_t i = 0; i < rows.size(); ++i) {
-    if (rows[i] < 0 || rows[i] >= dst.dim(0))
-      fail(op, "row " + std::to_string(rows[i]) + " at " + std::to_string(i) + " out of range for dst " + dst.str());
-    if (seen[static_cast<size_t>(rows[i])]++) fail(op, "row " + std::to_string(rows[i]) + " appears twice");
-  }
-  if (overlaps(src, dst)) fail(op, "src and dst overlap");
-}
-
 void check_compose_state(const Tensor& T, const Tensor& S, const Tensor& B, const Tensor& out, DeviceKind dev) {
   const char* op = "compose_state";
   need_def(op, "T", T, dev);
@@ -495,8 +475,9 @@ void check_moe_shared(const Tensor& shared, const Tensor& shared_gate, const Ten
   if (overlaps(shared, x) || overlaps(shared_gate, x)) fail(op, "shared and shared_gate must not overlap x");
 }
 
-int64_t check_moe(const Tensor& x, const Tensor& router_logits, int top_k, const ExpertWeights& experts,
+int64_t check_moe(const Tensor& x, const Tensor& router_logits, const MoeRouter& router, const ExpertWeights& experts,
                   const Tensor& out, DeviceKind dev) {
+  const int top_k = router.top_k;
   const char* op = "moe_experts";
   need_f32(op, "x", x, dev);
   need_f32(op, "router_logits", router_logits, dev);
@@ -509,19 +490,36 @@ int64_t check_moe(const Tensor& x, const Tensor& router_logits, int top_k, const
   need_shape(op, "out", out, {T, H});
   if (top_k < 1 || top_k > E)
     fail(op, "top_k " + std::to_string(top_k) + " out of range for " + std::to_string(E) + " experts");
-  if (static_cast<int64_t>(experts.gate.size()) != E || static_cast<int64_t>(experts.up.size()) != E ||
+  if (router.sigmoid) {
+    if (router.n_group < 1 || router.topk_group < 1 || router.topk_group > router.n_group || E % router.n_group != 0)
+      fail(op, "groups: " + std::to_string(router.topk_group) + " of " + std::to_string(router.n_group) +
+                   " must divide the " + std::to_string(E) + " experts");
+    if (top_k > router.topk_group * (E / router.n_group))
+      fail(op, "top_k " + std::to_string(top_k) + " exceeds the " +
+                   std::to_string(router.topk_group * (E / router.n_group)) + " experts of the chosen groups");
+    if (router.bias.defined()) {
+      need_f32(op, "bias", router.bias, dev);
+      need_shape(op, "bias", router.bias, {E});
+    }
+  } else if (router.bias.defined()) {
+    fail(op, "a bias is for sigmoid routing only");
+  }
+  const bool relu2 = experts.gate.empty();  // ReLU^2 experts: up and down only
+  if ((!relu2 && static_cast<int64_t>(experts.gate.size()) != E) || static_cast<int64_t>(experts.up.size()) != E ||
       static_cast<int64_t>(experts.down.size()) != E)
-    fail(op, "expected " + std::to_string(E) + " experts in gate/up/down, got " + std::to_string(experts.gate.size()) +
-                 "/" + std::to_string(experts.up.size()) + "/" + std::to_string(experts.down.size()));
+    fail(op, "expected " + std::to_string(E) + " experts in gate (or none)/up/down, got " +
+                 std::to_string(experts.gate.size()) + "/" + std::to_string(experts.up.size()) + "/" +
+                 std::to_string(experts.down.size()));
   if (overlaps(out, x)) fail(op, "out overlaps x");
   int64_t I = -1;
   for (int64_t e = 0; e < E; ++e) {
-    const Tensor &gt = experts.gate[e], &ut = experts.up[e], &dt = experts.down[e];
-    need_weight(op, "gate", gt, dev);
+    const Tensor &ut = experts.up[e], &dt = experts.down[e];
+    const Tensor& gt = relu2 ? ut : experts.gate[e];
+    need_weight(op, relu2 ? "up" : "gate", gt, dev);
     need_weight(op, "up", ut, dev);
     need_weight(op, "down", dt, dev);
     if (gt.ndim() != 2 || gt.dim(1) != H || (I >= 0 && gt.dim(0) != I))
-      fail(op, "expert " + std::to_string(e) + " gate " + gt.str() + " does not match x " + x.str());
+      fail(op, "expert " + std::to_string(e) + (relu2 ? " up " : " gate ") + gt.str() + " does not match x " + x.str());
     I = gt.dim(0);
     if (ut.shape() != gt.shape()) fail(op, "expert " + std::to_string(e) + " up " + ut.str() + " != gate " + gt.str());
     if (dt.shape() != Shape{H, I})

@@ -77,9 +77,13 @@ struct ModelConfig {
   bool conv_bias = false;               // Mamba2 conv1d has a bias
   int64_t n_group = 1, topk_group = 1;  // grouped top-k routing (sigmoid scores)
   double routed_scaling_factor = 1.0;
-  // Kimi-Linear: MLA without RoPE (queries and keys of qk_nope_head_dim = head_dim), keys and values
-  // from a normed latent of kv_lora_rank; queries direct (q_lora_rank 0) or through a normed latent.
-  int64_t kv_lora_rank = 0, q_lora_rank = 0;
+  // Kimi-Linear: MLA without RoPE. Keys and values from a normed latent of kv_lora_rank, queries
+  // direct (q_lora_rank 0) or through a normed latent. Queries and keys have qk_nope_head_dim +
+  // qk_rope_head_dim values a head: the second part of every key is one vector shared by all heads
+  // (kv_a_proj_with_mqa's last qk_rope_head_dim outputs, which this NoPE model never rotates).
+  // Values have v_head_dim; head_dim, the width of the cache's rows, is the keys' (values are
+  // padded with zeros to it).
+  int64_t kv_lora_rank = 0, q_lora_rank = 0, qk_nope_head_dim = 0, qk_rope_head_dim = 0, v_head_dim = 0;
   // MiniMax: residual scaling, x <- alpha * norm(x) + beta * sublayer(norm(x)), per sub-layer kind.
   double linear_attn_alpha = 1, linear_attn_beta = 1, full_attn_alpha = 1, full_attn_beta = 1, mlp_alpha = 1,
          mlp_beta = 1;

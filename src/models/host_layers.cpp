@@ -16,27 +16,28 @@ void ffn_forward(Backend& be, const Tensor& x, const FfnWeights& w, Tensor& out)
   be.matmul(h, w.down, out);
 }
 
-void routed_experts(Backend& be, const Tensor& x, const MoeRouting& r, const std::vector<FfnWeights>& experts,
-                    Tensor& out) {
-  const int64_t H = x.dim(1);
-  be.fill(out, 0.f);
-  std::vector<int32_t> rows;
-  std::vector<float> weights;
-  for (int64_t e = 0; e < r.experts; ++e) {
-    const int64_t s0 = r.start[e], s1 = r.start[e + 1], R = s1 - s0;
-    if (R == 0) continue;
-    rows.clear();
-    weights.clear();
-    for (int64_t i = s0; i < s1; ++i) {
-      rows.push_back(static_cast<int32_t>(r.order[i] / r.top_k));
-      weights.push_back(r.weight[r.order[i]]);
-    }
-    // Gather the expert's tokens (an embedding lookup in x), run it, add its weighted outputs.
-    Tensor xe = be.alloc_uninit(DType::F32, {R, H}), ye = be.alloc_uninit(DType::F32, {R, H});
-    be.embedding(x, rows, xe);
-    ffn_forward(be, xe, experts[static_cast<size_t>(e)], ye);
-    be.add_rows_scaled(ye, rows, weights, out);
-  }
+void SigmoidMoe::add_expert(const FfnWeights& w) {
+  if (w.gate.defined()) experts.gate.push_back(w.gate);
+  experts.up.push_back(w.up);
+  experts.down.push_back(w.down);
+}
+
+MoeRouter sigmoid_router(const ModelConfig& c, Tensor bias) {
+  MoeRouter r;
+  r.top_k = static_cast<int>(c.num_experts_per_tok);
+  r.norm_topk = c.norm_topk_prob;
+  r.sigmoid = true;
+  r.bias = std::move(bias);
+  r.n_group = c.n_group;
+  r.topk_group = c.topk_group;
+  r.scaling = static_cast<float>(c.routed_scaling_factor);
+  return r;
+}
+
+void sigmoid_moe_forward(Backend& be, const Tensor& x, const SigmoidMoe& m, Tensor& out) {
+  Tensor logits = be.alloc_uninit(DType::F32, {x.dim(0), m.router.dim(0)});
+  be.matmul(x, m.router, logits);
+  be.moe_experts(x, logits, m.routing, m.experts, out);
 }
 
 void attend_spans(Model& model, Backend& be, const Tensor& q, const Tensor& k, const Tensor& v,

@@ -1,6 +1,6 @@
 // Layer pieces shared by the architectures with a file of their own (models/blocks.h): a dense MLP
-// (SwiGLU, or ReLU^2 with up/down only), routed experts over a MoeRouting computed on the host, the
-// attention of spans, and small host-to-device helpers. Everything runs as backend ops.
+// (SwiGLU, or ReLU^2 with up/down only), sigmoid-routed experts, the attention of spans, and small
+// host-to-device helpers. Everything runs as backend ops.
 #pragma once
 #include <cmath>
 #include <vector>
@@ -17,9 +17,20 @@ struct FfnWeights {
 
 // out [T, H] = the MLP of x [T, H].
 void ffn_forward(Backend& be, const Tensor& x, const FfnWeights& w, Tensor& out);
-// out [T, H] = sum over each token's routed experts of weight * expert(x).
-void routed_experts(Backend& be, const Tensor& x, const MoeRouting& r, const std::vector<FfnWeights>& experts,
-                    Tensor& out);
+// A sigmoid-routed MoE layer (Nemotron-H, Kimi-Linear): the router, DeepSeek-V3's routing with the
+// selection bias on the device, the routed experts (gate empty: ReLU^2 experts).
+struct SigmoidMoe {
+  Tensor router;  // [E, H]
+  MoeRouter routing;
+  ExpertWeights experts;
+  void add_expert(const FfnWeights& w);
+};
+// The config's routing (top-k, renormalisation, groups, scaling) with this selection bias [E] (f32,
+// on the device).
+MoeRouter sigmoid_router(const ModelConfig& c, Tensor bias);
+// out [T, H] = the routed experts' weighted sum for x [T, H]: router logits, routing and experts all
+// on the backend (Backend::moe_experts), nothing through the host.
+void sigmoid_moe_forward(Backend& be, const Tensor& x, const SigmoidMoe& m, Tensor& out);
 
 // Causal softmax attention of each span's rows of q [T, Hq, D] against its sequence's cache: the
 // span's k, v rows [T, Hkv, D] are written at its positions first; then its `after` work runs

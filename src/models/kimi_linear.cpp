@@ -4,12 +4,15 @@
 //         g = -exp(A_log[h]) * softplus(f_b(f_a(x)) + dt_bias); beta = sigmoid(b_proj(x));
 //         S_t = (I - beta k k^T) diag(exp(g_t)) S_{t-1} + beta k v^T on L2-normed q, k, q scaled by
 //         dk^-0.5 (linear::Family::KDA); RMSNorm per head times sigmoid(g_b(g_a(x))); o_proj
-//   MLA   without RoPE: q = q_proj(x) (or through a normed q latent), [k | v] per head =
-//         kv_b_proj(RMSNorm(kv_a_proj_with_mqa(x))); softmax attention scaled by head_dim^-0.5
+//   MLA   without RoPE: q = q_proj(x) (or through a normed q latent), qk_nope + qk_rope values a
+//         head; kv_a_proj_with_mqa(x) = [latent | shared part]; [k_nope | v] per head =
+//         kv_b_proj(RMSNorm(latent)), every head's key [k_nope | shared part] (not rotated);
+//         softmax attention scaled by (qk_nope + qk_rope)^-0.5
 // and the FFN a SwiGLU MLP on the first layers, then sigmoid-routed grouped top-k experts (SwiGLU,
 // Moonshot's w1 gate / w3 up / w2 down) plus shared experts. RMSNorm weights multiply directly; the
 // latents' norms use eps 1e-6, as transformers builds them. Every piece is a backend op (CPU and
-// CUDA) but the MoE routing (host). The K/V cache holds the expanded keys and values.
+// CUDA), the MoE routing included. The K/V cache holds the expanded keys and values (values padded
+// with zeros to the keys' width).
 #include <cmath>
 #include <stdexcept>
 
@@ -38,9 +41,7 @@ struct Layer {
   Kda kda;
   Mla mla;
   FfnWeights mlp, shared;
-  Tensor router;
-  std::vector<float> bias;
-  std::vector<FfnWeights> experts;
+  SigmoidMoe routed;
 };
 
 class KimiLinear : public ArchBlocks {
@@ -53,8 +54,9 @@ class KimiLinear : public ArchBlocks {
     HD_ = Hl_ * dk_;
     Hq_ = c.num_attention_heads;
     D_ = c.head_dim;
-    for (int64_t part = 0; part < 2; ++part)
-      for (int64_t h = 0; h < Hq_; ++h) kv_order_.push_back(2 * h + part);
+    P_ = c.qk_nope_head_dim;
+    R_ = c.qk_rope_head_dim;
+    V_ = c.v_head_dim;
     auto dev = [&](const std::string& n, const Shape& s) { return be.to_device(load(n, s)); };
     auto swiglu = [&](const std::string& p, const char* g, const char* u, const char* d, int64_t I) {
       return FfnWeights{dev(p + g + ".weight", {I, H_}), dev(p + u + ".weight", {I, H_}),
@@ -101,22 +103,22 @@ class KimiLinear : public ArchBlocks {
         } else {
           w.q = dev(a + "q_proj.weight", {Hq_ * D_, H_});
         }
-        w.kv_a = dev(a + "kv_a_proj_with_mqa.weight", {r, H_});
+        w.kv_a = dev(a + "kv_a_proj_with_mqa.weight", {r + R_, H_});
         w.kv_a_norm = dev(a + "kv_a_layernorm.weight", {r});
-        w.kv_b = dev(a + "kv_b_proj.weight", {Hq_ * 2 * D_, r});
-        w.o = dev(a + "o_proj.weight", {H_, Hq_ * D_});
+        w.kv_b = be.to_device(mla_kv_weights(load(a + "kv_b_proj.weight", {Hq_ * (P_ + V_), r})));
+        w.o = be.to_device(mla_o_weights(load(a + "o_proj.weight", {H_, Hq_ * V_})));
       }
       const std::string m = p + "block_sparse_moe.";
       if (!l.moe) {
         l.mlp = swiglu(m, "gate_proj", "up_proj", "down_proj", c.intermediate_size);
       } else {
         const int64_t E = c.num_experts, I = c.moe_intermediate_size;
-        l.router = dev(m + "gate.weight", {E, H_});
-        l.bias = host_f32(load(m + "gate.e_score_correction_bias", {E}));
+        l.routed.router = dev(m + "gate.weight", {E, H_});
+        l.routed.routing = sigmoid_router(c, be.to_device(load(m + "gate.e_score_correction_bias", {E}).to_f32()));
         for (int64_t e = 0; e < E; ++e) {
-          l.experts.push_back(swiglu(m + "experts." + std::to_string(e) + ".", "w1", "w3", "w2", I));
-          expert_bytes_ +=
-              l.experts.back().gate.nbytes() + l.experts.back().up.nbytes() + l.experts.back().down.nbytes();
+          const FfnWeights ex = swiglu(m + "experts." + std::to_string(e) + ".", "w1", "w3", "w2", I);
+          l.routed.add_expert(ex);
+          expert_bytes_ += ex.gate.nbytes() + ex.up.nbytes() + ex.down.nbytes();
         }
         if (c.shared_expert_intermediate_size > 0)
           l.shared =
@@ -149,14 +151,7 @@ class KimiLinear : public ArchBlocks {
     if (!l.moe) {
       ffn_forward(be_, y, l.mlp, mix);
     } else {
-      const int64_t E = c_.num_experts;
-      Tensor logits = be_.alloc_uninit(DType::F32, {T, E});
-      be_.matmul(y, l.router, logits);
-      const Tensor host_logits = be_.to_host(logits);  // routing on the host: [T, E] floats
-      const MoeRouting r = route_sigmoid_grouped(host_logits.data<float>(), l.bias.data(), T, E,
-                                                 static_cast<int>(c_.num_experts_per_tok), c_.n_group, c_.topk_group,
-                                                 c_.norm_topk_prob, static_cast<float>(c_.routed_scaling_factor));
-      routed_experts(be_, y, r, l.experts, mix);
+      sigmoid_moe_forward(be_, y, l.routed, mix);
       if (l.shared.up.defined()) {
         Tensor sh = be_.alloc_uninit(DType::F32, {T, H_});
         ffn_forward(be_, y, l.shared, sh);
@@ -226,11 +221,47 @@ class KimiLinear : public ArchBlocks {
     be_.matmul(o, w.o, mix);
   }
 
+  // kv_b_proj [Hq (P + V), r] as the map from [normed latent r | shared key part R] to the cache's
+  // rows [every head's key (P from the latent, then the shared part: identity) | every head's value
+  // (V from the latent, then D - V zeros)]: one product gives the keys and values in place, where a
+  // gather of column blocks would take two launches a block on a GPU. In the checkpoint's dtype
+  // where it is a float type (the identity and zeros are exact in all of them), else f32.
+  Tensor mla_kv_weights(const Tensor& kv_b) const {
+    const int64_t r = c_.kv_lora_rank, in = r + R_;
+    const Tensor src = kv_b.to_f32();
+    const float* s = src.data<float>();
+    std::vector<float> w(static_cast<size_t>(2 * Hq_ * D_ * in), 0.f);
+    for (int64_t h = 0; h < Hq_; ++h) {
+      for (int64_t i = 0; i < P_; ++i)  // key row h D + i <- kv_b row h (P + V) + i
+        std::copy_n(s + (h * (P_ + V_) + i) * r, r, w.data() + (h * D_ + i) * in);
+      for (int64_t i = 0; i < R_; ++i) w[static_cast<size_t>((h * D_ + P_ + i) * in + r + i)] = 1.f;
+      for (int64_t i = 0; i < V_; ++i)  // value row Hq D + h D + i <- kv_b row h (P + V) + P + i
+        std::copy_n(s + (h * (P_ + V_) + P_ + i) * r, r, w.data() + (Hq_ * D_ + h * D_ + i) * in);
+    }
+    return typed(w, {2 * Hq_ * D_, in}, kv_b.dtype());
+  }
+  // o_proj [H, Hq V] as [H, Hq D]: zero columns against the values' padding.
+  Tensor mla_o_weights(const Tensor& o) const {
+    if (D_ == V_) return o;
+    const Tensor src = o.to_f32();
+    std::vector<float> w(static_cast<size_t>(H_ * Hq_ * D_), 0.f);
+    for (int64_t n = 0; n < H_; ++n)
+      for (int64_t h = 0; h < Hq_; ++h)
+        std::copy_n(src.data<float>() + n * Hq_ * V_ + h * V_, V_, w.data() + n * Hq_ * D_ + h * D_);
+    return typed(w, {H_, Hq_ * D_}, o.dtype());
+  }
+  static Tensor typed(const std::vector<float>& v, Shape shape, DType like) {
+    const DType dt = like == DType::BF16 || like == DType::F16 ? like : DType::F32;
+    Tensor t = Tensor::empty(dt, std::move(shape));
+    convert_from_f32(v.data(), dt, t.raw(), v.size());
+    return t;
+  }
+
   void mla(Model& model, const Mla& w, const Tensor& y, std::span<const LayerSpan> spans, Tensor& mix) {
     const int64_t T = y.dim(0), r = c_.kv_lora_rank;
     Tensor q = be_.alloc_uninit(DType::F32, {T, Hq_, D_});
     Tensor q2 = q.reshape({T, Hq_ * D_});
-    Tensor kva = be_.alloc_uninit(DType::F32, {T, r});
+    Tensor kva = be_.alloc_uninit(DType::F32, {T, r + R_});  // [latent | shared key part]
     if (w.q.defined()) {
       be_.matmul_many(y, {w.q, w.kv_a}, {q2, kva});
     } else {
@@ -239,25 +270,30 @@ class KimiLinear : public ArchBlocks {
       be_.rms_norm(qa, w.q_a_norm, 1e-6f, false, qa);
       be_.matmul(qa, w.q_b, q2);
     }
-    be_.rms_norm(kva, w.kv_a_norm, 1e-6f, false, kva);
-    Tensor kv = be_.alloc_uninit(DType::F32, {T, Hq_ * 2 * D_});  // per head [k D | v D]
+    if (R_ == 0) {
+      be_.rms_norm(kva, w.kv_a_norm, 1e-6f, false, kva);
+    } else {  // the latent alone is normed
+      Tensor latent = be_.alloc_uninit(DType::F32, {T, r});
+      be_.copy_cols(kva, 0, latent);
+      be_.rms_norm(latent, w.kv_a_norm, 1e-6f, false, latent);
+      be_.set_cols(latent, 0, kva);
+    }
+    // Every head's key and value in the cache's layout from one product (mla_kv_weights).
+    Tensor kv = be_.alloc_uninit(DType::F32, {T, 2 * Hq_ * D_});
     be_.matmul(kva, w.kv_b, kv);
-    Tensor kv2 = be_.alloc_uninit(DType::F32, {T, Hq_ * 2 * D_});  // [k of every head | v of every head]
-    be_.gather_col_blocks(kv, kv_order_, kv2);
     Tensor k = be_.alloc_uninit(DType::F32, {T, Hq_, D_}), v = be_.alloc_uninit(DType::F32, {T, Hq_, D_});
     Tensor k2 = k.reshape({T, Hq_ * D_}), v2 = v.reshape({T, Hq_ * D_});
-    be_.copy_cols(kv2, 0, k2);
-    be_.copy_cols(kv2, Hq_ * D_, v2);
+    be_.copy_cols(kv, 0, k2);
+    be_.copy_cols(kv, Hq_ * D_, v2);
     Tensor o = be_.alloc_uninit(DType::F32, {T, Hq_, D_});
-    const float scale = 1.0f / std::sqrt(static_cast<float>(D_));
+    const float scale = 1.0f / std::sqrt(static_cast<float>(P_ + R_));
     attend_spans(model, be_, q, k, v, spans, scale, o);
-    be_.matmul(o.reshape({T, Hq_ * D_}), w.o, mix);
+    be_.matmul(o.reshape({T, Hq_ * D_}), w.o, mix);  // o_proj with zero columns where values are padded
   }
 
   const ModelConfig& c_;
   Backend& be_;
-  int64_t H_, Hl_, dk_, K_, HD_, Hq_, D_;
-  std::vector<int64_t> kv_order_;  // kv_b_proj's column blocks [k D | v D] per head -> all k, all v
+  int64_t H_, Hl_, dk_, K_, HD_, Hq_, D_, P_, R_, V_;
   std::vector<Layer> layers_;
   size_t expert_bytes_ = 0;
 };
@@ -298,12 +334,15 @@ void parse_kimi_linear(const Fields& f, ModelConfig& cfg) {
   if (cfg.num_key_value_heads != cfg.num_attention_heads)
     f.fail("field 'num_key_value_heads' (" + std::to_string(cfg.num_key_value_heads) +
            ") must equal 'num_attention_heads' (MLA expands its latent to every head)");
-  if (f.non_negative_or("qk_rope_head_dim", 0) != 0)
-    f.fail("field 'qk_rope_head_dim' must be 0: MLA with RoPE is not supported (Kimi-Linear's MLA has none)");
-  cfg.head_dim = f.positive("qk_nope_head_dim");
-  if (const int64_t v = f.positive_or("v_head_dim", cfg.head_dim); v != cfg.head_dim)
-    f.fail("field 'v_head_dim' (" + std::to_string(v) + ") must equal 'qk_nope_head_dim' (" +
-           std::to_string(cfg.head_dim) + ")");
+  cfg.qk_nope_head_dim = f.positive("qk_nope_head_dim");
+  cfg.qk_rope_head_dim = f.non_negative_or("qk_rope_head_dim", 0);
+  cfg.head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim;
+  cfg.v_head_dim = f.positive_or("v_head_dim", cfg.qk_nope_head_dim);
+  if (cfg.v_head_dim > cfg.head_dim)
+    f.fail("field 'v_head_dim' (" + std::to_string(cfg.v_head_dim) +
+           ") must not exceed qk_nope_head_dim + qk_rope_head_dim (" + std::to_string(cfg.head_dim) + ")");
+  if (f.boolean_or("mla_use_nope", true) == false)
+    f.fail("field 'mla_use_nope' = false (MLA with RoPE) is not supported: Kimi-Linear's MLA has none");
   cfg.kv_lora_rank = f.positive("kv_lora_rank");
   cfg.q_lora_rank = f.non_negative_or("q_lora_rank", 0);
   cfg.partial_rotary_factor = 0;
@@ -404,10 +443,11 @@ void kimi_linear_gguf_config(const GgufKeys& k, ModelConfig& c) {
   c.num_attention_heads = c.num_key_value_heads = k.positive("attention.head_count");
   if (const int64_t rot = k.count_or("rope.dimension_count", 0); rot != 0)
     k.fail(k.key("rope.dimension_count") + " is " + std::to_string(rot) +
-           ": MLA with RoPE is not supported (Kimi-Linear's MLA has none)");
+           ": MLA keys with a shared qk_rope part are read from Hugging Face checkpoints only, not from GGUF yet");
   c.head_dim = k.positive("attention.key_length_mla");
   if (k.positive("attention.value_length_mla") != c.head_dim)
     k.fail(k.key("attention.value_length_mla") + " differs from key_length_mla");
+  c.qk_nope_head_dim = c.v_head_dim = c.head_dim;
   c.kv_lora_rank = k.positive("attention.kv_lora_rank");
   c.q_lora_rank = k.count_or("attention.q_lora_rank", 0);
   c.partial_rotary_factor = 0;

@@ -35,9 +35,7 @@ struct Attn {
   Tensor q, k, v, o;
 };
 struct Moe {
-  Tensor router;  // [E, H]
-  std::vector<float> bias;
-  std::vector<FfnWeights> experts;
+  SigmoidMoe routed;
   FfnWeights shared;
   bool has_shared = false;
 };
@@ -96,12 +94,12 @@ class NemotronH : public ArchBlocks {
       } else {
         auto& mo = b.moew;
         const int64_t E = c.num_experts, I = c.moe_intermediate_size;
-        mo.router = dev(m + "gate.weight", {E, H_});
-        const std::string bias = m + "gate.e_score_correction_bias";
-        mo.bias = host_f32(load(bias, {E}));
+        mo.routed.router = dev(m + "gate.weight", {E, H_});
+        mo.routed.routing = sigmoid_router(c, be.to_device(load(m + "gate.e_score_correction_bias", {E}).to_f32()));
         for (int64_t e = 0; e < E; ++e) {
-          mo.experts.push_back(mlp(m + "experts." + std::to_string(e) + ".", I));
-          expert_bytes_ += mo.experts.back().up.nbytes() + mo.experts.back().down.nbytes();
+          const FfnWeights ex = mlp(m + "experts." + std::to_string(e) + ".", I);
+          mo.routed.add_expert(ex);
+          expert_bytes_ += ex.up.nbytes() + ex.down.nbytes();
         }
         if (c.shared_expert_intermediate_size > 0) {
           mo.has_shared = true;
@@ -219,14 +217,8 @@ class NemotronH : public ArchBlocks {
   }
 
   void moe(const Moe& w, const Tensor& xn, Tensor& out) {
-    const int64_t T = xn.dim(0), E = c_.num_experts;
-    Tensor logits = be_.alloc_uninit(DType::F32, {T, E});
-    be_.matmul(xn, w.router, logits);
-    const Tensor host_logits = be_.to_host(logits);  // routing on the host: [T, E] floats
-    const MoeRouting r = route_sigmoid_grouped(host_logits.data<float>(), w.bias.data(), T, E,
-                                               static_cast<int>(c_.num_experts_per_tok), c_.n_group, c_.topk_group,
-                                               c_.norm_topk_prob, static_cast<float>(c_.routed_scaling_factor));
-    routed_experts(be_, xn, r, w.experts, out);
+    const int64_t T = xn.dim(0);
+    sigmoid_moe_forward(be_, xn, w.routed, out);
     if (w.has_shared) {
       Tensor sh = be_.alloc_uninit(DType::F32, {T, H_});
       ffn_forward(be_, xn, w.shared, sh);

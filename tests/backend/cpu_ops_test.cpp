@@ -961,6 +961,99 @@ TEST_F(CpuOps, ComposeStateAndIdentity) {
 }
 
 // ---- moe ---------------------------------------------------------------------------------------------
+// DeepSeek-V3's routing (Nemotron-H, Kimi-Linear) against its definition in double: sigmoid scores,
+// groups ranked by the sum of their two best score + bias, experts chosen within the best groups,
+// weights the chosen scores (over their sum when norm_topk) times the scaling; SwiGLU and ReLU^2
+// experts. Token 0 is built so that the groups decide: its best single expert lies in a losing group.
+TEST_F(CpuOps, MoeExpertsSigmoidGroupedRouting) {
+  const int64_t T = 11, H = 16, I = 8, E = 8;
+  Tensor x = randn({T, H}, 150), logits = randn({T, E}, 151, 2.f), bias = randn({E}, 152, 0.5f);
+  float* lg = logits.data<float>();
+  float* bs = bias.data<float>();
+  for (int e = 0; e < E; ++e) lg[e] = -1.f, bs[e] = 0.f;
+  lg[0] = 4.f;           // expert 0 alone: group 0 (experts 0, 1) scores 0.98 + 0.27
+  lg[4] = lg[5] = 2.f;   // group 2: 0.88 + 0.88, the best group
+  lg[6] = lg[7] = 1.5f;  // group 3: 0.82 + 0.82, the second
+  for (bool relu2 : {false, true})
+    for (bool norm : {true, false}) {
+      MoeRouter r;
+      r.top_k = 3;
+      r.norm_topk = norm;
+      r.sigmoid = true;
+      r.bias = bias;
+      r.n_group = 4;
+      r.topk_group = 2;
+      r.scaling = 2.5f;
+      ExpertWeights ex;
+      for (int e = 0; e < E; ++e) {
+        if (!relu2) ex.gate.push_back(randn({I, H}, 160 + e, 0.4f));
+        ex.up.push_back(randn({I, H}, 170 + e, 0.4f));
+        ex.down.push_back(randn({H, I}, 180 + e, 0.4f));
+      }
+      Tensor out = be->alloc(DType::F32, {T, H});
+      be->fill(out, 7.f);  // overwritten
+      be->moe_experts(x, logits, r, ex, out);
+      Vec xv = vals(x), lv = vals(logits), bv = vals(bias), ref(static_cast<size_t>(T * H), 0.0);
+      for (int64_t t = 0; t < T; ++t) {
+        Vec s(E), c(E);
+        for (int e = 0; e < E; ++e) s[e] = 1 / (1 + std::exp(-lv[t * E + e])), c[e] = s[e] + bv[e];
+        Vec gs(4);
+        for (int g = 0; g < 4; ++g) gs[g] = c[2 * g] + c[2 * g + 1];  // two experts a group: both are its best two
+        std::vector<int> gi{0, 1, 2, 3};
+        std::stable_sort(gi.begin(), gi.end(), [&](int a, int b) { return gs[a] > gs[b]; });
+        std::vector<int> idx;
+        for (int e = 0; e < E; ++e)
+          if (e / 2 == gi[0] || e / 2 == gi[1]) idx.push_back(e);
+        std::stable_sort(idx.begin(), idx.end(), [&](int a, int b) { return c[a] > c[b]; });
+        if (t == 0) {
+          EXPECT_EQ(std::vector<int>(idx.begin(), idx.begin() + 3), (std::vector<int>{4, 5, 6}));
+        }
+        double ws = 0;
+        for (int j = 0; j < 3; ++j) ws += s[idx[j]];
+        for (int j = 0; j < 3; ++j) {
+          const int e = idx[j];
+          const double wgt = (norm ? s[e] / ws : s[e]) * 2.5;
+          Vec uv = vals(ex.up[e]), dv = vals(ex.down[e]), hmid(I);
+          Vec gv = relu2 ? Vec() : vals(ex.gate[e]);
+          for (int64_t i = 0; i < I; ++i) {
+            double a = 0, b = 0;
+            for (int64_t k = 0; k < H; ++k) {
+              b += uv[i * H + k] * xv[t * H + k];
+              if (!relu2) a += gv[i * H + k] * xv[t * H + k];
+            }
+            hmid[i] = relu2 ? std::max(b, 0.0) * std::max(b, 0.0) : dsilu(a) * b;
+          }
+          for (int64_t k = 0; k < H; ++k) {
+            double o = 0;
+            for (int64_t i = 0; i < I; ++i) o += dv[k * I + i] * hmid[i];
+            ref[t * H + k] += wgt * o;
+          }
+        }
+      }
+      EXPECT_LE(rel_l2(out, ref), 1e-5) << "relu2=" << relu2 << " norm=" << norm;
+    }
+  // Bad routers are named.
+  ExpertWeights ex;
+  for (int e = 0; e < E; ++e) ex.up.push_back(randn({I, H}, 190, 0.4f)), ex.down.push_back(randn({H, I}, 191, 0.4f));
+  Tensor out = be->alloc(DType::F32, {T, H});
+  MoeRouter r;
+  r.top_k = 2;
+  r.bias = bias;
+  EXPECT_EQ(error_of([&] { be->moe_experts(x, logits, r, ex, out); }),
+            "moe_experts: a bias is for sigmoid routing only");
+  r.sigmoid = true;
+  r.n_group = 3;
+  EXPECT_EQ(error_of([&] { be->moe_experts(x, logits, r, ex, out); }),
+            "moe_experts: groups: 1 of 3 must divide the 8 experts");
+  r.n_group = 4;
+  r.top_k = 3;
+  EXPECT_EQ(error_of([&] { be->moe_experts(x, logits, r, ex, out); }),
+            "moe_experts: top_k 3 exceeds the 2 experts of the chosen groups");
+  r.top_k = 2;
+  r.bias = randn({E + 1}, 153);
+  EXPECT_EQ(error_of([&] { be->moe_experts(x, logits, r, ex, out); }), "moe_experts: bias f32[9]: expected shape [8]");
+}
+
 TEST_F(CpuOps, MoeExpertsWithTies) {
   const int64_t T = 13, H = 19, I = 11, E = 7;
   const int top_k = 3;
@@ -1033,7 +1126,7 @@ TEST_F(CpuOps, MoeExpertsWithTies) {
   few.gate.resize(2), few.up.resize(2), few.down.resize(2);
   Tensor out = be->alloc(DType::F32, {T, H});
   EXPECT_EQ(error_of([&] { be->moe_experts(x, logits, 2, true, few, out); }),
-            "moe_experts: expected 7 experts in gate/up/down, got 2/2/2");
+            "moe_experts: expected 7 experts in gate (or none)/up/down, got 2/2/2");
   EXPECT_EQ(error_of([&] { be->moe_experts(x, logits, 8, true, few, out); }),
             "moe_experts: top_k 8 out of range for 7 experts");
   Tensor sh = randn({T, H}, 93), sg_bad = randn({T, 2}, 94);

@@ -45,7 +45,7 @@ class CudaModel : public ::testing::Test {
 // once, each matching what the CPU backend computes for that sequence alone.
 TEST_F(CudaModel, BatchedForwardMatchesCpuPerSequence) {
   for (const std::string name :
-       {"qwen3_5_dense", "qwen3_5_moe", "qwen3_next", "nemotron_h", "minimax", "kimi_linear"}) {
+       {"qwen3_5_dense", "qwen3_5_moe", "qwen3_next", "nemotron_h", "minimax", "kimi_linear", "kimi_linear_rope"}) {
     auto g = load_model(dir(name), "cuda");
     g.backend->set_precise(true);  // f32 arithmetic on both sides: differences are ordering only
     auto c = load_model(dir(name), "cpu", 2);
@@ -117,7 +117,7 @@ TEST_F(CudaModel, PicPrefillModesMatchCpu) {
 // mode (bf16 tensor-core attention) to a bf16 bound, printed for the record.
 TEST_F(CudaModel, PicExactnessProperties) {
   for (const std::string name :
-       {"qwen3_5_dense", "qwen3_5_moe", "qwen3_next", "nemotron_h", "minimax", "kimi_linear"}) {
+       {"qwen3_5_dense", "qwen3_5_moe", "qwen3_next", "nemotron_h", "minimax", "kimi_linear", "kimi_linear_rope"}) {
     auto g = load_model(dir(name), "cuda");
     std::mt19937 rng(29);
     const int32_t V = static_cast<int32_t>(g.model->config().vocab_size);

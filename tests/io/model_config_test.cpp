@@ -728,6 +728,16 @@ TEST(ModelConfig, KimiLinear) {
   EXPECT_EQ(c.n_group, 4);
   EXPECT_EQ(c.topk_group, 2);
   EXPECT_EQ(c.max_position_embeddings, 4096);
+  // The released 48B-A3B: keys of 128 + 64 (the second part shared by the heads), values of 128;
+  // the cache rows are as wide as the keys.
+  json r = kimi_linear();
+  r["qk_nope_head_dim"] = 128, r["qk_rope_head_dim"] = 64, r["v_head_dim"] = 128, r["mla_use_nope"] = true;
+  const ModelConfig cr = parse(r);
+  EXPECT_EQ(cr.head_dim, 192);
+  EXPECT_EQ(cr.qk_nope_head_dim, 128);
+  EXPECT_EQ(cr.qk_rope_head_dim, 64);
+  EXPECT_EQ(cr.v_head_dim, 128);
+  EXPECT_EQ(cr.rotary_dim(), 0);
   // transformers 5 names give the same model.
   json t = kimi_linear();
   t.erase("linear_attn_config");
@@ -743,14 +753,16 @@ TEST(ModelConfig, KimiLinear) {
 
 TEST(ModelConfigErrors, KimiLinear) {
   json j = kimi_linear();
-  j["qk_rope_head_dim"] = 64;
-  EXPECT_THAT(error_of(j), HasSubstr("MLA with RoPE is not supported"));
+  j["mla_use_nope"] = false;
+  EXPECT_THAT(error_of(j), HasSubstr("'mla_use_nope' = false (MLA with RoPE) is not supported"));
   j = kimi_linear();
   j["num_key_value_heads"] = 2;
   EXPECT_THAT(error_of(j), HasSubstr("must equal 'num_attention_heads'"));
   j = kimi_linear();
   j["v_head_dim"] = 32;
-  EXPECT_THAT(error_of(j), HasSubstr("'v_head_dim' (32) must equal 'qk_nope_head_dim' (16)"));
+  EXPECT_THAT(error_of(j), HasSubstr("'v_head_dim' (32) must not exceed qk_nope_head_dim + qk_rope_head_dim (16)"));
+  j["qk_rope_head_dim"] = 16;  // values as wide as the keys: accepted
+  EXPECT_EQ(parse(j).head_dim, 32);
   j = kimi_linear();
   j["linear_attn_config"]["full_attn_layers"] = {5};
   EXPECT_THAT(error_of(j), HasSubstr("linear_attn_config.full_attn_layers"));

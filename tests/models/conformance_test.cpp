@@ -20,7 +20,7 @@ TEST(ConformanceData, ReferenceModelsPresent) {
 // Batched forward (continuous batching) gives each sequence exactly what it gets alone.
 TEST(BatchedForward, MatchesSeparateSequences) {
   for (const std::string name :
-       {"qwen3_5_dense", "qwen3_5_moe", "qwen3_next", "nemotron_h", "minimax", "kimi_linear"}) {
+       {"qwen3_5_dense", "qwen3_5_moe", "qwen3_next", "nemotron_h", "minimax", "kimi_linear", "kimi_linear_rope"}) {
     auto lm = load_model((fs::path(HYPIC_TEST_DATA) / "models" / name).string(), "cpu", 2);
     auto& m = *lm.model;
     std::vector<std::vector<int32_t>> prompts = {

@@ -555,7 +555,7 @@ TEST_P(Pic, CompactBodiesComposeAsTransitions) {
 
 INSTANTIATE_TEST_SUITE_P(Models, Pic,
                          ::testing::Values("qwen3_5_dense", "qwen3_5_moe", "qwen3_next", "nemotron_h", "minimax",
-                                           "kimi_linear"),
+                                           "kimi_linear", "kimi_linear_rope"),
                          [](const auto& i) { return i.param; });
 
 // The CPU's bf16 products (`--activations bf16`, oneDNN) on the default model (bf16 weights): the

@@ -286,6 +286,9 @@ def make_model(name):
     if name == "kimi_linear":
         cfg = checked_config(T.KimiLinearConfig, **common_kwargs(), **KIMI_LINEAR_KWARGS)
         return T.KimiLinearForCausalLM(cfg)
+    if name == "kimi_linear_rope":
+        cfg = checked_config(T.KimiLinearConfig, **common_kwargs(), **KIMI_LINEAR_ROPE_KWARGS)
+        return T.KimiLinearForCausalLM(cfg)
     if name == "minimax":
         cfg = checked_config(T.MiniMaxConfig, **common_kwargs(), **MINIMAX_KWARGS)
         return T.MiniMaxForCausalLM(cfg)
@@ -315,6 +318,10 @@ KIMI_LINEAR_KWARGS = dict(
     intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, n_shared_experts=1,
     n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.446, hidden_act="silu", rms_norm_eps=1e-5,
 )
+# Kimi-Linear as the released 48B-A3B is shaped: the MLA keys keep a qk_rope_head_dim part from
+# kv_a_proj_with_mqa, shared by every head (no rotation: the model is NoPE), queries of
+# qk_nope + qk_rope per head; one group of experts.
+KIMI_LINEAR_ROPE_KWARGS = dict(KIMI_LINEAR_KWARGS, qk_rope_head_dim=8, n_group=1, topk_group=1, num_experts_per_tok=3)
 # MiniMax-Text-01 / M1: lightning attention (per-head decay, block-wise) and RoPE softmax attention, MoE,
 # residual scaling factors (distinct values so that a swapped alpha/beta shows)
 MINIMAX_KWARGS = dict(
@@ -345,11 +352,11 @@ def checked_config(cls, **kw):
 
 
 MODEL_NAMES = ["qwen3_5_dense", "qwen3_5_vl", "qwen3_5_moe", "qwen3_5_moe_vl", "qwen3_next", "qwen3_5_dense_bf16",
-               "nemotron_h", "kimi_linear", "minimax"]
+               "nemotron_h", "kimi_linear", "minimax", "kimi_linear_rope"]
 MODEL_SEEDS = {"qwen3_5_dense": 0, "qwen3_5_vl": 1, "qwen3_5_moe": 2, "qwen3_5_moe_vl": 3, "qwen3_next": 4,
-               "qwen3_5_dense_bf16": 0, "nemotron_h": 5, "kimi_linear": 6, "minimax": 7}
+               "qwen3_5_dense_bf16": 0, "nemotron_h": 5, "kimi_linear": 6, "minimax": 7, "kimi_linear_rope": 8}
 # RMSNorm weights that multiply directly (not Qwen's zero-centred 1 + w) get 1 + N(0, NORM_STD)
-DIRECT_NORM_MODELS = ("nemotron_h", "kimi_linear", "minimax")
+DIRECT_NORM_MODELS = ("nemotron_h", "kimi_linear", "minimax", "kimi_linear_rope")
 
 
 # ----------------------------------------------------------------------------------------------

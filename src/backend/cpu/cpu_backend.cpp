@@ -1102,16 +1102,6 @@ void CpuBackend::activate(Activation act, Tensor& x) {
   });
 }
 
-void CpuBackend::add_rows_scaled(const Tensor& src, std::span<const int32_t> rows, std::span<const float> weights,
-                                 Tensor& dst) {
-  check_add_rows_scaled(src, rows, weights, dst, DeviceKind::CPU);
-  const int64_t C = src.dim(1);
-  const float* sp = src.data<float>();
-  float* dp = dst.data<float>();
-  for (size_t i = 0; i < rows.size(); ++i)
-    for (int64_t j = 0; j < C; ++j) dp[rows[i] * C + j] += weights[i] * sp[static_cast<int64_t>(i) * C + j];
-}
-
 // ================================================================================================
 // Segment summaries: out[h] = alpha * T[h] S[h] + B[h] (one sgemm per head), identity fill.
 // ================================================================================================
@@ -1153,18 +1143,24 @@ void CpuBackend::set_identity(Tensor& t) {
 }
 
 // ================================================================================================
-// Mixture of experts: softmax router (f32), top-k (ties: lower index first), optional renorm;
-// tokens grouped by expert, each expert's SwiGLU run as matmuls on its gathered rows, then a
-// weighted scatter-add into out.
+// Mixture of experts: the router's routing on the host forms of moe_routing.h; tokens grouped by
+// expert, each expert (SwiGLU or ReLU^2) run as matmuls on its gathered rows, then a weighted
+// scatter-add into out.
 // ================================================================================================
-void CpuBackend::moe_experts(const Tensor& x, const Tensor& router_logits, int top_k, bool norm_topk,
+void CpuBackend::moe_experts(const Tensor& x, const Tensor& router_logits, const MoeRouter& router,
                              const ExpertWeights& experts, Tensor& out) {
-  const int64_t I = check_moe(x, router_logits, top_k, experts, out, DeviceKind::CPU);
+  const int64_t I = check_moe(x, router_logits, router, experts, out, DeviceKind::CPU);
   const int64_t T = x.dim(0), H = x.dim(1), E = router_logits.dim(1);
+  const int top_k = router.top_k;
+  const bool relu2 = experts.gate.empty();
   float* o = out.data<float>();
   std::fill(o, o + T * H, 0.f);
   if (T == 0) return;
-  const MoeRouting rt = route_topk(router_logits.data<float>(), T, E, top_k, norm_topk);
+  const MoeRouting rt =
+      router.sigmoid ? route_sigmoid_grouped(router_logits.data<float>(),
+                                             router.bias.defined() ? router.bias.data<float>() : nullptr, T, E, top_k,
+                                             router.n_group, router.topk_group, router.norm_topk, router.scaling)
+                     : route_topk(router_logits.data<float>(), T, E, top_k, router.norm_topk);
   int64_t maxn = 0;
   for (int64_t e = 0; e < E; ++e) maxn = std::max(maxn, rt.start[e + 1] - rt.start[e]);
   std::vector<float> xs(static_cast<size_t>(maxn * H)), gs(static_cast<size_t>(maxn * I)),
@@ -1181,9 +1177,14 @@ void CpuBackend::moe_experts(const Tensor& x, const Tensor& router_logits, int t
     Tensor gt = Tensor::borrow(gs.data(), DType::F32, {n, I});
     Tensor ut = Tensor::borrow(us.data(), DType::F32, {n, I});
     Tensor dt = Tensor::borrow(ds.data(), DType::F32, {n, H});
-    matmul(xt, experts.gate[e], gt);
-    matmul(xt, experts.up[e], ut);
-    silu_mul(gt, ut, gt);
+    if (relu2) {
+      matmul(xt, experts.up[e], gt);
+      activate(Activation::ReluSquared, gt);
+    } else {
+      matmul(xt, experts.gate[e], gt);
+      matmul(xt, experts.up[e], ut);
+      silu_mul(gt, ut, gt);
+    }
     matmul(gt, experts.down[e], dt);
     for (int64_t r = 0; r < n; ++r) {
       const int64_t i = rt.order[rt.start[e] + r], t = i / top_k;

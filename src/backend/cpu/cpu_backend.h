@@ -84,14 +84,13 @@ class CpuBackend : public Backend {
                  Tensor& beta) override;
   void scale_add(const Tensor& x, float a, const Tensor& y, float b, Tensor& out) override;
   void activate(Activation act, Tensor& x) override;
-  void add_rows_scaled(const Tensor& src, std::span<const int32_t> rows, std::span<const float> weights,
-                       Tensor& dst) override;
 
   void compose_state(const Tensor& T, const Tensor& S, const Tensor& B, float alpha, Tensor& out) override;
   void set_identity(Tensor& t) override;
 
-  void moe_experts(const Tensor& x, const Tensor& router_logits, int top_k, bool norm_topk,
-                   const ExpertWeights& experts, Tensor& out) override;
+  using Backend::moe_experts;
+  void moe_experts(const Tensor& x, const Tensor& router_logits, const MoeRouter& router, const ExpertWeights& experts,
+                   Tensor& out) override;
 
  private:
   void attention_decode(const float* q, const float* k, const float* v, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,

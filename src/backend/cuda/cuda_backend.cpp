@@ -1499,17 +1499,6 @@ void CudaBackend::activate(Activation act, Tensor& x) {
   launch_activate(impl_->stream, act == Activation::Silu ? 0 : 1, x.data<float>(), x.numel());
 }
 
-void CudaBackend::add_rows_scaled(const Tensor& src, std::span<const int32_t> rows, std::span<const float> weights,
-                                  Tensor& dst) {
-  OpScope scope_(*impl_, "add_rows_scaled");
-  check_add_rows_scaled(src, rows, weights, dst, kDev);
-  const int64_t R = src.dim(0);
-  if (R == 0) return;
-  Tensor r = upload(rows.data(), DType::I32, R), w = upload(weights.data(), DType::F32, R);
-  launch_add_rows_scaled(impl_->stream, src.data<float>(), r.data<int32_t>(), w.data<float>(), dst.data<float>(), R,
-                         src.dim(1));
-}
-
 void CudaBackend::set_identity(Tensor& t) {
   OpScope scope_(*impl_, "set_identity");
   check_set_identity(t, kDev);
@@ -1523,10 +1512,10 @@ void CudaBackend::set_identity(Tensor& t) {
 // over all of them (pointer arrays: any weight layout); a combine kernel then sums every token's
 // top-k outputs with their weights. A layer is about ten launches whatever the expert count; the
 // price is the padding of less busy experts.
-void CudaBackend::moe_experts(const Tensor& x, const Tensor& router_logits, int top_k, bool norm_topk,
+void CudaBackend::moe_experts(const Tensor& x, const Tensor& router_logits, const MoeRouter& router,
                               const ExpertWeights& experts, Tensor& out) {
   OpScope scope_(*impl_, "moe_experts");
-  run_moe(x, router_logits, top_k, norm_topk, experts, out, nullptr, nullptr, false);
+  run_moe(x, router_logits, router, experts, out, nullptr, nullptr, false);
 }
 
 void CudaBackend::moe_experts_add(const Tensor& xn, const Tensor& router_logits, int top_k, bool norm_topk,
@@ -1534,43 +1523,63 @@ void CudaBackend::moe_experts_add(const Tensor& xn, const Tensor& router_logits,
                                   Tensor& x) {
   OpScope scope_(*impl_, "moe_experts");
   check_moe_shared(shared, shared_gate, x, kDev);
-  run_moe(xn, router_logits, top_k, norm_topk, experts, x, shared.defined() ? shared.data<float>() : nullptr,
+  MoeRouter router;
+  router.top_k = top_k;
+  router.norm_topk = norm_topk;
+  run_moe(xn, router_logits, router, experts, x, shared.defined() ? shared.data<float>() : nullptr,
           shared.defined() ? shared_gate.data<float>() : nullptr, true);
 }
 
-void CudaBackend::run_moe(const Tensor& x, const Tensor& router_logits, int top_k, bool norm_topk,
+void CudaBackend::run_moe(const Tensor& x, const Tensor& router_logits, const MoeRouter& router,
                           const ExpertWeights& experts, Tensor& out, const float* shared, const float* shared_gate,
                           bool residual) {
   const cuda::MoeTail tail{shared, shared_gate, residual};
-  const int64_t I = check_moe(x, router_logits, top_k, experts, out, kDev);
+  const int64_t I = check_moe(x, router_logits, router, experts, out, kDev);
   const int64_t T = x.dim(0), H = x.dim(1), E = router_logits.dim(1);
+  const int top_k = router.top_k;
+  const bool norm_topk = router.norm_topk;
+  const bool relu2 = experts.gate.empty();  // ReLU^2 experts: the few-slot kernels and cuBLAS below
+  const DType wdt = experts.up[0].dtype();
   auto& m = *impl_;
   if (T == 0) return;
   Tensor sel = alloc_uninit(DType::I32, {T * top_k}), dw = alloc_uninit(DType::F32, {T * top_k}),
          rank = alloc_uninit(DType::I32, {T * top_k}), counts = alloc_uninit(DType::I32, {E});
+  const cuda::SigmoidRouter sig{router.bias.defined() ? router.bias.data<float>() : nullptr,
+                                static_cast<int>(router.n_group), static_cast<int>(router.topk_group), router.scaling};
   // Few slots (decode): every slot reads its expert's rows directly, no counts come back to the host;
-  // routing and the slots' order by expert in one launch.
+  // routing and the slots' order by expert in one launch (softmax) or two (sigmoid).
   if (T * top_k <= kMoeGemvMaxSlots) {
     if (const void* const* tab = expert_table(experts, H, I)) {
       const int64_t n = T * top_k;
       Tensor order = alloc_uninit(DType::I32, {n}), hs = alloc_uninit(DType::F32, {n, I}),
              ys = alloc_uninit(DType::F32, {n, H});
-      launch_moe_route_order(m.stream, router_logits.data<float>(), T, E, top_k, norm_topk, sel.data<int32_t>(),
-                             dw.data<float>(), rank.data<int32_t>(), counts.data<int32_t>(), order.data<int32_t>());
-      launch_moe_gemv(m.stream, experts.gate[0].dtype(), tab, tab + E, tab + 2 * E, x.data<float>(),
-                      sel.data<int32_t>(), order.data<int32_t>(), n, top_k, H, I, hs.data<float>(), ys.data<float>());
+      if (router.sigmoid) {
+        launch_moe_route_sigmoid(m.stream, router_logits.data<float>(), T, E, top_k, norm_topk, sig,
+                                 sel.data<int32_t>(), dw.data<float>(), rank.data<int32_t>(), counts.data<int32_t>());
+        launch_moe_order(m.stream, sel.data<int32_t>(), rank.data<int32_t>(), counts.data<int32_t>(), E, n,
+                         order.data<int32_t>(), nullptr, nullptr);
+      } else {
+        launch_moe_route_order(m.stream, router_logits.data<float>(), T, E, top_k, norm_topk, sel.data<int32_t>(),
+                               dw.data<float>(), rank.data<int32_t>(), counts.data<int32_t>(), order.data<int32_t>());
+      }
+      launch_moe_gemv(m.stream, wdt, relu2 ? nullptr : tab, tab + E, tab + 2 * E, x.data<float>(), sel.data<int32_t>(),
+                      order.data<int32_t>(), n, top_k, H, I, hs.data<float>(), ys.data<float>());
       launch_moe_combine(m.stream, ys.data<float>(), nullptr, dw.data<float>(), T, top_k, H, out.data<float>(), tail);
       return;
     }
   }
   {
     PhaseScope ph(m, "moe_experts/route");
-    launch_moe_route(m.stream, router_logits.data<float>(), T, E, top_k, norm_topk, sel.data<int32_t>(),
-                     dw.data<float>(), rank.data<int32_t>(), counts.data<int32_t>());
+    if (router.sigmoid)
+      launch_moe_route_sigmoid(m.stream, router_logits.data<float>(), T, E, top_k, norm_topk, sig, sel.data<int32_t>(),
+                               dw.data<float>(), rank.data<int32_t>(), counts.data<int32_t>());
+    else
+      launch_moe_route(m.stream, router_logits.data<float>(), T, E, top_k, norm_topk, sel.data<int32_t>(),
+                       dw.data<float>(), rank.data<int32_t>(), counts.data<int32_t>());
   }
   // Up to a few thousand slots (a PIC composition's rows, larger decode batches): the grouped
   // tensor-core kernels, sized on the device, so nothing comes back to the host.
-  if (T * top_k <= kMoeGroupedMaxSlots && moe_grouped_enabled() && !m.exact_half &&
+  if (!relu2 && T * top_k <= kMoeGroupedMaxSlots && moe_grouped_enabled() && !m.exact_half &&
       (experts.gate[0].dtype() == DType::BF16 || experts.gate[0].dtype() == DType::F16)) {
     if (const void* const* tab = expert_table(experts, H, I)) {
       const int64_t n = T * top_k;
@@ -1596,7 +1605,7 @@ void CudaBackend::run_moe(const Tensor& x, const Tensor& router_logits, int top_
   // (no padding to the busiest expert, no gathered copy, no sync). Measured level with cuBLAS's
   // padded batches (35B-A3B 32k prefill 1.461 vs 1.449 s) and less memory; cuBLAS's batched
   // products below stay for f32 weights, precise mode and HYPIC_MOE_GROUPED=0.
-  if (moe_grouped_enabled() && !m.exact_half && H % 8 == 0 && I % 8 == 0 &&
+  if (!relu2 && moe_grouped_enabled() && !m.exact_half && H % 8 == 0 && I % 8 == 0 &&
       (experts.gate[0].dtype() == DType::BF16 || experts.gate[0].dtype() == DType::F16)) {
     if (const void* const* tab = expert_table(experts, H, I)) {
       const int64_t n = T * top_k;
@@ -1640,10 +1649,10 @@ void CudaBackend::run_moe(const Tensor& x, const Tensor& router_logits, int top_
                    drows.data<int32_t>(), dpos.data<int32_t>());
   // With 16-bit experts (default mode) the rows are gathered straight into the products' input
   // dtype, once for gate and up; precise mode keeps them f32 for the split products.
-  const DType wd = experts.gate[0].dtype();
+  const DType wd = wdt;
   const bool half_in = !m.exact_half && (wd == DType::BF16 || wd == DType::F16);
   Tensor xs = alloc_uninit(half_in ? wd : DType::F32, {B * maxn, H}), gs = alloc_uninit(DType::F32, {B * maxn, I}),
-         us = alloc_uninit(DType::F32, {B * maxn, I}), ds = alloc_uninit(DType::F32, {B * maxn, H});
+         us = relu2 ? Tensor() : alloc_uninit(DType::F32, {B * maxn, I}), ds = alloc_uninit(DType::F32, {B * maxn, H});
   ph.emplace(m, "moe_experts/gather");
   if (half_in)
     launch_gather_rows_half(m.stream, x.data<float>(), drows.data<int32_t>(), wd, xs.raw(), B * maxn, H);
@@ -1655,9 +1664,14 @@ void CudaBackend::run_moe(const Tensor& x, const Tensor& router_logits, int top_
     return p;
   };
   ph.emplace(m, "moe_experts/gate+up");
-  batched_matmul(xs, pick(experts.gate), maxn, gs);
-  batched_matmul(xs, pick(experts.up), maxn, us);
-  launch_binary(m.stream, BinOp::SiluMul, gs.data<float>(), us.data<float>(), gs.data<float>(), gs.numel());
+  if (relu2) {
+    batched_matmul(xs, pick(experts.up), maxn, gs);
+    launch_activate(m.stream, 1, gs.data<float>(), gs.numel());  // ReLU^2
+  } else {
+    batched_matmul(xs, pick(experts.gate), maxn, gs);
+    batched_matmul(xs, pick(experts.up), maxn, us);
+    launch_binary(m.stream, BinOp::SiluMul, gs.data<float>(), us.data<float>(), gs.data<float>(), gs.numel());
+  }
   ph.emplace(m, "moe_experts/down");
   batched_matmul(gs, pick(experts.down), maxn, ds);
   ph.emplace(m, "moe_experts/combine");
@@ -1669,13 +1683,14 @@ void CudaBackend::run_moe(const Tensor& x, const Tensor& router_logits, int top_
 // take them (mixed dtypes, sizes not a multiple of 8, unaligned rows).
 const void* const* CudaBackend::expert_table(const ExpertWeights& experts, int64_t H, int64_t I) {
   auto& m = *impl_;
-  const size_t E = experts.gate.size();
+  const size_t E = experts.up.size();
+  const bool relu2 = experts.gate.empty();  // the gate slots then repeat up (never read)
   if (E == 0 || H % 8 != 0 || I % 8 != 0) return nullptr;
-  const DType dt = experts.gate[0].dtype();
+  const DType dt = experts.up[0].dtype();
   if (dt != DType::BF16 && dt != DType::F16 && dt != DType::F32) return nullptr;
   std::vector<const void*> host(3 * E);
   for (size_t e = 0; e < E; ++e) {
-    const Tensor* w[3] = {&experts.gate[e], &experts.up[e], &experts.down[e]};
+    const Tensor* w[3] = {relu2 ? &experts.up[e] : &experts.gate[e], &experts.up[e], &experts.down[e]};
     for (int j = 0; j < 3; ++j) {
       if (w[j]->dtype() != dt || (reinterpret_cast<uintptr_t>(w[j]->raw()) & 15u) != 0) return nullptr;
       host[j * E + e] = w[j]->raw();

@@ -149,14 +149,13 @@ class CudaBackend : public Backend {
                  Tensor& beta) override;
   void scale_add(const Tensor& x, float a, const Tensor& y, float b, Tensor& out) override;
   void activate(Activation act, Tensor& x) override;
-  void add_rows_scaled(const Tensor& src, std::span<const int32_t> rows, std::span<const float> weights,
-                       Tensor& dst) override;
 
   void compose_state(const Tensor& T, const Tensor& S, const Tensor& B, float alpha, Tensor& out) override;
   void set_identity(Tensor& t) override;
 
-  void moe_experts(const Tensor& x, const Tensor& router_logits, int top_k, bool norm_topk,
-                   const ExpertWeights& experts, Tensor& out) override;
+  using Backend::moe_experts;
+  void moe_experts(const Tensor& x, const Tensor& router_logits, const MoeRouter& router, const ExpertWeights& experts,
+                   Tensor& out) override;
   void moe_experts_add(const Tensor& xn, const Tensor& router_logits, int top_k, bool norm_topk,
                        const ExpertWeights& experts, const Tensor& shared, const Tensor& shared_gate,
                        Tensor& x) override;
@@ -177,7 +176,7 @@ class CudaBackend : public Backend {
   const float* inv_freq(int rot_dim, double theta);
   const void* const* expert_table(const ExpertWeights& experts, int64_t H, int64_t I);
   // moe_experts, and moe_experts_add with its tail (shared expert, residual) in the combine.
-  void run_moe(const Tensor& x, const Tensor& router_logits, int top_k, bool norm_topk, const ExpertWeights& experts,
+  void run_moe(const Tensor& x, const Tensor& router_logits, const MoeRouter& router, const ExpertWeights& experts,
                Tensor& out, const float* shared, const float* shared_gate, bool residual);
   void batched_matmul(const Tensor& x, const std::vector<const Tensor*>& w, int64_t M, Tensor& y);
   // cuBLAS products over x rounded to 16 bits once (matmul, matmul_many).

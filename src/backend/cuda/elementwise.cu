@@ -641,17 +641,6 @@ __global__ void k_activate(int act, float* x, int64_t n) {
   }
 }
 
-// dst[rows[r]] += weights[r] * src[r] (rows distinct: no two threads write one element).
-__global__ void k_add_rows_scaled(const float* src, const int32_t* rows, const float* weights, float* dst, int64_t R,
-                                  int64_t C) {
-  pdl_entry();
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < R * C;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = i / C, c = i % C;
-    dst[rows[r] * C + c] += weights[r] * src[i];
-  }
-}
-
 }  // namespace
 
 namespace {
@@ -904,13 +893,6 @@ void launch_activate(cudaStream_t s, int act, float* x, int64_t n) {
   if (n == 0) return;
   launch(s, blocks_for(n), kThreads, 0, k_activate, act, x, n);
   CUDA_LAUNCH_CHECK("k_activate");
-}
-
-void launch_add_rows_scaled(cudaStream_t s, const float* src, const int32_t* rows, const float* weights, float* dst,
-                            int64_t R, int64_t C) {
-  if (R * C == 0) return;
-  launch(s, blocks_for(R * C), kThreads, 0, k_add_rows_scaled, src, rows, weights, dst, R, C);
-  CUDA_LAUNCH_CHECK("k_add_rows_scaled");
 }
 
 }  // namespace hypic::cuda

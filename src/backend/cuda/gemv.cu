@@ -176,9 +176,10 @@ __global__ void __launch_bounds__(kThreads)
     if (lane == m) h[m * N + n] = silu(ag[m]) * au[m];
 }
 
-// h[slot, n] = silu(gate_e[n] . x_t) * (up_e[n] . x_t) for slot = order[blockIdx.x] (slots grouped
-// by expert, so blocks running together read the same expert's rows: L2 serves the repeats).
-template <typename WT>
+// h[slot, n] = silu(gate_e[n] . x_t) * (up_e[n] . x_t) (RELU2: relu(up_e[n] . x_t)^2) for slot =
+// order[blockIdx.x] (slots grouped by expert, so blocks running together read the same expert's
+// rows: L2 serves the repeats).
+template <typename WT, bool RELU2>
 __global__ void __launch_bounds__(kThreads)
     k_moe_gate_up(const WT* const* __restrict__ gate, const WT* const* __restrict__ up, const float* __restrict__ x,
                   const int32_t* __restrict__ sel, const int32_t* __restrict__ order, int top_k, int64_t H, int64_t I,
@@ -189,21 +190,34 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t n = static_cast<int64_t>(blockIdx.y) * kWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (n >= I) return;
-  const WT* wg = gate[e] + n * H;
   const WT* wu = up[e] + n * H;
   const float* xr = x + static_cast<int64_t>(slot / top_k) * H;
-  float ag = 0.f, au = 0.f;
+  if constexpr (RELU2) {
+    float au = 0.f;
 #pragma unroll 2
-  for (int64_t k = lane * 8; k < H; k += 256) {
-    float a[8], b[8];
-    load8(wg + k, a);
-    load8(wu + k, b);
-    ag += dot8(a, xr + k);
-    au += dot8(b, xr + k);
+    for (int64_t k = lane * 8; k < H; k += 256) {
+      float b[8];
+      load8(wu + k, b);
+      au += dot8(b, xr + k);
+    }
+    au = fmaxf(warp_sum(au), 0.f);
+    if (lane == 0) h[static_cast<int64_t>(slot) * I + n] = au * au;
+    return;
+  } else {
+    const WT* wg = gate[e] + n * H;
+    float ag = 0.f, au = 0.f;
+#pragma unroll 2
+    for (int64_t k = lane * 8; k < H; k += 256) {
+      float a[8], b[8];
+      load8(wg + k, a);
+      load8(wu + k, b);
+      ag += dot8(a, xr + k);
+      au += dot8(b, xr + k);
+    }
+    ag = warp_sum(ag);
+    au = warp_sum(au);
+    if (lane == 0) h[static_cast<int64_t>(slot) * I + n] = silu(ag) * au;
   }
-  ag = warp_sum(ag);
-  au = warp_sum(au);
-  if (lane == 0) h[static_cast<int64_t>(slot) * I + n] = silu(ag) * au;
 }
 
 // ys[slot, n] = down_e[n] . h[slot]
@@ -370,8 +384,11 @@ void moe_t(cudaStream_t s, const void* const* gate, const void* const* up, const
   const auto* g = reinterpret_cast<const WT* const*>(gate);
   const auto* u = reinterpret_cast<const WT* const*>(up);
   const auto* d = reinterpret_cast<const WT* const*>(down);
-  launch(s, dim3(static_cast<unsigned>(slots), static_cast<unsigned>((I + kWarps - 1) / kWarps)), kThreads, 0,
-         k_moe_gate_up<WT>, g, u, x, sel, order, top_k, H, I, h);
+  const dim3 grid(static_cast<unsigned>(slots), static_cast<unsigned>((I + kWarps - 1) / kWarps));
+  if (g)
+    launch(s, grid, kThreads, 0, k_moe_gate_up<WT, false>, g, u, x, sel, order, top_k, H, I, h);
+  else
+    launch(s, grid, kThreads, 0, k_moe_gate_up<WT, true>, g, u, x, sel, order, top_k, H, I, h);
   CUDA_LAUNCH_CHECK("k_moe_gate_up");
   launch(s, dim3(static_cast<unsigned>(slots), static_cast<unsigned>((H + kWarps - 1) / kWarps)), kThreads, 0,
          k_moe_down<WT>, d, h, sel, order, H, I, ys);

@@ -93,6 +93,17 @@ void launch_gather_rows_half(cudaStream_t s, const float* x, const int32_t* idx,
 // among its expert's slots in token order, counts [E].
 void launch_moe_route(cudaStream_t s, const float* logits, int64_t T, int64_t E, int top_k, bool norm, int32_t* sel,
                       float* wsel, int32_t* rank, int32_t* counts);
+// DeepSeek-V3's routing (MoeRouter::sigmoid; route_sigmoid_grouped on the host): sigmoid scores,
+// choice by score + bias within the topk_group best of n_group groups (n_group <= 1024), the chosen
+// scores as weights (over their sum + 1e-20 when norm), times scaling; then ranks and counts as
+// launch_moe_route.
+struct SigmoidRouter {
+  const float* bias = nullptr;  // [E] or null
+  int n_group = 1, topk_group = 1;
+  float scaling = 1.f;
+};
+void launch_moe_route_sigmoid(cudaStream_t s, const float* logits, int64_t T, int64_t E, int top_k, bool norm,
+                              const SigmoidRouter& r, int32_t* sel, float* wsel, int32_t* rank, int32_t* counts);
 // launch_moe_route then launch_moe_order (gemv.cu) in one: one launch for a decode step's few slots.
 void launch_moe_route_order(cudaStream_t s, const float* logits, int64_t T, int64_t E, int top_k, bool norm,
                             int32_t* sel, float* wsel, int32_t* rank, int32_t* counts, int32_t* order,
@@ -148,9 +159,10 @@ void set_gemv_split(int split);  // documented in cuda_backend.h (which nvcc's C
 void launch_gemv_swiglu(cudaStream_t s, const void* gate, const void* up, DType wdt, const float* x, float* h,
                         int64_t M, int64_t N, int64_t K);
 // MoE for few slots, with no host round trip: order [n] lists the slots grouped by expert (from
-// the routing's ranks and counts); then h[slot] = silu(gate_e x_t) * (up_e x_t) and
-// ys[slot] = down_e h[slot] for every slot, reading the expert's weights through pointer tables
-// (device arrays of E pointers each; H % 8 == 0, I % 8 == 0, rows 16-byte aligned).
+// the routing's ranks and counts); then h[slot] = silu(gate_e x_t) * (up_e x_t) (gate null:
+// relu(up_e x_t)^2) and ys[slot] = down_e h[slot] for every slot, reading the expert's weights
+// through pointer tables (device arrays of E pointers each; H % 8 == 0, I % 8 == 0, rows 16-byte
+// aligned).
 // Also, where not null, offsets [E] (each expert's first place in order) and pos [n] (each slot's).
 void launch_moe_order(cudaStream_t s, const int32_t* sel, const int32_t* rank, const int32_t* counts, int64_t E,
                       int64_t n, int32_t* order, int32_t* offsets = nullptr, int32_t* pos = nullptr);
@@ -314,9 +326,6 @@ void launch_kda_gates(cudaStream_t s, const float* a, const float* b, const floa
 void launch_scale_add(cudaStream_t s, const float* x, float a, const float* y, float b, float* out, int64_t n);
 // x <- silu(x) (act 0) or max(x, 0)^2 (act 1) over n floats.
 void launch_activate(cudaStream_t s, int act, float* x, int64_t n);
-// dst[rows[i], :] += weights[i] * src[i, :] for i < R (rows distinct), C columns.
-void launch_add_rows_scaled(cudaStream_t s, const float* src, const int32_t* rows, const float* weights, float* dst,
-                            int64_t R, int64_t C);
 // Depthwise causal conv1d + bias + SiLU over x [T, C] (w [C, K], bias [C]); state [K-1, C] holds
 // the inputs before row 0 and is advanced.
 void launch_conv1d_bias_silu(cudaStream_t s, const float* x, const float* w, const float* bias, float* state,

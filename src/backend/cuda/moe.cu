@@ -4,6 +4,7 @@
 // And the grouped expert products for up to a few thousand slots (k_moe_grouped): no expert
 // counts go back to the host, so a PIC composition's 200-row forward has no sync per layer.
 #include <cfloat>
+#include <cmath>
 #include <cstdlib>
 #include <string>
 #include <type_traits>
@@ -75,6 +76,98 @@ __device__ void route_token(const float* logits, int64_t t, int lane, int E, int
     for (int j = 32; j < top_k; ++j) wsel[t * top_k + j] /= picked;
 }
 
+// Token t's experts by one warp under DeepSeek-V3's routing, as route_sigmoid_grouped on the host:
+// the same comparisons in the same order (groups by the sum of their two best choices, ties to the
+// lower group; experts by masked choice, ties to the lower expert), so both pick the same experts.
+// A lane holds experts (and groups) lane + 32 i; `taken` bits mark what a round already picked.
+template <int PER>
+__device__ void route_token_sigmoid(const float* logits, int64_t t, int lane, int E, int top_k, bool norm,
+                                    const SigmoidRouter r, int32_t* sel, float* wsel) {
+  const float* row = logits + t * E;
+  const int per = E / r.n_group;
+  float sc[PER], ch[PER];
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const int e = lane + 32 * i;
+    sc[i] = e < E ? 1.0f / (1.0f + expf(-row[e])) : 0.f;
+    ch[i] = e < E ? sc[i] + (r.bias ? r.bias[e] : 0.f) : -INFINITY;
+  }
+  uint32_t keep = 0;  // bit i: expert lane + 32 i lies in a chosen group
+  if (r.topk_group >= r.n_group) {
+    keep = ~0u;
+  } else {
+    float gs[PER];
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int g = lane + 32 * j;
+      float a = -INFINITY, b = -INFINITY;
+      if (g < r.n_group)
+        for (int e = g * per; e < (g + 1) * per; ++e) {
+          const float c = 1.0f / (1.0f + expf(-row[e])) + (r.bias ? r.bias[e] : 0.f);
+          if (c > a)
+            b = a, a = c;
+          else if (c > b)
+            b = c;
+        }
+      gs[j] = per >= 2 ? a + b : a;
+    }
+    uint32_t gtaken = 0;
+    for (int round = 0; round < r.topk_group; ++round) {
+      float bv = -INFINITY;
+      int bg = 1 << 30;
+#pragma unroll
+      for (int j = 0; j < PER; ++j) {
+        const int g = lane + 32 * j;
+        if (g < r.n_group && !(gtaken >> j & 1u) && (gs[j] > bv || (gs[j] == bv && g < bg))) bv = gs[j], bg = g;
+      }
+      for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int og = __shfl_xor_sync(0xffffffffu, bg, o);
+        if (ov > bv || (ov == bv && og < bg)) bv = ov, bg = og;
+      }
+#pragma unroll
+      for (int j = 0; j < PER; ++j)
+        if (lane + 32 * j == bg) gtaken |= 1u << j;
+#pragma unroll
+      for (int i = 0; i < PER; ++i)
+        if ((lane + 32 * i) / per == bg) keep |= 1u << i;
+    }
+  }
+  uint32_t taken = 0;
+  float picked = 0.f, mine = 0.f;  // lane j keeps the j-th score
+  for (int j = 0; j < top_k; ++j) {
+    float bv = -INFINITY, bs = 0.f;
+    int be = 1 << 30;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const int e = lane + 32 * i;
+      const float v = keep >> i & 1u ? ch[i] : -INFINITY;
+      if (e < E && !(taken >> i & 1u) && (v > bv || (v == bv && e < be))) bv = v, be = e, bs = sc[i];
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oe = __shfl_xor_sync(0xffffffffu, be, o);
+      const float os = __shfl_xor_sync(0xffffffffu, bs, o);
+      if (ov > bv || (ov == bv && oe < be)) bv = ov, be = oe, bs = os;
+    }
+#pragma unroll
+    for (int i = 0; i < PER; ++i)
+      if (lane + 32 * i == be) taken |= 1u << i;
+    if (lane == 0) sel[t * top_k + j] = be;
+    if (j < 32) {
+      if (lane == j) mine = bs;
+    } else if (lane == 0) {
+      wsel[t * top_k + j] = bs;  // weighted below
+    }
+    picked += bs;
+  }
+  const float den = norm ? picked + 1e-20f : 1.f;
+  if (lane < top_k) wsel[t * top_k + lane] = (norm ? mine / den : mine) * r.scaling;
+  if (top_k > 32 && lane == 0)
+    for (int j = 32; j < top_k; ++j)
+      wsel[t * top_k + j] = (norm ? wsel[t * top_k + j] / den : wsel[t * top_k + j]) * r.scaling;
+}
+
 // f(std::integral_constant<int, PER>) with PER the fewest experts a lane that hold E.
 template <typename F>
 void with_per(int64_t E, F&& f) {
@@ -95,6 +188,15 @@ __global__ void k_route(const float* logits, int64_t T, int E, int top_k, bool n
   const int64_t t = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32;
   if (t >= T) return;
   route_token<PER>(logits, t, threadIdx.x % 32, E, top_k, norm, sel, wsel);
+}
+
+template <int PER>
+__global__ void k_route_sigmoid(const float* logits, int64_t T, int E, int top_k, bool norm, SigmoidRouter r,
+                                int32_t* sel, float* wsel) {
+  pdl_entry();
+  const int64_t t = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32;
+  if (t >= T) return;
+  route_token_sigmoid<PER>(logits, t, threadIdx.x % 32, E, top_k, norm, r, sel, wsel);
 }
 
 // Routing, ranks, counts and the slots' order by expert for a few slots (n <= kRouteFewSlots: a
@@ -381,6 +483,20 @@ void launch_moe_route(cudaStream_t s, const float* logits, int64_t T, int64_t E,
            top_k, norm, sel, wsel);
   });
   CUDA_LAUNCH_CHECK("k_route");
+  launch(s, static_cast<unsigned>(E), kRankThreads, 0, k_rank, sel, T * top_k, rank, counts);
+  CUDA_LAUNCH_CHECK("k_rank");
+}
+
+void launch_moe_route_sigmoid(cudaStream_t s, const float* logits, int64_t T, int64_t E, int top_k, bool norm,
+                              const SigmoidRouter& r, int32_t* sel, float* wsel, int32_t* rank, int32_t* counts) {
+  if (E > 32 * kMaxPer)
+    throw std::invalid_argument("moe_experts: at most 1024 experts on cuda, got " + std::to_string(E));
+  if (T == 0) return;
+  with_per(E, [&](auto per) {
+    launch(s, static_cast<unsigned>((T + 7) / 8), 256, 0, k_route_sigmoid<decltype(per)::value>, logits, T,
+           static_cast<int>(E), top_k, norm, r, sel, wsel);
+  });
+  CUDA_LAUNCH_CHECK("k_route_sigmoid");
   launch(s, static_cast<unsigned>(E), kRankThreads, 0, k_rank, sel, T * top_k, rank, counts);
   CUDA_LAUNCH_CHECK("k_rank");
 }
