@@ -258,7 +258,7 @@ void register_bench(CLI::App& app) {
           if (r > 0) times.push_back(secs(t0, Clock::now()));
         }
         const double t = median(times);
-        const double flops = n_tok * m.flops_per_token(n_tok / 2.0);
+        const double flops = n_tok * m.flops_per_token(n_tok / 2.0) + m.head_flops();  // logits: last row
         warn_if_blas_held_back(m.backend());
         nlohmann::json j{{"bench", "prefill"},
                          {"model", lm.description},

@@ -108,9 +108,11 @@ class Model {
   // an untied embedding table it does not look up, with the routed experts counted at the
   // expected share a batch selects (1 - (1 - k/E)^batch under uniform routing).
   double step_weight_bytes(int64_t batch) const;
-  // FLOPs of one token that attends to `context` earlier positions: 2 per weight it multiplies
-  // (routed experts at the expected share k/E), plus its token mixers' recurrence and attention.
+  // FLOPs of one token through the decoder layers, attending to `context` earlier positions: 2 per
+  // weight it multiplies (routed experts at the expected share k/E), plus its token mixers'
+  // recurrence and attention. The LM head is head_flops() per row of logits.
   double flops_per_token(double context) const;
+  double head_flops() const;
   // Identifies config + weights (names, shapes, dtypes and sampled bytes of every tensor); part
   // of every cache key so entries never cross models.
   uint64_t fingerprint() const { return fingerprint_; }

@@ -763,12 +763,18 @@ void Model::apply_after_conv(LayerState& ls, const SpanAfter& a) {
   }
 }
 
+double Model::head_flops() const {
+  return 2.0 * static_cast<double>(cfg_.vocab_size) * static_cast<double>(cfg_.hidden_size);
+}
+
 double Model::flops_per_token(double context) const {
-  // Every weight a token meets does one multiply-add (the routed experts' share k/E of them; the
-  // embedding is a lookup, except as a tied head): 2 FLOPs a parameter, norms and conv taps too.
+  // Every weight of the decoder layers a token meets does one multiply-add (the routed experts'
+  // share k/E of them): 2 FLOPs a parameter, norms and conv taps too. Not the embedding (a lookup)
+  // nor the head (head_flops: a prefill runs it for its last position only).
   const double E = static_cast<double>(cfg_.num_experts), k = static_cast<double>(cfg_.num_experts_per_tok);
   const double routed = static_cast<double>(routed_params_);
-  double f = 2.0 * (static_cast<double>(n_params_ - embed_params_) - routed + (E > 0 ? routed * k / E : 0.0));
+  const double layers = static_cast<double>(n_params_ - embed_params_) - head_flops() / 2.0;
+  double f = 2.0 * (layers - routed + (E > 0 ? routed * k / E : 0.0));
   // The token mixers: a linear layer's recurrence (~6 dk dv per value head: decay, read, write,
   // output), attention's scores and values over `context` keys.
   const auto& c = cfg_;

@@ -26,14 +26,14 @@ std::vector<std::string> checkpoints() {
   return out;
 }
 
-// 2 x the multiply-adds of the weight matrices one token goes through, counted from the config
-// for the Qwen families and Nemotron-H (gated or ReLU^2 MLPs, experts at k of E), plus the head and
+// 2 x the multiply-adds of the decoder layers' weight matrices one token goes through, counted from
+// the config for the Qwen families and Nemotron-H (gated or ReLU^2 MLPs, experts at k of E), plus
 // the linear layers' recurrence (6 dk dv a value head).
 double flops_from_config(const ModelConfig& c) {
   const double H = static_cast<double>(c.hidden_size);
   const bool nemotron = c.arch == Arch::NemotronH;
   const double mlp_mats = nemotron ? 2 : 3;
-  double f = H * static_cast<double>(c.vocab_size);
+  double f = 0;
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     const LayerKind kind = c.layer_types[static_cast<size_t>(i)];
     if (kind == LayerKind::Linear) {
@@ -161,6 +161,8 @@ TEST(ArchRegistry, FlopsPerTokenComeFromTheModelsWeights) {
     const double from_config = flops_from_config(c);
     EXPECT_GT(m.flops_per_token(0), from_config);
     EXPECT_LT(m.flops_per_token(0), 1.05 * from_config);
+    // The head: a product of every row of logits with the vocabulary's H values, tied or not.
+    EXPECT_EQ(m.head_flops(), 2.0 * c.vocab_size * c.hidden_size);
     ++compared;
   }
   EXPECT_GE(compared, 5);
