@@ -12,7 +12,7 @@ curves = []
 for label, spec in series:
     path, _, sel = spec.partition("@")
     workload, _, schedule = (sel or "even/lpt").partition("/")
-    rows = [json.loads(x) for x in open(path) if x.strip()]
+    rows = [r for r in (json.loads(x) for x in open(path) if x.strip()) if "workload" in r]  # not run heads
     pts = sorted((r["workers"] + 1, r["speedup"]) for r in rows
                  if r["workload"] == workload and r["schedule"] in (schedule, "-"))
     curves.append((label, pts))
@@ -30,7 +30,7 @@ svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-f
 for n in range(1, nmax + 1):
     svg.append(f'<text x="{x(n)}" y="{H-B+16}" text-anchor="middle">{n}</text>')
     svg.append(f'<text x="{L-6}" y="{y(n)+4}" text-anchor="end">{n}</text>')
-colors = ["#1f77b4", "#d62728", "#2ca02c"]
+colors = ["#1f77b4", "#d62728", "#2ca02c", "#999999"]
 for i, (label, pts) in enumerate(curves):
     c = colors[i % len(colors)]
     svg.append(f'<polyline fill="none" stroke="{c}" stroke-width="2" points="' +

@@ -19,14 +19,19 @@ WORDS = ("river bread lighthouse valley market ship map coast keeper baker dawn 
          "garden winter copper signal harbor meadow lantern orchard quarry summit thunder village").split()
 
 
-def start(cmd, log):
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
+def spawn(cmd, log):
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
+
+
+def port_of(p, log):
+    """Waits for a spawned server's "listening on" line (processes start side by side: each one
+    makes its own random weights, seconds apiece)."""
     line = p.stdout.readline()
     m = re.match(r"listening on http://[^:]+:(\d+)", line)
     if not m:
         p.kill()
-        sys.exit(f"server did not start: {' '.join(cmd)}; see {log}")
-    return p, int(m.group(1))
+        sys.exit(f"server did not start: {' '.join(p.args)}; see {log}")
+    return int(m.group(1))
 
 
 def get(port, path):
@@ -53,15 +58,18 @@ def document(rng, words):
 def run(args, workload, lengths, n_workers, schedule, seed):
     base = [args.hypic, "serve", "--port", "0", "--config", args.config, "--random-weights", "--tokenizer",
             args.tokenizer, "--threads", str(args.threads), "--max-queue", "256", "--backend", args.backend]
+    if args.activations:
+        base += ["--activations", args.activations]
     procs, addrs = [], []
     try:
-        for k in range(n_workers):
-            p, port = start(base + ["--role", "worker", "--segment-port", "0"], f"{args.logs}/worker{k}.log")
-            procs.append(p)
-            addrs.append(f"127.0.0.1:{json.loads(get(port, '/health'))['segment_port']}")
+        logs = [f"{args.logs}/worker{k}.log" for k in range(n_workers)]
+        procs = [spawn(base + ["--role", "worker", "--segment-port", "0"], log) for log in logs]
+        for p, log in zip(procs, logs):
+            addrs.append(f"127.0.0.1:{json.loads(get(port_of(p, log), '/health'))['segment_port']}")
         extra = ["--workers", ",".join(addrs), "--worker-schedule", schedule] if addrs else []
-        p, port = start(base + extra, f"{args.logs}/combine.log")
+        p = spawn(base + extra, f"{args.logs}/combine.log")
         procs.append(p)
+        port = port_of(p, f"{args.logs}/combine.log")
         rng = random.Random(seed)
         prompt = "You answer questions using the documents."
         for n in lengths:
@@ -102,21 +110,57 @@ def run(args, workload, lengths, n_workers, schedule, seed):
                 p.kill()
 
 
+def build_bound(lengths, builders, schedule):
+    """The speedup the builds alone allow: all documents' work over the busiest builder's, dealing
+    documents (by length: tokens are ~words here) as the schedule does, builders equal."""
+    load = [0] * builders
+    if schedule == "round-robin":
+        for i, n in enumerate(lengths):
+            load[i % builders] += n
+    else:
+        for n in sorted(lengths, reverse=True):
+            load[load.index(min(load))] += n
+    return round(sum(lengths) / max(load), 2)
+
+
+# The paper's uneven shape: 6,000 / 600 / 2,500 / 800 / 4,000 / 1,000 / 3,000 / 1,200 / 2,000 /
+# 1,500 / 500 tokens (words for the default model's tokenizer, ~1.47 tokens a word here).
+PAPER_UNEVEN = "4080,410,1700,545,2720,680,2040,815,1360,1020,340"
+
+
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hypic", default="build/hypic")
-    ap.add_argument("--config", default="../shared/bench-configs/qwen3_5_0_8b.json")
+    ap.add_argument("--config", default="bench/configs/qwen3_5_0_8b.json")
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--threads", type=int, default=1, help="threads per process")
     ap.add_argument("--backend", default="cpu", help="every process's backend (cuda: all share the GPU)")
+    ap.add_argument("--activations", default="", help="every process's --activations (f32, bf16); default: hypic's")
     ap.add_argument("--workers", default="0,1", help="worker counts to run")
     ap.add_argument("--segments", type=int, default=11, help="documents of the even workload (0: none)")
-    ap.add_argument("--words", type=int, default=1800, help="words per document of the even workload (~2.4k tokens)")
-    ap.add_argument("--uneven", default="", help="words per document of the uneven workload (comma list)")
+    ap.add_argument("--words", type=int, default=1630,
+                    help="words per document of the even workload (1630: ~2.4k tokens of the default model's tokenizer)")
+    ap.add_argument("--uneven", default="",
+                    help=f"words per document of the uneven workload (comma list; 'paper': {PAPER_UNEVEN}, 0.5k-6k tokens)")
     ap.add_argument("--logs", default="/tmp/hypic-segment-workers")
-    ap.add_argument("--out", default="")
+    ap.add_argument("--out", default="", help="JSON lines, appended row by row")
+    ap.add_argument("--plot", default="", help="SVG of speedup against builders (tools/bench/plot_speedup.py)")
     a = ap.parse_args()
+    if a.uneven == "paper":
+        a.uneven = PAPER_UNEVEN
     os.makedirs(a.logs, exist_ok=True)
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    head = {"bench": "segment_workers_run", "hypic": subprocess.run([a.hypic, "--version"], capture_output=True,
+                                                                   text=True).stdout.strip(),
+            "commit": git.stdout.strip() if git.returncode == 0 else os.environ.get("HYPIC_COMMIT", "?"),
+            "cores": os.cpu_count(), "threads": a.threads, "backend": a.backend,
+            "activations": a.activations or "default", "config": os.path.basename(a.config),
+            "cpu": next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?"),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    print(json.dumps(head), flush=True)
+    if a.out:
+        with open(a.out, "a") as f:
+            f.write(json.dumps(head) + "\n")
     rows = []
     seed = 1
     plans = [("even", [a.words] * a.segments)] if a.segments > 0 else []  # --segments 0: uneven only
@@ -129,17 +173,36 @@ def main():
                 seed += 1
                 base = next((r["ttft_s"] for r in rows if r["workload"] == name and r["workers"] == 0), row["ttft_s"])
                 row["speedup"] = round(base / row["ttft_s"], 2)
+                row["per_builder"] = round(row["speedup"] / (w + 1), 2)
+                row["builds_bound"] = build_bound(lengths, w + 1, sched)
+                row["transfer_pct"] = round(100 * row["transfer_s"] / row["ttft_s"], 1)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 if a.out:  # row by row: a run cut short keeps what it measured
                     with open(a.out, "a") as f:
                         f.write(json.dumps(row) + "\n")
-    print("\n| workload | workers | schedule | prompt tokens | TTFT s | speedup | entries from workers | MiB moved | transfer s | built here s | compose s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| workload | builders | schedule | prompt tokens | TTFT s | speedup | per builder | builds bound | "
+          "entries from workers | MiB moved | transfer s | transfer % | built here s | compose s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['workload']} | {r['workers']} | {r['schedule']} | {r['prompt_tokens']} | {r['ttft_s']} | "
-              f"{r['speedup']} | {r['remote_entries']} | {r['remote_mib']} | {r['transfer_s']} | {r['build_here_s']} | "
-              f"{r['compose_s']} |")
+        print(f"| {r['workload']} | {r['workers'] + 1} | {r['schedule']} | {r['prompt_tokens']} | {r['ttft_s']} | "
+              f"{r['speedup']} | {r['per_builder']} | {r['builds_bound']} | {r['remote_entries']} | {r['remote_mib']} | "
+              f"{r['transfer_s']} | {r['transfer_pct']} | {r['build_here_s']} | {r['compose_s']} |")
+    if a.plot:
+        # This run's rows, plus the even workload's builds bound as a curve of its own.
+        pts = a.plot + ".jsonl"
+        with open(pts, "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+                if r["workload"] == "even":
+                    f.write(json.dumps(dict(r, workload="bound", speedup=r["builds_bound"])) + "\n")
+        series = [f"{w} {s}={pts}@{w}/{s}" for w, s in (("even", "lpt"), ("uneven", "lpt"), ("uneven", "round-robin"))
+                  if any(r["workload"] == w and r["schedule"] == s for r in rows)]
+        if any(r["workload"] == "even" for r in rows):
+            series.append(f"even: builds bound={pts}@bound/lpt")
+        subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "plot_speedup.py"),
+                        a.plot] + series, check=True)
+        os.remove(pts)
 
 
 if __name__ == "__main__":
