@@ -54,9 +54,9 @@ for b in "${bins[@]}"; do
   done
 done
 # oneDNN is opened at run time (the CPU's `--activations bf16`), so ldd does not list it; PACK_DNNL=1
-# packs it (7 MB compressed) with its OpenMP runtime.
+# packs it (7 MB compressed) with its OpenMP runtime and the OpenCL loader it links.
 if [ "${PACK_DNNL:-0}" = 1 ]; then
-  for name in libdnnl.so.2 libgomp.so.1; do
+  for name in libdnnl.so.2 libgomp.so.1 libOpenCL.so.1; do
     path="$(ldconfig -p | awk -v n="$name" '$1 == n {print $NF; exit}')"
     [ -n "$path" ] && cp -L "$path" "$stage/lib/$name"
   done

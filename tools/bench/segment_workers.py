@@ -152,7 +152,8 @@ def main():
     git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     head = {"bench": "segment_workers_run", "hypic": subprocess.run([a.hypic, "--version"], capture_output=True,
                                                                    text=True).stdout.strip(),
-            "commit": git.stdout.strip() if git.returncode == 0 else os.environ.get("HYPIC_COMMIT", "?"),
+            # HYPIC_COMMIT where the tree was copied without its history (a device machine)
+            "commit": os.environ.get("HYPIC_COMMIT") or (git.stdout.strip() if git.returncode == 0 else "?"),
             "cores": os.cpu_count(), "threads": a.threads, "backend": a.backend,
             "activations": a.activations or "default", "config": os.path.basename(a.config),
             "cpu": next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?"),
