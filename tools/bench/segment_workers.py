@@ -60,16 +60,18 @@ def run(args, workload, lengths, n_workers, schedule, seed):
             args.tokenizer, "--threads", str(args.threads), "--max-queue", "256", "--backend", args.backend]
     if args.activations:
         base += ["--activations", args.activations]
-    procs, addrs = [], []
+    procs, addrs, wports = [], [], []
+    tag = f"{workload}-{n_workers}-{schedule}"
     try:
-        logs = [f"{args.logs}/worker{k}.log" for k in range(n_workers)]
+        logs = [f"{args.logs}/{tag}-worker{k}.log" for k in range(n_workers)]
         procs = [spawn(base + ["--role", "worker", "--segment-port", "0"], log) for log in logs]
         for p, log in zip(procs, logs):
-            addrs.append(f"127.0.0.1:{json.loads(get(port_of(p, log), '/health'))['segment_port']}")
+            wports.append(port_of(p, log))
+            addrs.append(f"127.0.0.1:{json.loads(get(wports[-1], '/health'))['segment_port']}")
         extra = ["--workers", ",".join(addrs), "--worker-schedule", schedule] if addrs else []
-        p = spawn(base + extra, f"{args.logs}/combine.log")
+        p = spawn(base + extra, f"{args.logs}/{tag}-combine.log")
         procs.append(p)
-        port = port_of(p, f"{args.logs}/combine.log")
+        port = port_of(p, f"{args.logs}/{tag}-combine.log")
         rng = random.Random(seed)
         prompt = "You answer questions using the documents."
         for n in lengths:
@@ -96,9 +98,13 @@ def run(args, workload, lengths, n_workers, schedule, seed):
             "overlap_steps": int(metric(m, "hypic_remote_overlap_steps_total")),
         }
         # Phase sums by label (build here, compose, prefill of the question).
-        for ph in ("build", "compose"):
-            mm = re.search(r'^hypic_engine_phase_seconds_sum\{phase="' + ph + r'"\} ([0-9.eE+-]+)$', m, re.M)
-            row[ph + "_here_s" if ph == "build" else "compose_s"] = round(float(mm.group(1)), 3) if mm else 0.0
+        def phase(text, ph):
+            mm = re.search(r'^hypic_engine_phase_seconds_sum\{phase="' + ph + r'"\} ([0-9.eE+-]+)$', text, re.M)
+            return round(float(mm.group(1)), 3) if mm else 0.0
+        row["build_here_s"] = phase(m, "build")
+        row["compose_s"] = phase(m, "compose")
+        # Each worker's own build time: how evenly the schedule loaded the builders.
+        row["worker_build_s"] = [phase(get(wp, "/metrics"), "build") for wp in wports]
         return row
     finally:
         for p in procs:
