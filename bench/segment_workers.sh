@@ -11,4 +11,7 @@
 #   processes on one GPU:  bash bench/segment_workers.sh --backend cuda --config bench/configs/qwen3_5_9b.json --workers 0,1
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Each process on its best kernels: an OPENBLAS_CORETYPE inherited from the shell (Haswell in this
+# machine's environment) would hold the f32 products to AVX2 (src/backend/cpu/blas_core.h).
+unset OPENBLAS_CORETYPE
 exec python3 tools/bench/segment_workers.py --tokenizer models/default "$@"
