@@ -237,7 +237,13 @@ void register_bench(CLI::App& app) {
   add_common(p, *po);
   p->add_option("--tokens", po->tokens, "Prompt length")->capture_default_str();
   p->add_option("--lengths", po->lengths, "Several prompt lengths, e.g. 4096,32768 (one JSON object each)");
-  p->callback([po] {
+  auto warmup = std::make_shared<std::string>("each");
+  p->add_option("--warmup", *warmup,
+                "each: an untimed run before every length's; first: before the first length's only (a long "
+                "prefill needs no warm-up of its own once the process has run one)")
+      ->check(CLI::IsMember({"each", "first"}))
+      ->capture_default_str();
+  p->callback([po, warmup] {
     guarded([&] {
       const auto& o = *po;
       if (o.tokens <= 0 || o.repeats <= 0) throw std::invalid_argument("--tokens and --repeats must be positive");
@@ -247,15 +253,17 @@ void register_bench(CLI::App& app) {
       auto& m = *lm.model;
       const auto& cfg = m.config();
       const double gemm = measure_gemm_gflops(m.backend(), DType::BF16);  // once per model, not per length
-      for (const int n_tok : lens) {
+      for (size_t li = 0; li < lens.size(); ++li) {
+        const int n_tok = lens[li];
         auto ids = random_ids(n_tok, cfg.vocab_size, o.seed);
         std::vector<double> times;
-        for (int r = 0; r < o.repeats + 1; ++r) {  // first run warms caches and page-ins
+        const int warm = li == 0 || *warmup == "each" ? 1 : 0;  // warms caches and page-ins
+        for (int r = 0; r < o.repeats + warm; ++r) {
           SequenceState st = m.new_state(n_tok);
           auto t0 = Clock::now();
           Tensor lg = m.forward(ids, st);
           m.backend().synchronize();
-          if (r > 0) times.push_back(secs(t0, Clock::now()));
+          if (r >= warm) times.push_back(secs(t0, Clock::now()));
         }
         const double t = median(times);
         const double flops = n_tok * m.flops_per_token(n_tok / 2.0) + m.head_flops();  // logits: last row

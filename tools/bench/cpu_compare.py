@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Runs hypic and llama.cpp's CPU build side by side on the same GGUF files (bench/cpu_compare.sh
 prepares them): prefill at each length and decode after a context, per weight type and thread
-count, the two engines alternating run by run, medians of --repeats. Prints one JSON line per
+count, the two engines alternating run by run, medians of --repeats. Each run is one process over all
+prefill lengths, warmed up once by an untimed run of the first length (a warm-up per length doubled
+the matrix's time for nothing: the long prefills run for minutes). Prints one JSON line per
 figure and a table (tokens/s, hypic / llama.cpp). --activations f32,bf16 adds hypic's bf16-activation
 products (oneDNN) as a third column for the prefill figures (decode's few-row products are f32 in both).
 Usage: cpu_compare.py --hypic build/hypic --llama-bench DIR/llama-bench --gguf NAME:TYPE:FILE ...
@@ -23,7 +25,7 @@ def run(cmd):
 def hypic(a, f, t, activations="f32"):
     out = {}
     for j in run([a.hypic, "bench", "prefill", "--model", f, "--lengths", a.prefill, "--threads", str(t),
-                  "--repeats", "1", "--activations", activations, "--json"]):
+                  "--repeats", "1", "--warmup", "first", "--activations", activations, "--json"]):
         out[f"prefill {j['tokens']}"] = j["tokens_per_s"]
     if activations != "f32":
         return out
@@ -36,7 +38,11 @@ def hypic(a, f, t, activations="f32"):
 def llama(a, f, t):
     out = {}
     base = [a.llama_bench, "-m", f, "-t", str(t), "-r", "1", "-o", "jsonl"]
-    for j in run(base + ["-p", a.prefill, "-n", "0"]):
+    # One warm-up for the process, as hypic's `--warmup first`: llama-bench warms every test with a
+    # run of its own length (an 8,192-token warm-up is minutes of a one-thread run), so its warm-up is
+    # turned off and the first length runs twice; the later result of a length stands.
+    lengths = a.prefill.split(",")
+    for j in run(base + ["-p", ",".join(lengths[:1] + lengths), "-n", "0", "--no-warmup"]):
         out[f"prefill {j['n_prompt']}"] = j["avg_ts"]
     for j in run(base + ["-p", "0", "-n", str(a.tokens), "-d", str(a.context)]):
         out[f"decode after {a.context}"] = j["avg_ts"]
