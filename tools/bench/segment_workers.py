@@ -104,7 +104,7 @@ def run(args, workload, lengths, n_workers, schedule, seed):
         row["build_here_s"] = phase(m, "build")
         row["compose_s"] = phase(m, "compose")
         # Each worker's own build time: how evenly the schedule loaded the builders.
-        row["worker_build_s"] = [phase(get(wp, "/metrics"), "build") for wp in wports]
+        row["worker_build_s"] = [phase(get(wp, "/metrics"), "segments") for wp in wports]  # builds for others
         return row
     finally:
         for p in procs:
