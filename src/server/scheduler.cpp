@@ -269,6 +269,14 @@ void Scheduler::step() {
     return !s.finished && s.stage != Seq::Stage::Decode && !(s.cache_wait && s.cache_wait_at == unpinned_) &&
            !remote_waiting(s);
   };
+  // Builds for combine nodes (segment workers) go one at a time in arrival order, not in turn with
+  // each other: each entry then ships as soon as it is built and its combine node composes while
+  // the next one builds, where taking turns finished all of a request's entries together at the
+  // end (and switched sequences every unit). They still take turns with this node's own requests.
+  size_t remote_turn = n_run;
+  for (size_t i = 0; i < n_run && remote_turn == n_run; ++i)
+    if (running_[i]->job->kind == Job::Kind::Segments && running_[i]->job->segs.encode && prefilling(*running_[i]))
+      remote_turn = i;
   size_t first = n_run;
   if (short_first_ < 3)
     for (size_t i = 0; i < n_run && first == n_run; ++i) {
@@ -282,6 +290,7 @@ void Scheduler::step() {
     const size_t i = first < n_run ? first : (next_prefill_ + k) % n_run;
     auto& s = running_[i];
     if (!prefilling(*s)) continue;
+    if (i != remote_turn && s->job->kind == Job::Kind::Segments && s->job->segs.encode) continue;
     if (first < n_run) {
       ++short_first_;
     } else {

@@ -39,6 +39,7 @@ TEST(WorkerList, ParsesHostsPortsAndComments) {
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <thread>
@@ -47,6 +48,8 @@ TEST(WorkerList, ParsesHostsPortsAndComments) {
 #include "cluster/segment_service.h"
 #include "engine/loader.h"
 #include "pic/composer.h"
+#include "server/metrics.h"
+#include "server/scheduler.h"
 #include "server/serve_process.h"
 
 namespace {
@@ -252,6 +255,44 @@ TEST(SegmentWorkers, GpuEntriesMoveDeviceToDevice) {
   EXPECT_GE(metric(w.proc->port(), "hypic_served_shared_total"), remote) << "the fetches above count too";
   EXPECT_EQ(metric(combine.port(), "hypic_remote_fallbacks_total"), 0) << combine.log();
   EXPECT_EQ(WEXITSTATUS(combine.stop(SIGTERM)), 0) << combine.log();
+}
+
+// A worker sent several builds at once builds them one at a time in arrival order, so each entry
+// ships when it is built and the combine node composes while the next one builds (taking turns
+// finished them all together at the end). Counted in prefill units, not time: with three equal
+// builds the first must be done within the first half of the units.
+TEST(SegmentWorkers, WorkerBuildsInArrivalOrder) {
+  hypic::LoadedModel lm = hypic::load_model(kModel, "cpu", 1);
+  hypic::server::Metrics metrics;
+  hypic::server::SchedulerOptions opt;
+  opt.prefill_chunk = 64;  // several units per build: 2 chunks x layers
+  hypic::server::Scheduler sched(*lm.model, lm.tokenizer.get(), opt, metrics);
+  std::mutex mu;
+  std::vector<std::pair<int, uint64_t>> done;  // (build, prefill units run when it was replied)
+  sched.start();
+  for (int b = 0; b < 3; ++b) {
+    hypic::SegmentKey key{lm.model->fingerprint(), 8, 0, {}};
+    for (int t = 0; t < 120; ++t) key.ids.push_back(5 + (t * 7 + b * 31) % 200);
+    sched.submit_remote_build(std::move(key), false, [&, b](hypic::cluster::BuildOutcome out) {
+      EXPECT_TRUE(out.ok) << out.bytes;
+      std::lock_guard<std::mutex> g(mu);
+      done.emplace_back(b, metrics.prefill_chunks.load());
+    });
+  }
+  for (int i = 0; i < 600; ++i) {
+    {
+      std::lock_guard<std::mutex> g(mu);
+      if (done.size() == 3) break;
+    }
+    std::this_thread::sleep_for(50ms);
+  }
+  sched.stop();
+  ASSERT_EQ(done.size(), 3u);
+  EXPECT_EQ(done[0].first, 0);
+  EXPECT_EQ(done[1].first, 1);
+  EXPECT_EQ(done[2].first, 2);
+  EXPECT_LT(2 * done[0].second, done[2].second)
+      << "units at the replies: " << done[0].second << ", " << done[1].second << ", " << done[2].second;
 }
 
 // A slow worker (each reply held back 800 ms): the combine node composes the segments it has while
