@@ -3,8 +3,9 @@
 hypic server alone, then with 1, 2, ... segment workers (`hypic serve --role worker`), LPT and
 round-robin; prints one JSON line per run and a table. Standard library only.
 
-Each run starts fresh processes (nothing cached) and sends one request with max_tokens 1: its
-wall time is the time to first token. Documents are random words, distinct per run."""
+Each run starts fresh processes (nothing cached), sends an untimed warm-up request of short
+documents (the combine node measures its builders' rates on it) and then the timed one, max_tokens
+1: its wall time is the time to first token. Documents are random words, distinct per request."""
 import argparse
 import json
 import os
@@ -46,9 +47,17 @@ def post(port, path, body):
         return json.loads(r.read())
 
 
-def metric(text, name):
-    m = re.search(r"^" + re.escape(name) + r"(?:\{[^}]*\})? ([0-9.eE+-]+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
+def samples(text):
+    """Every sample of a /metrics text: 'name{labels}' -> value."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            k, _, v = line.rpartition(" ")
+            try:
+                out[k] = float(v)
+            except ValueError:
+                pass
+    return out
 
 
 def document(rng, words):
@@ -72,39 +81,46 @@ def run(args, workload, lengths, n_workers, schedule, seed):
         p = spawn(base + extra, f"{args.logs}/{tag}-combine.log")
         procs.append(p)
         port = port_of(p, f"{args.logs}/{tag}-combine.log")
-        rng = random.Random(seed)
-        prompt = "You answer questions using the documents."
-        for n in lengths:
-            prompt += "<<PIC_SEP>>" + document(rng, n)
-        prompt += "<<PIC_SEP>>Question: which word comes first?"
+        def ask(words, rng):
+            prompt = "You answer questions using the documents."
+            for n in words:
+                prompt += "<<PIC_SEP>>" + document(rng, n)
+            prompt += "<<PIC_SEP>>Question: which word comes first?"
+            return post(port, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "temperature": 0,
+                                                  "ignore_eos": True})
+
+        # A warm-up request of other, short documents: the combine node measures every builder's rate
+        # on it (as a serving node has by its first real request), so the timed request is dealt by
+        # measured rates rather than the equal guess a fresh node starts from.
+        if args.warmup_words > 0:
+            ask([args.warmup_words] * len(lengths), random.Random(seed + 100000))
+        before = samples(get(port, "/metrics"))
+        wbefore = [samples(get(wp, "/metrics")) for wp in wports]
         t0 = time.perf_counter()
-        r = post(port, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "temperature": 0,
-                                           "ignore_eos": True})
+        r = ask(lengths, random.Random(seed))
         ttft = time.perf_counter() - t0
-        m = get(port, "/metrics")
+        after = samples(get(port, "/metrics"))
+        d = lambda name: after.get(name, 0.0) - before.get(name, 0.0)  # this request's share
+        phase = lambda name: 'hypic_engine_phase_seconds_sum{phase="' + name + '"}'
         row = {
             "workload": workload, "backend": args.backend, "workers": n_workers, "schedule": schedule if n_workers else "-",
             "segments": len(lengths), "prompt_tokens": r["usage"]["prompt_tokens"],
             "ttft_s": round(ttft, 3),
-            "remote_entries": int(metric(m, "hypic_remote_entries_total")),
-            "remote_mib": round(metric(m, "hypic_remote_entry_bytes_total") / 2**20, 2),
+            "remote_entries": int(d("hypic_remote_entries_total")),
+            "remote_mib": round(d("hypic_remote_entry_bytes_total") / 2**20, 2),
             # round trips less the workers' own time, plus copying shared entries in (device to device)
-            "transfer_s": round(metric(m, "hypic_remote_transfer_seconds_total")
-                                + metric(m, "hypic_remote_import_seconds_total"), 3),
-            "shared_entries": int(metric(m, "hypic_remote_shared_entries_total")),
-            "import_s": round(metric(m, "hypic_remote_import_seconds_total"), 4),
-            "fallbacks": int(metric(m, "hypic_remote_fallbacks_total")),
+            "transfer_s": round(d("hypic_remote_transfer_seconds_total") + d("hypic_remote_import_seconds_total"), 3),
+            "shared_entries": int(d("hypic_remote_shared_entries_total")),
+            "import_s": round(d("hypic_remote_import_seconds_total"), 4),
+            "fallbacks": int(d("hypic_remote_fallbacks_total")),
             # composition steps run while workers still built (docs/cluster.md)
-            "overlap_steps": int(metric(m, "hypic_remote_overlap_steps_total")),
+            "overlap_steps": int(d("hypic_remote_overlap_steps_total")),
+            "build_here_s": round(d(phase("build")), 3),
+            "compose_s": round(d(phase("compose")), 3),
+            # each worker's builds for others (its "segments" phase): how evenly the builders were loaded
+            "worker_build_s": [round(samples(get(wp, "/metrics")).get(phase("segments"), 0.0) - wb.get(phase("segments"), 0.0), 3)
+                               for wp, wb in zip(wports, wbefore)],
         }
-        # Phase sums by label (build here, compose, prefill of the question).
-        def phase(text, ph):
-            mm = re.search(r'^hypic_engine_phase_seconds_sum\{phase="' + ph + r'"\} ([0-9.eE+-]+)$', text, re.M)
-            return round(float(mm.group(1)), 3) if mm else 0.0
-        row["build_here_s"] = phase(m, "build")
-        row["compose_s"] = phase(m, "compose")
-        # Each worker's own build time: how evenly the schedule loaded the builders.
-        row["worker_build_s"] = [phase(get(wp, "/metrics"), "segments") for wp in wports]  # builds for others
         return row
     finally:
         for p in procs:
@@ -148,6 +164,9 @@ def main():
                     help="words per document of the even workload (1630: ~2.4k tokens of the default model's tokenizer)")
     ap.add_argument("--uneven", default="",
                     help=f"words per document of the uneven workload (comma list; 'paper': {PAPER_UNEVEN}, 0.5k-6k tokens)")
+    ap.add_argument("--warmup-words", type=int, default=200,
+                    help="words per document of an untimed request before each timed one, which lets the combine "
+                         "node measure its builders' rates (0: none; a fresh node deals by equal rates)")
     ap.add_argument("--logs", default="/tmp/hypic-segment-workers")
     ap.add_argument("--out", default="", help="JSON lines, appended row by row")
     ap.add_argument("--plot", default="", help="SVG of speedup against builders (tools/bench/plot_speedup.py)")
@@ -162,6 +181,7 @@ def main():
             "commit": os.environ.get("HYPIC_COMMIT") or (git.stdout.strip() if git.returncode == 0 else "?"),
             "cores": os.cpu_count(), "threads": a.threads, "backend": a.backend,
             "activations": a.activations or "default", "config": os.path.basename(a.config),
+            "warmup_words": a.warmup_words,
             "cpu": next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?"),
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     print(json.dumps(head), flush=True)
