@@ -3,9 +3,9 @@
 hypic server alone, then with 1, 2, ... segment workers (`hypic serve --role worker`), LPT and
 round-robin; prints one JSON line per run and a table. Standard library only.
 
-Each run starts fresh processes (nothing cached), sends an untimed warm-up request of short
-documents (the combine node measures its builders' rates on it) and then the timed one, max_tokens
-1: its wall time is the time to first token. Documents are random words, distinct per request."""
+Each run starts fresh processes (nothing cached) and sends one request with max_tokens 1 (after an
+untimed one of short documents with --warmup-words): its wall time is the time to first token.
+Documents are random words, distinct per request."""
 import argparse
 import json
 import os
@@ -164,9 +164,11 @@ def main():
                     help="words per document of the even workload (1630: ~2.4k tokens of the default model's tokenizer)")
     ap.add_argument("--uneven", default="",
                     help=f"words per document of the uneven workload (comma list; 'paper': {PAPER_UNEVEN}, 0.5k-6k tokens)")
-    ap.add_argument("--warmup-words", type=int, default=200,
-                    help="words per document of an untimed request before each timed one, which lets the combine "
-                         "node measure its builders' rates (0: none; a fresh node deals by equal rates)")
+    # Off by default: a worker's rate is measured over each build's whole round trip, so builds that
+    # queued behind others of the same request read slow (docs/perf-notes.md, segment parallelism v6).
+    ap.add_argument("--warmup-words", type=int, default=0,
+                    help="words per document of an untimed request before each timed one, on which the combine "
+                         "node measures its builders' rates (0: none; a fresh node deals by equal rates)")
     ap.add_argument("--logs", default="/tmp/hypic-segment-workers")
     ap.add_argument("--out", default="", help="JSON lines, appended row by row")
     ap.add_argument("--plot", default="", help="SVG of speedup against builders (tools/bench/plot_speedup.py)")
