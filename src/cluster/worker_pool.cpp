@@ -291,10 +291,14 @@ void WorkerPool::on_message(Message&& m) {
       st_.transfer_seconds += std::max(0.0, b->seconds - b->worker_seconds);
       holds_[b->key.hash()] = b->worker;
       if (!b->cached && b->worker_seconds > 0) {
-        // The rate a build would see from now: its tokens over the whole round trip.
-        const double r = static_cast<double>(b->key.ids.size()) / std::max(b->seconds, 1e-6);
+        // Its tokens over its service time (transfer included): a worker builds the requests it
+        // holds one after another in arrival order, so a build waited in its queue until the
+        // previous reply; over the whole round trip the later builds of a request read slow.
+        const double r = static_cast<double>(b->key.ids.size()) /
+                         std::max(seconds_between(std::max(b->sent, w.last_reply), now), 1e-6);
         w.rate = w.rate > 0 ? 0.7 * w.rate + 0.3 * r : r;
       }
+      w.last_reply = now;
       finish(*b);
     }
   }

@@ -108,6 +108,9 @@ class WorkerPool {
     std::string why;  // the last fault
     Clock::time_point probe_at{};
     double rate = 0;  // tokens/s, measured (0: none yet)
+    // The worker's last reply: builds run one after another there, so a build's service time
+    // starts at the later of its sending and this.
+    Clock::time_point last_reply{};
     double busy = 0;  // estimated seconds of builds in flight
     int in_flight = 0;
     bool shared_ok = true;  // ask for shared entries (while opt_.host is set)
