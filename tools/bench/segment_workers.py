@@ -164,9 +164,7 @@ def main():
                     help="words per document of the even workload (1630: ~2.4k tokens of the default model's tokenizer)")
     ap.add_argument("--uneven", default="",
                     help=f"words per document of the uneven workload (comma list; 'paper': {PAPER_UNEVEN}, 0.5k-6k tokens)")
-    # Off by default: a worker's rate is measured over each build's whole round trip, so builds that
-    # queued behind others of the same request read slow (docs/perf-notes.md, segment parallelism v6).
-    ap.add_argument("--warmup-words", type=int, default=0,
+    ap.add_argument("--warmup-words", type=int, default=200,
                     help="words per document of an untimed request before each timed one, on which the combine "
                          "node measures its builders' rates (0: none; a fresh node deals by equal rates)")
     ap.add_argument("--logs", default="/tmp/hypic-segment-workers")
