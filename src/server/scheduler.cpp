@@ -273,10 +273,10 @@ void Scheduler::step() {
   // each other: each entry then ships as soon as it is built and its combine node composes while
   // the next one builds, where taking turns finished all of a request's entries together at the
   // end (and switched sequences every unit). They still take turns with this node's own requests.
+  auto remote_build = [](const Seq& s) { return s.job->kind == Job::Kind::Segments && s.job->segs.encode; };
   size_t remote_turn = n_run;
   for (size_t i = 0; i < n_run && remote_turn == n_run; ++i)
-    if (running_[i]->job->kind == Job::Kind::Segments && running_[i]->job->segs.encode && prefilling(*running_[i]))
-      remote_turn = i;
+    if (remote_build(*running_[i]) && prefilling(*running_[i])) remote_turn = i;
   size_t first = n_run;
   if (short_first_ < 3)
     for (size_t i = 0; i < n_run && first == n_run; ++i) {
@@ -290,7 +290,7 @@ void Scheduler::step() {
     const size_t i = first < n_run ? first : (next_prefill_ + k) % n_run;
     auto& s = running_[i];
     if (!prefilling(*s)) continue;
-    if (i != remote_turn && s->job->kind == Job::Kind::Segments && s->job->segs.encode) continue;
+    if (i != remote_turn && remote_build(*s)) continue;
     if (first < n_run) {
       ++short_first_;
     } else {
