@@ -57,7 +57,8 @@ done
 # packs it (7 MB compressed) with its OpenMP runtime and the OpenCL loader it links.
 if [ "${PACK_DNNL:-0}" = 1 ]; then
   for name in libdnnl.so.2 libgomp.so.1 libOpenCL.so.1; do
-    path="$(ldconfig -p | awk -v n="$name" '$1 == n {print $NF; exit}')"
+    # (awk reads to the end: an early exit would stop ldconfig with SIGPIPE, fatal under pipefail)
+    path="$(ldconfig -p | awk -v n="$name" '$1 == n && !p {p = $NF} END {print p}')"
     [ -n "$path" ] && cp -L "$path" "$stage/lib/$name"
   done
 fi
