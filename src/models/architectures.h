@@ -24,6 +24,7 @@ class Fields;
 namespace gguf_detail {
 struct Source;
 class GgufKeys;
+class GgufKeyWriter;
 }  // namespace gguf_detail
 
 // A weight as the checkpoint holds it, on the host (counted into the model's size and fingerprint).
@@ -54,10 +55,13 @@ struct ArchSpec {
   const char* embed = nullptr;
   const char* final_norm = nullptr;
   // llama.cpp GGUF files: the general.architecture values it answers to (empty when hypic does not
-  // load it from GGUF), their metadata into a config, and where each Hugging Face tensor lies.
+  // load it from GGUF; a second one is its MoE form, written when the config has experts), their
+  // metadata into a config, and where each Hugging Face tensor lies. gguf_write_config is the
+  // inverse of gguf_config for `hypic quantize` (null: hypic reads the files but does not write them).
   const char* gguf[2] = {};
   void (*gguf_config)(const gguf_detail::GgufKeys& k, ModelConfig& c) = nullptr;
   std::optional<gguf_detail::Source> (*gguf_source)(const ModelConfig& c, const std::string& name) = nullptr;
+  void (*gguf_write_config)(const ModelConfig& c, gguf_detail::GgufKeyWriter& k) = nullptr;
 };
 
 // The functions each architecture's file provides (config.json parsers in config_detail beside
@@ -71,8 +75,10 @@ void parse_kimi_linear(const Fields& f, ModelConfig& cfg);
 namespace gguf_detail {
 void qwen_gguf_config(const GgufKeys& k, ModelConfig& c);  // gguf_checkpoint.cpp
 std::optional<Source> qwen_gguf_source(const ModelConfig& c, const std::string& name);
+void qwen_gguf_write_config(const ModelConfig& c, GgufKeyWriter& k);
 void nemotron_h_gguf_config(const GgufKeys& k, ModelConfig& c);
 std::optional<Source> nemotron_h_gguf_source(const ModelConfig& c, const std::string& name);
+void nemotron_h_gguf_write_config(const ModelConfig& c, GgufKeyWriter& k);
 void kimi_linear_gguf_config(const GgufKeys& k, ModelConfig& c);
 std::optional<Source> kimi_linear_gguf_source(const ModelConfig& c, const std::string& name);
 }  // namespace gguf_detail
@@ -96,7 +102,8 @@ inline std::span<const ArchSpec> arch_specs() {
        .attention_mixer = "attention",
        .gguf = {"qwen35", nullptr},
        .gguf_config = qwen_gguf_config,
-       .gguf_source = qwen_gguf_source},
+       .gguf_source = qwen_gguf_source,
+       .gguf_write_config = qwen_gguf_write_config},
       {.arch = Arch::Qwen3_5Moe,
        .name = "qwen3_5_moe",
        .hf = {{"Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", false},
@@ -106,7 +113,8 @@ inline std::span<const ArchSpec> arch_specs() {
        .attention_mixer = "attention",
        .gguf = {"qwen35moe", nullptr},
        .gguf_config = qwen_gguf_config,
-       .gguf_source = qwen_gguf_source},
+       .gguf_source = qwen_gguf_source,
+       .gguf_write_config = qwen_gguf_write_config},
       {.arch = Arch::Qwen3Next,
        .name = "qwen3_next",
        .hf = {{"Qwen3NextForCausalLM", "qwen3_next", false}, {}},
@@ -115,7 +123,8 @@ inline std::span<const ArchSpec> arch_specs() {
        .attention_mixer = "attention",
        .gguf = {"qwen3next", nullptr},
        .gguf_config = qwen_gguf_config,
-       .gguf_source = qwen_gguf_source},
+       .gguf_source = qwen_gguf_source,
+       .gguf_write_config = qwen_gguf_write_config},
       {.arch = Arch::NemotronH,
        .name = "nemotron_h",
        .hf = {{"NemotronHForCausalLM", "nemotron_h", false}, {}},
@@ -128,7 +137,8 @@ inline std::span<const ArchSpec> arch_specs() {
        .final_norm = "backbone.norm_f.weight",
        .gguf = {"nemotron_h", "nemotron_h_moe"},
        .gguf_config = nemotron_h_gguf_config,
-       .gguf_source = nemotron_h_gguf_source},
+       .gguf_source = nemotron_h_gguf_source,
+       .gguf_write_config = nemotron_h_gguf_write_config},
       {.arch = Arch::MiniMax,
        .name = "minimax",
        .hf = {{"MiniMaxForCausalLM", "minimax", false}, {}},

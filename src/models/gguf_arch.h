@@ -1,6 +1,7 @@
 // Internal to src/models: what gguf_checkpoint.cpp shares with the architecture files that map their
 // own llama.cpp GGUF layout (nemotron_h.cpp, kimi_linear.cpp), so that an architecture's metadata
 // keys and tensor names live beside its layers, as its config.json fields do (config_fields.h).
+// Reading (GgufKeys, Source) and writing (GgufKeyWriter, Source::stored: `hypic quantize`) share them.
 #pragma once
 #include <cstdint>
 #include <optional>
@@ -8,6 +9,7 @@
 #include <vector>
 
 #include "io/gguf.h"
+#include "io/gguf_writer.h"
 #include "models/config.h"
 
 namespace hypic::gguf_detail {
@@ -29,6 +31,9 @@ struct Source {
   std::string second{};      // Qkvz: the z half; MlaKvB: v_b
   // The same values in another shape (Mamba2's grouped norm, stored [groups, I / groups]).
   bool reshape = false;
+  // Writing: the shape the converter stores (row-major) where it is not the model's; empty: the
+  // model's (conv1d [C, 1, K] as [C, K] either way).
+  std::vector<int64_t> stored{};
 };
 
 // "PREFIX.layers.N.rest" as ("blk.N.", rest); nullopt when the name is not a layer's.
@@ -59,6 +64,25 @@ class GgufKeys {
  private:
   const GgufFile& f_;
   std::string arch_;
+};
+
+// The writing side of GgufKeys: an architecture's metadata as llama.cpp's converter types it
+// (scalars u32 / f32 / bool, per-layer counts as i32 arrays), with errors naming the file.
+class GgufKeyWriter {
+ public:
+  GgufKeyWriter(GgufWriter& g, std::string arch, std::string path)
+      : g_(g), arch_(std::move(arch)), path_(std::move(path)) {}
+  const std::string& arch() const { return arch_; }
+  std::string key(const std::string& k) const { return arch_ + "." + k; }
+  [[noreturn]] void fail(const std::string& what) const;
+  void u32(const std::string& k, int64_t v);  // fails naming the key outside [0, 2^32)
+  void f32(const std::string& k, double v);
+  void flag(const std::string& k, bool v);
+  void i32s(const std::string& k, const std::vector<int64_t>& v);
+
+ private:
+  GgufWriter& g_;
+  std::string arch_, path_;
 };
 
 }  // namespace hypic::gguf_detail

@@ -664,7 +664,9 @@ void write_tokenizer(GgufWriter& w, const TokenizerTexts& t, int64_t vocab_size,
   special("eos_token", "tokenizer.ggml.eos_token_id");
   special("bos_token", "tokenizer.ggml.bos_token_id");
   special("pad_token", "tokenizer.ggml.padding_token_id");
-  w.set_bool("tokenizer.ggml.add_bos_token", false);
+  // As gguf-py's SpecialVocab reads it: tokenizer_config.json's add_bos_token (llama.cpp then adds BOS).
+  w.set_bool("tokenizer.ggml.add_bos_token",
+             cj.contains("add_bos_token") && cj["add_bos_token"].is_boolean() && cj["add_bos_token"].get<bool>());
   if (cj.contains("chat_template") && cj["chat_template"].is_string())
     w.set_string("tokenizer.chat_template", cj["chat_template"].get<std::string>());
 }
@@ -711,7 +713,108 @@ Tensor encode(const Tensor& f, DType to) {
   return out;
 }
 
+// Hugging Face's in_proj_qkvz (per key head g: [q_g | k_g | v_g | z_g]) as the converter's q|k|v
+// and z halves (the reader's interleave_qkvz undone), in f32.
+std::pair<Tensor, Tensor> split_qkvz(const ModelConfig& c, const Tensor& f) {
+  const int64_t nk = c.linear_num_key_heads, dk = c.linear_key_head_dim;
+  const int64_t vg = c.linear_num_value_heads / nk * c.linear_value_head_dim, H = f.dim(1);
+  Tensor qkv = Tensor::empty(DType::F32, {nk * (2 * dk + vg), H}), z = Tensor::empty(DType::F32, {nk * vg, H});
+  const float* in = f.data<float>();
+  auto rows = [&](Tensor& dst, int64_t d0, int64_t s0, int64_t n) {
+    std::memcpy(dst.data<float>() + d0 * H, in + s0 * H, static_cast<size_t>(n * H) * sizeof(float));
+  };
+  for (int64_t g = 0; g < nk; ++g) {
+    const int64_t src = g * (2 * dk + 2 * vg);
+    rows(qkv, g * dk, src, dk);
+    rows(qkv, nk * dk + g * dk, src + dk, dk);
+    rows(qkv, 2 * nk * dk + g * vg, src + 2 * dk, vg);
+    rows(z, g * vg, src + 2 * dk + vg, vg);
+  }
+  return {qkv, z};
+}
+
+// The converter's RoPE row permutation (LlamaModel.permute) applied: per head of hd rows, row
+// 2i + j holds Hugging Face's row j * hd / 2 + i (the reader's unpermute_rope_rows undone).
+Tensor permute_rope_rows(const Tensor& f, int64_t hd) {
+  Tensor out = Tensor::empty(DType::F32, f.shape());
+  const int64_t cols = f.dim(1);
+  for (int64_t h = 0; h < f.dim(0) / hd; ++h)
+    for (int64_t i = 0; i < hd / 2; ++i)
+      for (int64_t j = 0; j < 2; ++j)
+        std::memcpy(out.data<float>() + (h * hd + 2 * i + j) * cols, f.data<float>() + (h * hd + j * hd / 2 + i) * cols,
+                    static_cast<size_t>(cols) * sizeof(float));
+  return out;
+}
+
 }  // namespace
+
+void gguf_detail::GgufKeyWriter::fail(const std::string& what) const {
+  throw std::runtime_error("gguf " + path_ + ": " + what);
+}
+void gguf_detail::GgufKeyWriter::u32(const std::string& k, int64_t v) {
+  if (v < 0 || v > int64_t{0xffffffff}) fail(key(k) + " " + std::to_string(v) + " does not fit a u32");
+  g_.set_u32(key(k), static_cast<uint32_t>(v));
+}
+void gguf_detail::GgufKeyWriter::f32(const std::string& k, double v) {
+  g_.set_f32(key(k), static_cast<float>(v));
+}
+void gguf_detail::GgufKeyWriter::flag(const std::string& k, bool v) {
+  g_.set_bool(key(k), v);
+}
+void gguf_detail::GgufKeyWriter::i32s(const std::string& k, const std::vector<int64_t>& v) {
+  std::vector<int32_t> out;
+  for (int64_t x : v) {
+    if (x < 0 || x > int64_t{0x7fffffff}) fail(key(k) + " holds " + std::to_string(x) + ", outside an i32");
+    out.push_back(static_cast<int32_t>(x));
+  }
+  g_.set_i32s(key(k), out);
+}
+
+// The inverse of qwen_gguf_config, as llama.cpp's qwen35 / qwen35moe / qwen3next converters write it.
+void gguf_detail::qwen_gguf_write_config(const ModelConfig& cfg, GgufKeyWriter& k) {
+  // Full attention every n-th layer is all the files' full_attention_interval can say.
+  int64_t every = 0;
+  for (size_t i = 0; i < cfg.layer_types.size(); ++i)
+    if (cfg.layer_types[i] == LayerKind::Attention) {
+      every = static_cast<int64_t>(i) + 1;
+      break;
+    }
+  if (every == 0) k.fail("a model without full-attention layers cannot be written as " + k.arch());
+  for (size_t i = 0; i < cfg.layer_types.size(); ++i)
+    if ((cfg.layer_types[i] == LayerKind::Attention) != ((static_cast<int64_t>(i) + 1) % every == 0))
+      k.fail("layer " + std::to_string(i) + " breaks the every-" + std::to_string(every) +
+             "th full-attention pattern that " + k.arch() + "'s full_attention_interval describes");
+  if (cfg.num_experts > 0) {
+    // The reader (as llama.cpp's loader) puts experts in every layer: a dense one would be misread.
+    for (int64_t i = 0; i < cfg.num_hidden_layers; ++i)
+      if (!cfg.layer_is_moe(i))
+        k.fail("layer " + std::to_string(i) + " has a dense MLP: llama.cpp's " + k.arch() +
+               " has experts in every layer (decoder_sparse_step 1, no mlp_only_layers)");
+    k.u32("expert_count", cfg.num_experts);
+    k.u32("expert_used_count", cfg.num_experts_per_tok);
+    k.u32("expert_feed_forward_length", cfg.moe_intermediate_size);
+    if (cfg.shared_expert_intermediate_size > 0)
+      k.u32("expert_shared_feed_forward_length", cfg.shared_expert_intermediate_size);
+  }
+  if (cfg.intermediate_size > 0) k.u32("feed_forward_length", cfg.intermediate_size);
+  k.u32("attention.head_count", cfg.num_attention_heads);
+  k.u32("attention.head_count_kv", cfg.num_key_value_heads);
+  k.u32("attention.key_length", cfg.head_dim);
+  k.u32("attention.value_length", cfg.head_dim);
+  k.f32("attention.layer_norm_rms_epsilon", cfg.rms_norm_eps);
+  k.f32("rope.freq_base", cfg.rope_theta);
+  k.u32("rope.dimension_count", cfg.rotary_dim());
+  // Multimodal RoPE sections (llama.cpp's qwen35 requires the key): text positions are the same in
+  // every section, so any split is plain RoPE; Qwen3.5's configs all say [11, 11, 10] and the
+  // converter pads it to four. Qwen3-Next has plain RoPE and no such key.
+  if (cfg.arch != Arch::Qwen3Next) k.i32s("rope.dimension_sections", {11, 11, 10, 0});
+  k.u32("ssm.conv_kernel", cfg.linear_conv_kernel_dim);
+  k.u32("ssm.state_size", cfg.linear_key_head_dim);
+  k.u32("ssm.group_count", cfg.linear_num_key_heads);
+  k.u32("ssm.time_step_rank", cfg.linear_num_value_heads);
+  k.u32("ssm.inner_size", cfg.linear_num_value_heads * cfg.linear_value_head_dim);
+  k.u32("full_attention_interval", every);
+}
 
 void write_gguf_checkpoint(const ModelConfig& cfg, const WeightSource& w, const TokenizerTexts* tokenizer, DType type,
                            const std::string& path, bool q4_k_m) {
@@ -731,57 +834,25 @@ void write_gguf_checkpoint(const ModelConfig& cfg, const WeightSource& w, const 
   auto bad = [&](const std::string& what) -> void { throw std::runtime_error("gguf " + path + ": " + what); };
   if (!(type == DType::F32 || type == DType::BF16 || dtype_is_quantized(type)))
     bad(std::string("cannot write matrices as ") + dtype_name(type) + " (f32, bf16, q8_0, q4_k or q6_k)");
-  const char* arch = cfg.arch == Arch::Qwen3_5 ? "qwen35" : cfg.arch == Arch::Qwen3_5Moe ? "qwen35moe" : nullptr;
-  if (!arch)
-    bad("architecture " + cfg.architecture +
-        " is not written as GGUF here (qwen35, qwen35moe; qwen3next files are read, not written)");
-  // Full attention every n-th layer is all llama.cpp's qwen35 metadata can say.
-  int64_t every = 0;
-  for (size_t i = 0; i < cfg.layer_types.size(); ++i)
-    if (cfg.layer_types[i] == LayerKind::Attention) {
-      every = static_cast<int64_t>(i) + 1;
-      break;
-    }
-  if (every == 0) bad("a model without full-attention layers cannot be written as qwen35");
-  for (size_t i = 0; i < cfg.layer_types.size(); ++i)
-    if ((cfg.layer_types[i] == LayerKind::Attention) != ((static_cast<int64_t>(i) + 1) % every == 0))
-      bad("layer " + std::to_string(i) + " breaks the every-" + std::to_string(every) +
-          "th full-attention pattern that qwen35's full_attention_interval describes");
+  const ArchSpec& spec = arch_spec(cfg.arch);
+  if (!spec.gguf_write_config || !spec.gguf[0]) {
+    std::string can;
+    for (const ArchSpec& s : arch_specs())
+      if (s.gguf_write_config) can += std::string(can.empty() ? "" : ", ") + s.name;
+    bad("architecture " + cfg.architecture + " is not written as GGUF here (" + can + ")");
+  }
+  // The second name is the architecture's MoE form (nemotron_h_moe).
+  const std::string a = spec.gguf[1] && cfg.num_experts > 0 ? spec.gguf[1] : spec.gguf[0];
 
   GgufWriter g;
-  const std::string a = arch;
   g.set_string("general.architecture", a);
   g.set_string("general.type", "model");
   g.set_u32("general.quantization_version", 2);
-  g.set_u32(a + ".block_count", static_cast<uint32_t>(cfg.num_hidden_layers));
-  g.set_u32(a + ".context_length", static_cast<uint32_t>(cfg.max_position_embeddings));
-  g.set_u32(a + ".embedding_length", static_cast<uint32_t>(cfg.hidden_size));
-  if (cfg.arch == Arch::Qwen3_5Moe) {
-    g.set_u32(a + ".expert_count", static_cast<uint32_t>(cfg.num_experts));
-    g.set_u32(a + ".expert_used_count", static_cast<uint32_t>(cfg.num_experts_per_tok));
-    g.set_u32(a + ".expert_feed_forward_length", static_cast<uint32_t>(cfg.moe_intermediate_size));
-    if (cfg.shared_expert_intermediate_size > 0)
-      g.set_u32(a + ".expert_shared_feed_forward_length", static_cast<uint32_t>(cfg.shared_expert_intermediate_size));
-  }
-  if (cfg.intermediate_size > 0) g.set_u32(a + ".feed_forward_length", static_cast<uint32_t>(cfg.intermediate_size));
-  g.set_u32(a + ".attention.head_count", static_cast<uint32_t>(cfg.num_attention_heads));
-  g.set_u32(a + ".attention.head_count_kv", static_cast<uint32_t>(cfg.num_key_value_heads));
-  g.set_u32(a + ".attention.key_length", static_cast<uint32_t>(cfg.head_dim));
-  g.set_u32(a + ".attention.value_length", static_cast<uint32_t>(cfg.head_dim));
-  g.set_f32(a + ".attention.layer_norm_rms_epsilon", static_cast<float>(cfg.rms_norm_eps));
-  g.set_f32(a + ".rope.freq_base", static_cast<float>(cfg.rope_theta));
-  const int64_t rot = cfg.rotary_dim();
-  g.set_u32(a + ".rope.dimension_count", static_cast<uint32_t>(rot));
-  // Multimodal RoPE sections (llama.cpp requires the key): text positions are the same in every
-  // section, so any split is plain RoPE; Qwen3.5's configs all say [11, 11, 10] and the converter
-  // pads it to four.
-  g.set_i32s(a + ".rope.dimension_sections", {11, 11, 10, 0});
-  g.set_u32(a + ".ssm.conv_kernel", static_cast<uint32_t>(cfg.linear_conv_kernel_dim));
-  g.set_u32(a + ".ssm.state_size", static_cast<uint32_t>(cfg.linear_key_head_dim));
-  g.set_u32(a + ".ssm.group_count", static_cast<uint32_t>(cfg.linear_num_key_heads));
-  g.set_u32(a + ".ssm.time_step_rank", static_cast<uint32_t>(cfg.linear_num_value_heads));
-  g.set_u32(a + ".ssm.inner_size", static_cast<uint32_t>(cfg.linear_num_value_heads * cfg.linear_value_head_dim));
-  g.set_u32(a + ".full_attention_interval", static_cast<uint32_t>(every));
+  gguf_detail::GgufKeyWriter k(g, a, path);
+  k.u32("block_count", cfg.num_hidden_layers);
+  k.u32("context_length", cfg.max_position_embeddings);
+  k.u32("embedding_length", cfg.hidden_size);
+  spec.gguf_write_config(cfg, k);
   if (tokenizer) write_tokenizer(g, *tokenizer, cfg.vocab_size, path);
 
   // The tensors the model loads, in its order.
@@ -801,10 +872,26 @@ void write_gguf_checkpoint(const ModelConfig& cfg, const WeightSource& w, const 
     const auto s = resolve(cfg, name);
     if (!s) bad("no GGUF tensor corresponds to " + name);
     Tensor f = as_f32(w.get(name, shape));
+    // The file's type, chosen on the model's tensor: f32 for vectors, conv1d and routers (as
+    // llama.cpp's converter writes them); the chosen type for matrices, a Q4_K token embedding at
+    // Q6_K; below, f16 where rows are not whole blocks (as the converter falls back).
+    const bool router = name.ends_with(".gate.weight") || name.ends_with("shared_expert_gate.weight");
+    const bool conv = name.ends_with("conv1d.weight");
+    const bool embedding =
+        name.ends_with("embed_tokens.weight") || name.ends_with("embeddings.weight") || name == "lm_head.weight";
+    DType to = type == DType::Q4_K && embedding ? DType::Q6_K : type;
+    if (f.ndim() != 2 || router || conv) to = DType::F32;
+
     if (s->fix == Source::Fix::MinusOne || s->fix == Source::Fix::LogNeg) {
       float* p = f.data<float>();
       for (int64_t i = 0; i < f.numel(); ++i) p[i] = s->fix == Source::Fix::MinusOne ? p[i] + 1.0f : -std::exp(p[i]);
     }
+    if (s->fix == Source::Fix::RopeRows) {
+      if (f.ndim() != 2 || s->hd <= 0 || s->hd % 2 != 0 || f.dim(0) % s->hd != 0)
+        bad(name + " " + shape_str(f.shape()) + " is not rows of heads of " + std::to_string(s->hd));
+      f = permute_rope_rows(f, s->hd);
+    }
+    if (s->fix == Source::Fix::MlaKvB) bad(name + ": MLA's kv_b_proj is not written as GGUF here");
     if (s->axis >= 0) {
       // Hugging Face value head h = g * r + j is stored as p = j * nk + g (the reader's inverse).
       const int64_t nk = cfg.linear_num_key_heads, nv = cfg.linear_num_value_heads, r = nv / nk;
@@ -822,37 +909,47 @@ void write_gguf_checkpoint(const ModelConfig& cfg, const WeightSource& w, const 
             std::memcpy(o + row * cols + dst0, in + row * cols + src0, static_cast<size_t>(s->hd) * sizeof(float));
       }
     }
-    // conv1d [C, 1, K] is stored [C, K].
-    if (name.ends_with("conv1d.weight") && f.ndim() == 3) f = f.reshape({f.dim(0), f.dim(2)});
-    // The file's type: f32 for vectors, conv1d and routers (as llama.cpp's converter writes them);
-    // the chosen type for matrices, a Q4_K token embedding at Q6_K, f16 where rows are not whole
-    // blocks (as the converter falls back).
-    const bool router = name.ends_with("mlp.gate.weight") || name.ends_with("shared_expert_gate.weight");
-    const bool embedding = name.ends_with("embed_tokens.weight") || name == "lm_head.weight";
-    DType to = type == DType::Q4_K && embedding ? DType::Q6_K : type;
-    if (q4_k_m && more_bits(s->tensor)) to = DType::Q6_K;
-    if (f.ndim() != 2 || router || name.ends_with("conv1d.weight")) to = DType::F32;
-    if (dtype_is_quantized(to) && f.dim(1) % dtype_block(to) != 0) to = DType::F16;
-    if (s->expert >= 0) {
-      Stack& st = stacks[s->tensor];
-      if (st.experts.empty()) order.push_back(s->tensor), st.experts.resize(static_cast<size_t>(cfg.num_experts));
-      if (s->expert >= cfg.num_experts || st.experts[static_cast<size_t>(s->expert)].defined())
-        bad("expert " + std::to_string(s->expert) + " of " + s->tensor + " is out of range or repeated");
-      st.experts[static_cast<size_t>(s->expert)] = f;
-      if (++st.have < cfg.num_experts) continue;
-      const Shape es = st.experts[0].shape();
-      Tensor all = Tensor::empty(DType::F32, {cfg.num_experts, es[0], es[1]});
-      for (size_t e = 0; e < st.experts.size(); ++e) {
-        if (st.experts[e].shape() != es) bad("the experts of " + s->tensor + " differ in shape");
-        std::memcpy(all.data<float>() + static_cast<int64_t>(e) * es[0] * es[1], st.experts[e].data<float>(),
-                    static_cast<size_t>(es[0] * es[1]) * sizeof(float));
+    // The file's tensors from this one: two for Qwen3-Next's in_proj_qkvz, else one.
+    std::vector<std::pair<std::string, Tensor>> parts;
+    if (s->fix == Source::Fix::Qkvz) {
+      if (f.ndim() != 2) bad(name + " " + shape_str(f.shape()) + " is not a matrix");
+      auto [qkv, z] = split_qkvz(cfg, f);
+      parts = {{s->tensor, qkv}, {s->second, z}};
+    } else {
+      // conv1d [C, 1, K] is stored [C, K]; other shapes as the architecture's Source says.
+      if (conv && f.ndim() == 3) f = f.reshape({f.dim(0), f.dim(2)});
+      if (!s->stored.empty()) {
+        if (shape_numel(s->stored) != f.numel())
+          bad(name + " " + shape_str(f.shape()) + " cannot be stored as " + shape_str(s->stored));
+        f = f.reshape(s->stored);
       }
-      out[s->tensor] = encode(all, to);
-      stacks.erase(s->tensor);
-      continue;
+      parts = {{s->tensor, f}};
     }
-    order.push_back(s->tensor);
-    out[s->tensor] = encode(f, to);
+    for (auto& [tensor, t] : parts) {
+      DType tt = to;
+      if (q4_k_m && tt != DType::F32 && more_bits(tensor)) tt = DType::Q6_K;
+      if (dtype_is_quantized(tt) && t.shape().back() % dtype_block(tt) != 0) tt = DType::F16;
+      if (s->expert >= 0) {
+        Stack& st = stacks[tensor];
+        if (st.experts.empty()) order.push_back(tensor), st.experts.resize(static_cast<size_t>(cfg.num_experts));
+        if (s->expert >= cfg.num_experts || st.experts[static_cast<size_t>(s->expert)].defined())
+          bad("expert " + std::to_string(s->expert) + " of " + tensor + " is out of range or repeated");
+        st.experts[static_cast<size_t>(s->expert)] = t;
+        if (++st.have < cfg.num_experts) continue;
+        const Shape es = st.experts[0].shape();
+        Tensor all = Tensor::empty(DType::F32, {cfg.num_experts, es[0], es[1]});
+        for (size_t e = 0; e < st.experts.size(); ++e) {
+          if (st.experts[e].shape() != es) bad("the experts of " + tensor + " differ in shape");
+          std::memcpy(all.data<float>() + static_cast<int64_t>(e) * es[0] * es[1], st.experts[e].data<float>(),
+                      static_cast<size_t>(es[0] * es[1]) * sizeof(float));
+        }
+        out[tensor] = encode(all, tt);
+        stacks.erase(tensor);
+        continue;
+      }
+      order.push_back(tensor);
+      out[tensor] = encode(t, tt);
+    }
   }
   if (!stacks.empty()) bad("the experts of " + stacks.begin()->first + " are incomplete");
   for (const auto& t : order) g.add_tensor(t, out.at(t));

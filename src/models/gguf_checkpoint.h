@@ -55,11 +55,12 @@ struct TokenizerTexts {
 TokenizerTexts gguf_tokenizer_texts(const GgufFile& f);
 
 // The inverse (`hypic quantize`): cfg and its weights (Hugging Face names, as the model loads
-// them) written as a llama.cpp GGUF of architecture qwen35 / qwen35moe, every converter change
-// above applied in reverse. `type` is the matrices' type: BF16 or F16 (F32 keeps f32), or Q8_0,
+// them) written as a llama.cpp GGUF of architecture qwen35, qwen35moe, qwen3next, nemotron_h or
+// nemotron_h_moe (Kimi-Linear is read, not written), every converter change above applied in
+// reverse. `type` is the matrices' type: BF16 or F16 (F32 keeps f32), or Q8_0,
 // Q4_K, Q6_K with the rules of quantized_weights (routers kept, a Q4_K token embedding at Q6_K;
-// rows that are not whole blocks in f16, as llama.cpp's converter does). Norms, A_log, dt_bias, conv1d and routers are
-// written f32 as llama.cpp's converter writes them. `tokenizer` (may be null): the texts of
+// rows that are not whole blocks in f16, as llama.cpp's converter does). Norms, A_log, D, dt_bias,
+// conv1d and routers are written f32 as llama.cpp's converter writes them. `tokenizer` (may be null): the texts of
 // tokenizer.json and tokenizer_config.json, written as tokenizer.ggml.* (byte-level BPE with the
 // qwen2 or qwen35 pre-tokenizer; anything else throws naming it). Throws naming the tensor or key
 // on anything the format or llama.cpp's loader cannot represent (e.g. full-attention layers that

@@ -446,7 +446,6 @@ std::optional<Source> nemotron_h_gguf_source(const ModelConfig& c, const std::st
       {"out_proj.weight", "ssm_out.weight"},
       {"conv1d.weight", "ssm_conv1d.weight"},
       {"conv1d.bias", "ssm_conv1d.bias"},
-      {"D", "ssm_d"},
       {"dt_bias", "ssm_dt.bias"},
       {"v_proj.weight", "attn_v.weight"},
       {"o_proj.weight", "attn_output.weight"},
@@ -459,10 +458,16 @@ std::optional<Source> nemotron_h_gguf_source(const ModelConfig& c, const std::st
   };
   for (auto [hf, gg] : kPlain)
     if (m == hf) return Source{blk + gg};
-  if (m == "A_log") return Source{blk + "ssm_a", -1, Fix::LogNeg};
+  if (m == "A_log" || m == "D") {
+    Source s{blk + (m == "D" ? "ssm_d" : "ssm_a"), -1, m == "D" ? Fix::None : Fix::LogNeg};
+    s.stored = {c.linear_num_value_heads, 1};
+    return s;
+  }
   if (m == "norm.weight") {
     Source s{blk + "ssm_norm.weight"};
     s.reshape = true;
+    const int64_t groups = c.linear_num_key_heads;
+    s.stored = {groups, c.linear_num_value_heads * c.linear_value_head_dim / std::max<int64_t>(groups, 1)};
     return s;
   }
   if (m == "q_proj.weight" || m == "k_proj.weight") {
@@ -479,6 +484,56 @@ std::optional<Source> nemotron_h_gguf_source(const ModelConfig& c, const std::st
     return Source{blk + t, e->first};
   }
   return std::nullopt;
+}
+
+// The inverse of nemotron_h_gguf_config, keyed and typed as convert_hf_to_gguf.py's NemotronHModel
+// writes them (its per-layer arrays, the unused RoPE keys llama.cpp's loader expects). The context
+// length is the config's (the converter writes 2^20 for every Mamba2 model).
+void nemotron_h_gguf_write_config(const ModelConfig& c, GgufKeyWriter& k) {
+  const int64_t L = c.num_hidden_layers;
+  if (c.mlp_act != "relu2") k.fail("feed-forward activation " + c.mlp_act + ": llama.cpp's nemotron_h runs relu2");
+  // No key holds the dt floor: a file is read with the default every released checkpoint keeps.
+  if (std::abs(c.time_step_min - 0.001) > 1e-12)
+    k.fail("time_step_min " + std::to_string(c.time_step_min) +
+           ": the GGUF format has no key for Mamba2's dt floor, which is read back as 0.001");
+  const bool moe = c.num_experts > 0;
+  std::vector<int64_t> kv, ff;
+  for (int64_t i = 0; i < L; ++i) {
+    const size_t u = static_cast<size_t>(i);
+    const LayerKind t = c.layer_types.at(u);
+    const bool expert = u < c.moe_blocks.size() && c.moe_blocks[u];
+    if (t == LayerKind::Ffn && expert != moe)
+      k.fail("layer " + std::to_string(i) + std::string(" is ") + (expert ? "an MoE" : "an MLP") +
+             " block: llama.cpp's nemotron_h has MLP blocks only and nemotron_h_moe MoE blocks only");
+    kv.push_back(t == LayerKind::Attention ? c.num_key_value_heads : 0);
+    ff.push_back(t == LayerKind::Ffn ? (moe ? c.moe_intermediate_size : c.intermediate_size) : 0);
+  }
+  k.i32s("feed_forward_length", ff);
+  k.u32("attention.head_count", c.num_attention_heads);
+  k.i32s("attention.head_count_kv", kv);
+  k.f32("attention.layer_norm_epsilon", c.rms_norm_eps);
+  if (moe) {
+    k.u32("expert_count", c.num_experts);
+    k.u32("expert_used_count", c.num_experts_per_tok);
+    k.u32("expert_group_count", c.n_group);
+    k.u32("expert_group_used_count", c.topk_group);
+    k.u32("expert_feed_forward_length", c.moe_intermediate_size);
+    if (c.shared_expert_intermediate_size > 0)
+      k.u32("expert_shared_feed_forward_length", c.shared_expert_intermediate_size);
+    k.u32("expert_shared_count", c.shared_expert_intermediate_size > 0 ? 1 : 0);
+    k.flag("expert_weights_norm", c.norm_topk_prob);
+    k.f32("expert_weights_scale", c.routed_scaling_factor);
+  }
+  k.u32("vocab_size", c.vocab_size);
+  k.u32("rope.dimension_count", c.head_dim);
+  k.flag("rope.scaling.finetuned", false);
+  k.u32("ssm.conv_kernel", c.linear_conv_kernel_dim);
+  k.u32("ssm.state_size", c.linear_key_head_dim);
+  k.u32("ssm.group_count", c.linear_num_key_heads);
+  k.u32("ssm.inner_size", c.linear_num_value_heads * c.linear_value_head_dim);
+  k.u32("ssm.time_step_rank", c.linear_num_value_heads);
+  k.u32("attention.key_length", c.head_dim);
+  k.u32("attention.value_length", c.head_dim);
 }
 
 }  // namespace gguf_detail
