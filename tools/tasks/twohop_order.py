@@ -4,9 +4,8 @@ the document that states the bridge's asked attribute? Full recompute can read t
 while it prefills the second; pic prefills each alone, so a gap that sits where the relation comes
 first is the cross-document reading pic gives up.
 
-Usage (predictions of `hypic eval --task twohop ... --predictions P.jsonl`; the set's parameters must
-be those the eval used, default the moderate set):
-    python3 tools/tasks/twohop_order.py P.jsonl [--seed 7001 --min-docs 4 --max-docs 16 --min-tok 100 --max-tok 400]
+Usage (predictions of `hypic eval --task twohop --set S ... --predictions P.jsonl`):
+    python3 tools/tasks/twohop_order.py P.jsonl [--set moderate]
 """
 import argparse
 import json
@@ -14,16 +13,13 @@ import os
 import sys
 from collections import defaultdict
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import rag_tasks  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "train"))
+from eval_rag import EVAL_SETS, eval_examples  # noqa: E402  (the held-out sets; torch is imported lazily there)
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("predictions")
-ap.add_argument("--seed", type=int, default=7001)
-ap.add_argument("--min-docs", type=int, default=4)
-ap.add_argument("--max-docs", type=int, default=16)
-ap.add_argument("--min-tok", type=int, default=100)
-ap.add_argument("--max-tok", type=int, default=400)
+ap.add_argument("--set", default="moderate", choices=sorted(EVAL_SETS))
 args = ap.parse_args()
 
 scores = defaultdict(dict)  # id -> config -> score
@@ -35,13 +31,14 @@ if not scores:
     sys.exit(f"{args.predictions}: no two-hop predictions")
 
 configs = sorted({c for s in scores.values() for c in s})
+n = max(int(ident.rsplit("-", 1)[1]) for ident in scores) + 1
+examples = {ex["id"]: ex for ex in eval_examples(args.set, "twohop", n)}
 groups = defaultdict(lambda: defaultdict(float))  # order -> config -> summed score
 counts = defaultdict(int)
 for ident, by_config in scores.items():
-    i = int(ident.rsplit("-", 1)[1])
-    ex = rag_tasks.example("twohop", args.seed, i, args.min_docs, args.max_docs, args.min_tok, args.max_tok)
-    if ex["id"] != ident:
-        sys.exit(f"{ident}: not an example of seed {args.seed}")
+    ex = examples.get(ident)
+    if ex is None:
+        sys.exit(f"{ident}: not an example of the {args.set} set")
     m = ex["meta"]
     order = ("relation first" if m["link_doc"] < m["fact_doc"]
              else "same document" if m["link_doc"] == m["fact_doc"] else "attribute first")
