@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.join(REPO, "tools", "tasks"))
 import rag_tasks as R  # noqa: E402
 from hybrid import load_folder, save_folder  # noqa: E402
 from pic_forward import pic_logits, pic_logits_batch  # noqa: E402
-from train import load_tokenizer  # noqa: E402
+from train import load_tokenizer, train_prompt  # noqa: E402
 from eval_rag import EVAL_SETS  # noqa: E402
 
 
@@ -58,11 +58,7 @@ def example(rng, encode, eos, task, long=False):
     n = rng.randint(*(LONG_DOCS if long else DOCS))
     words = [max(8, int(round(rng.randint(*(LONG_DOC_TOK if long else DOC_TOK)) / R.TOKENS_PER_WORD)))
              for _ in range(n)]
-    if task == "twohop_drill":  # every candidate value carries the asked attribute (rag_tasks.gen_twohop)
-        segs, qa = R.make_prompt(rng, "twohop", words, attrs=rng.sample(R.ATTR_NAMES, rng.randint(1, 2)),
-                                 e1_distractor=1.0)
-    else:
-        segs, qa = R.make_prompt(rng, task, words)
+    segs, qa = train_prompt(rng, task, words)  # twohop_drill: every candidate carries the asked attribute
     q, ans = qa[0][0], qa[0][1]
     texts = [s + "\n" for s in segs[:-1]] + [R.question_segment(q) + "\n", ans]
     enc = encode(texts)

@@ -75,9 +75,12 @@ TASK_P = [("lookup", 0.5), ("twohop", 0.3), ("aggregate", 0.2)]
 # "bind": lookup prompts whose facts all share one or two attributes, so that only the entity tells
 # the candidates apart (with every attribute drawn, a model can reach ~2/3 of stage-0 lookups by
 # copying any value of the asked attribute, and attempt 2 stopped there: docs/quality.md)
-TRAIN_TASKS = R.TASKS + ("bind",)
+# "twohop_drill": two-hop prompts whose chains and background facts share one or two attributes and
+# always carry the bridge's own-attribute distractor, so that only the bridge entity tells the
+# candidates apart (the same binding gap for two hops; rag_tasks.gen_twohop)
+TRAIN_TASKS = R.TASKS + ("bind", "twohop_drill")
 TASK_ID = {t: i for i, t in enumerate(TRAIN_TASKS)}
-QMAX = {"lookup": 12, "twohop": 6, "aggregate": 1, "bind": 12}
+QMAX = {"lookup": 12, "twohop": 6, "aggregate": 1, "bind": 12, "twohop_drill": 6}
 BIND_NUMBERS = [0.3]  # share of "bind" prompts about lucky numbers alone (--bind-numbers)
 NUMBER_FIRST = [0.0]  # probability that a prompt asks its numeric-answer questions first (--number-first)
 WEIGHT = {0: 0.1, 1: 0.5, 2: 1.0}  # documents, questions, answers (+ <|im_end|>)
@@ -170,17 +173,25 @@ def sample_doc_tokens(rng, st):
     return lens
 
 
-def build_row(rng, encode_batch, task, doc_tok, eos):
-    """ids, kind (0 document/system, 1 question, 2 answer and eos), block (answer block number or -1)."""
-    words = [max(8, int(round(t / R.TOKENS_PER_WORD))) for t in doc_tok]
+def train_prompt(rng, task, words):
+    """(segments, qa) of rag_tasks.make_prompt for a task of R.TASKS or one of the drills (shared
+    with pic_finetune.py, so that a drill means the same prompts in both)."""
     if task == "bind":
         if rng.random() < BIND_NUMBERS[0]:
             attrs = ["lucky number"]
         else:
             attrs = rng.sample(R.ATTR_NAMES, rng.randint(1, 2))
-        segs, qa = R.make_prompt(rng, "lookup", words, attrs=attrs)
-    else:
-        segs, qa = R.make_prompt(rng, task, words)
+        return R.make_prompt(rng, "lookup", words, attrs=attrs)
+    if task == "twohop_drill":
+        return R.make_prompt(rng, "twohop", words, attrs=rng.sample(R.ATTR_NAMES, rng.randint(1, 2)),
+                             e1_distractor=1.0)
+    return R.make_prompt(rng, task, words)
+
+
+def build_row(rng, encode_batch, task, doc_tok, eos):
+    """ids, kind (0 document/system, 1 question, 2 answer and eos), block (answer block number or -1)."""
+    words = [max(8, int(round(t / R.TOKENS_PER_WORD))) for t in doc_tok]
+    segs, qa = train_prompt(rng, task, words)
     if NUMBER_FIRST[0] > 0 and rng.random() < NUMBER_FIRST[0]:
         # questions with numeric answers (one token per digit: the hardest copies) asked first
         qa = sorted(qa, key=lambda q: not q[1].isdigit())
