@@ -350,7 +350,8 @@ def main():
     ap.add_argument("--number-first", type=float, default=0.0,
                     help="probability that a training prompt asks its numeric-answer questions first")
     ap.add_argument("--profile-steps", type=int, default=0, help="profile this many steps after the 10th")
-    ap.add_argument("--task-mix", default="", help="e.g. lookup=0.4,twohop=0.2,aggregate=0.1,bind=0.3")
+    ap.add_argument("--task-mix", default="",
+                    help="e.g. lookup=0.4,twohop=0.2,aggregate=0.1,bind=0.3 (also twohop_drill)")
     ap.add_argument("--bind-numbers", type=float, default=BIND_NUMBERS[0],
                     help="share of bind prompts whose facts are all lucky numbers")
     ap.add_argument("--start-stage", type=int, default=-1,
