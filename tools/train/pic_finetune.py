@@ -11,9 +11,17 @@ Usage (a GPU machine with torch; CPU works for a smoke run):
     python3 tools/train/pic_finetune.py --model models/default --out /tmp/ft --seconds 600
         [--pic-frac 0.5] [--kd 0.5] [--seam 8] [--lr 2e-4] [--task-mix lookup=0.3,twohop=0.2,aggregate=0.5]
         [--long-frac 0.25 --long-micro 2]   (a share of examples with 1,000-2,500-token documents)
+        [--full-rows 65536 --full-rows-mix lookup=0.2,twohop=0.4,twohop_drill=0.3,aggregate=0.1]
+                                            (train.py's packed multi-question rows under full recompute)
 Writes OUT/model (the fine-tuned folder, bf16 weights as the input's), OUT/log.jsonl (per step:
 loss by mode; every --eval-every seconds: held-out teacher-forced answer accuracy (per token and whole answers) under full and
-pic), and prints a summary. Cost: one pic example costs an isolated prefill of every document plus
+pic), and prints a summary.
+
+One loop for both sides: --full-rows T adds to every optimizer step a batch of ~T tokens of train.py's
+packed full-recompute rows (several questions a prompt, documents out of the loss, answers and
+questions in it, bf16 autocast on the GPU), drawn by --full-rows-workers processes. Run as two phases
+(train.py, then this script), full recompute's two-hop rose 57 -> 70 and pic's adaptation fell back;
+trained together each step pulls on both (tools/train/README.md). Cost: one pic example costs an isolated prefill of every document plus
 a composition pass (about two full forwards), so a step of pic examples costs ~2x a full step.
 """
 
@@ -35,6 +43,7 @@ sys.path.insert(0, os.path.join(REPO, "tools", "tasks"))
 import rag_tasks as R  # noqa: E402
 from hybrid import load_folder, save_folder  # noqa: E402
 from pic_forward import pic_logits, pic_logits_batch  # noqa: E402
+import train as T  # noqa: E402
 from train import load_tokenizer, train_prompt  # noqa: E402
 from eval_rag import EVAL_SETS  # noqa: E402
 
@@ -83,6 +92,55 @@ def answer_logits_batch(model, exs, mode, seam):
     return [model.logits(h[b, len(f) - len(ans):len(f)]) for b, (f, (_, ans)) in enumerate(zip(flats, exs))]
 
 
+def row_source(a, tok_path, eos):
+    """A function returning the next packed batch of train.py's full-recompute rows (numpy x, y, kind,
+    ...), ~a.full_rows tokens each, drawn by spawned workers (or in this process with 0 workers)."""
+    mix = [(t, float(w)) for t, w in (kv.split("=") for kv in a.full_rows_mix.split(","))]
+    bad = [t for t, _ in mix if t not in T.TRAIN_TASKS]
+    if bad:
+        raise SystemExit(f"--full-rows-mix: unknown task {bad[0]!r} (tasks: {', '.join(T.TRAIN_TASKS)})")
+    if not 0 <= a.full_rows_stage < len(T.STAGES):
+        raise SystemExit(f"--full-rows-stage: {a.full_rows_stage} is not a stage of train.py (0-{len(T.STAGES) - 1})")
+    if a.full_rows_workers > 0:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        stage, queue = ctx.Value("i", a.full_rows_stage), ctx.Queue(maxsize=32)
+        procs = [ctx.Process(target=T.worker_main, daemon=True,  # pad = eos: padding is out of the loss
+                             args=(w, f"pic-ft-{a.seed}", tok_path, queue, stage, a.full_rows, eos, eos, mix, 0.0,
+                                   T.BIND_NUMBERS[0])) for w in range(a.full_rows_workers)]
+        for p in procs:
+            p.start()
+
+        def get(keep=(stage, procs)):  # holds the shared stage value: the workers unpickle it after we return
+            return queue.get(timeout=300)
+        return get
+    T.TASK_P[:] = mix
+    rng = random.Random(f"pic-ft-rows/{a.seed}")
+    encode_batch = load_tokenizer(tok_path)[0]
+    pool = []
+
+    def nxt():
+        if not pool:
+            pool.extend(T.make_batches(rng, encode_batch, a.full_rows_stage, a.full_rows, eos, eos))
+        return pool.pop()
+    return nxt
+
+
+def rows_loss(model, batch, device):
+    """train.py's loss on one packed batch with documents left out: (weighted loss, answer ce)."""
+    x, y, kd = (torch.from_numpy(v).to(device) for v in batch[:3])
+    sel = (y != -100) & (kd > 0)
+    dt = torch.device(device).type
+    with torch.autocast(dt, dtype=torch.bfloat16, enabled=dt == "cuda"):
+        logits = model.logits(model.hidden(x)[sel]).float()
+    ce = F.cross_entropy(logits, y[sel], reduction="none")
+    k = kd[sel].long()
+    w = torch.tensor([0.0, T.WEIGHT[1], T.WEIGHT[2]], device=device)[k]
+    ans = (k == 2).float()
+    return (ce * w).sum() / w.sum().clamp(min=1e-6), (ce * ans).sum() / ans.sum().clamp(min=1)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -103,6 +161,13 @@ def main():
                     help="examples per forward when they have long documents (memory: ~6x the tokens)")
     ap.add_argument("--eval-long-n", type=int, default=0,
                     help="held-out long-document examples per task (0: --eval-n when --long-frac > 0)")
+    ap.add_argument("--full-rows", type=int, default=0,
+                    help="tokens (padding included) of train.py's packed full-recompute rows added to every step")
+    ap.add_argument("--full-rows-mix", default="lookup=0.2,twohop=0.4,twohop_drill=0.3,aggregate=0.1",
+                    help="task mix of the packed rows (train.py's tasks, drills included)")
+    ap.add_argument("--full-rows-stage", type=int, default=3, help="train.py curriculum stage of the packed rows")
+    ap.add_argument("--full-rows-weight", type=float, default=1.0, help="weight of the packed rows' loss")
+    ap.add_argument("--full-rows-workers", type=int, default=4, help="processes drawing them (0: in this one)")
     ap.add_argument("--eval-every", type=float, default=120)
     ap.add_argument("--eval-n", type=int, default=30)
     ap.add_argument("--seed", type=int, default=1)
@@ -164,6 +229,7 @@ def main():
         model.train()
         return res
 
+    next_rows = row_source(a, tok, eos) if a.full_rows > 0 else None
     first = evaluate()
     print("before:", json.dumps(first), flush=True)
     logf.write(json.dumps({"step": 0, "seconds": 0, "eval": first}) + "\n")
@@ -177,7 +243,7 @@ def main():
             scale *= 0.1 + 0.9 * max(left, 0.0) / a.decay_seconds
         for grp in opt.param_groups:
             grp["lr"] = a.lr * scale
-        losses = {"full": [], "pic": [], "kd": []}
+        losses = {"full": [], "pic": [], "kd": [], "rows": [], "rows_ans": []}
         done = 0
         while done < a.accum:
             # a forward holds examples of one size: long ones in smaller groups
@@ -205,6 +271,10 @@ def main():
                         l = l + a.kd * kd
                     loss = loss + l
             (loss / a.accum).backward()
+        if next_rows:
+            rl, ra = rows_loss(model, next_rows(), a.device)
+            (a.full_rows_weight * rl).backward()
+            losses["rows"], losses["rows_ans"] = [rl.detach()], [ra.detach()]
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
