@@ -95,9 +95,19 @@ def answer_logits_batch(model, exs, mode, seam):
     return [model.logits(h[b, len(f) - len(ans):len(f)]) for b, (f, (_, ans)) in enumerate(zip(flats, exs))]
 
 
+ROWS_CHUNK = 65536  # tokens of packed rows in one forward (the activations of ~200 k OOM an 80 GB H100)
+
+
+def rows_chunks(a):
+    """(batches a step, tokens each): --full-rows tokens as forwards of at most ROWS_CHUNK tokens."""
+    n = max(1, -(-a.full_rows // ROWS_CHUNK))
+    return n, -(-a.full_rows // n)
+
+
 def row_source(a, tok_path, eos):
     """A function returning the next packed batch of train.py's full-recompute rows (numpy x, y, kind,
-    ...), ~a.full_rows tokens each, drawn by spawned workers (or in this process with 0 workers)."""
+    ...), rows_chunks(a)[1] tokens each, drawn by spawned workers (or in this process with 0 workers)."""
+    budget = rows_chunks(a)[1]
     mix = [(t, float(w)) for t, w in (kv.split("=") for kv in a.full_rows_mix.split(","))]
     bad = [t for t, _ in mix if t not in T.TRAIN_TASKS]
     if bad:
@@ -110,7 +120,7 @@ def row_source(a, tok_path, eos):
         ctx = mp.get_context("spawn")
         stage, queue = ctx.Value("i", a.full_rows_stage), ctx.Queue(maxsize=32)
         procs = [ctx.Process(target=T.worker_main, daemon=True,  # pad = eos: padding is out of the loss
-                             args=(w, f"pic-ft-{a.seed}", tok_path, queue, stage, a.full_rows, eos, eos, mix, 0.0,
+                             args=(w, f"pic-ft-{a.seed}", tok_path, queue, stage, budget, eos, eos, mix, 0.0,
                                    T.BIND_NUMBERS[0])) for w in range(a.full_rows_workers)]
         for p in procs:
             p.start()
@@ -125,7 +135,7 @@ def row_source(a, tok_path, eos):
 
     def nxt():
         if not pool:
-            pool.extend(T.make_batches(rng, encode_batch, a.full_rows_stage, a.full_rows, eos, eos))
+            pool.extend(T.make_batches(rng, encode_batch, a.full_rows_stage, budget, eos, eos))
         return pool.pop()
     return nxt
 
@@ -275,9 +285,13 @@ def main():
                     loss = loss + l
             (loss / a.accum).backward()
         if next_rows:
-            rl, ra = rows_loss(model, next_rows(), a.device)
-            (a.full_rows_weight * rl).backward()
-            losses["rows"], losses["rows_ans"] = [rl.detach()], [ra.detach()]
+            nb = rows_chunks(a)[0]
+            losses["rows"], losses["rows_ans"] = [], []
+            for _ in range(nb):  # one backward a batch: the gradient of their mean, in bounded memory
+                rl, ra = rows_loss(model, next_rows(), a.device)
+                (a.full_rows_weight * rl / nb).backward()
+                losses["rows"].append(rl.detach())
+                losses["rows_ans"].append(ra.detach())
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
