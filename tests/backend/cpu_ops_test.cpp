@@ -210,39 +210,43 @@ TEST_F(CpuOps, MatmulAllDtypesAndShapes) {
 // Row-independent products (PIC's compositions): a row's bits are the same alone, in any batch
 // and at any place in a block, with any thread count; with and without accumulate; still exact.
 TEST_F(CpuOps, RowIndependentProducts) {
-  const int64_t K = 301, N = 150;  // N: two whole panels and a narrower one
-  Tensor w32 = randn({N, K}, 31, 0.5f);
-  auto one = make_backend("cpu", 1);
-  for (DType dt : {DType::F32, DType::BF16, DType::F16}) {
-    Tensor w = as(w32, dt);
-    be->set_row_independent(true);
-    one->set_row_independent(true);
-    const int64_t M = 40;  // two whole blocks and a partial one
-    Tensor x = randn({M, K}, 5), y = be->alloc(DType::F32, {M, N});
-    be->matmul(x, w, y);
-    EXPECT_LE(rel_l2(y, ref_matmul(x, w)), 1e-5) << dtype_name(dt);
-    const float* yp = y.data<float>();
-    // Each row alone (its block padded), and rows 3..21 as a batch of their own (other offsets
-    // in the blocks), on this backend and on a one-thread one.
-    for (int64_t r : {int64_t{0}, int64_t{15}, int64_t{16}, int64_t{21}, int64_t{39}}) {
-      Tensor y1 = be->alloc(DType::F32, {1, N});
-      be->matmul(x.slice_rows(r, r + 1), w, y1);
-      EXPECT_EQ(0, std::memcmp(y1.data<float>(), yp + r * N, N * sizeof(float))) << dtype_name(dt) << " row " << r;
+  // K = 301: the seven-row GEMV; K = 1201: the blocked kernel for long rows (both with a k tail).
+  for (const int64_t K : {int64_t{301}, int64_t{1201}}) {
+    const int64_t N = 150;  // N: two whole panels and a narrower one
+    Tensor w32 = randn({N, K}, 31, 0.5f);
+    auto one = make_backend("cpu", 1);
+    for (DType dt : {DType::F32, DType::BF16, DType::F16}) {
+      SCOPED_TRACE("K " + std::to_string(K));
+      Tensor w = as(w32, dt);
+      be->set_row_independent(true);
+      one->set_row_independent(true);
+      const int64_t M = 40;  // two whole blocks and a partial one
+      Tensor x = randn({M, K}, 5), y = be->alloc(DType::F32, {M, N});
+      be->matmul(x, w, y);
+      EXPECT_LE(rel_l2(y, ref_matmul(x, w)), 1e-5) << dtype_name(dt);
+      const float* yp = y.data<float>();
+      // Each row alone (its block padded), and rows 3..21 as a batch of their own (other offsets
+      // in the blocks), on this backend and on a one-thread one.
+      for (int64_t r : {int64_t{0}, int64_t{15}, int64_t{16}, int64_t{21}, int64_t{39}}) {
+        Tensor y1 = be->alloc(DType::F32, {1, N});
+        be->matmul(x.slice_rows(r, r + 1), w, y1);
+        EXPECT_EQ(0, std::memcmp(y1.data<float>(), yp + r * N, N * sizeof(float))) << dtype_name(dt) << " row " << r;
+      }
+      Tensor ys = one->alloc(DType::F32, {19, N});
+      one->matmul(x.slice_rows(3, 22), w, ys);
+      EXPECT_EQ(0, std::memcmp(ys.data<float>(), yp + 3 * N, 19 * N * sizeof(float))) << dtype_name(dt);
+      // accumulate: y + x W^T, row by row the same as in the batch
+      Tensor ya = y.clone();
+      be->matmul(x, w, ya, /*accumulate=*/true);
+      Tensor y2 = be->alloc(DType::F32, {2, N});
+      std::memcpy(y2.data<float>(), yp + 38 * N, 2 * N * sizeof(float));
+      be->matmul(x.slice_rows(38, 40), w, y2, /*accumulate=*/true);
+      EXPECT_EQ(0, std::memcmp(y2.data<float>(), ya.data<float>() + 38 * N, 2 * N * sizeof(float))) << dtype_name(dt);
+      Vec twice = ref_matmul(x, w);
+      for (auto& v : twice) v *= 2;
+      EXPECT_LE(rel_l2(ya, twice), 1e-5) << dtype_name(dt);
+      be->set_row_independent(false);
     }
-    Tensor ys = one->alloc(DType::F32, {19, N});
-    one->matmul(x.slice_rows(3, 22), w, ys);
-    EXPECT_EQ(0, std::memcmp(ys.data<float>(), yp + 3 * N, 19 * N * sizeof(float))) << dtype_name(dt);
-    // accumulate: y + x W^T, row by row the same as in the batch
-    Tensor ya = y.clone();
-    be->matmul(x, w, ya, /*accumulate=*/true);
-    Tensor y2 = be->alloc(DType::F32, {2, N});
-    std::memcpy(y2.data<float>(), yp + 38 * N, 2 * N * sizeof(float));
-    be->matmul(x.slice_rows(38, 40), w, y2, /*accumulate=*/true);
-    EXPECT_EQ(0, std::memcmp(y2.data<float>(), ya.data<float>() + 38 * N, 2 * N * sizeof(float))) << dtype_name(dt);
-    Vec twice = ref_matmul(x, w);
-    for (auto& v : twice) v *= 2;
-    EXPECT_LE(rel_l2(ya, twice), 1e-5) << dtype_name(dt);
-    be->set_row_independent(false);
   }
 }
 
