@@ -297,8 +297,9 @@ void gemv_dispatch(int64_t M, const float* x, int64_t K, const typename W::T* w,
 
 #if defined(HYPIC_AVX2) && !defined(__AVX512F__)
 // Few-row products blocked over rows and weight rows (AVX2): MR rows of x against NR rows of W,
-// one 8-lane accumulator per output, so each k step loads NR weight vectors and MR x vectors for
-// MR * NR FMAs (the one-weight-row kernel above loads an x vector for every FMA). Every output
+// one 8-lane accumulator per output, so each x vector serves NR FMAs while it is in L1 and x
+// streams from L2 once per NR weight rows (the one-weight-row kernel above streams its seven rows
+// of x once per weight row, from L2 once they leave L1 beyond K = 1024). Every output
 // sums its products in the same order whatever MR and NR are (8-lane chunks in k order, a
 // horizontal sum, then the scalar tail), so a row's bits do not depend on the rows beside it: this
 // is the row-independent product at every M (CpuOps.RowIndependentProducts).
