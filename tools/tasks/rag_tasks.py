@@ -221,10 +221,6 @@ LINK_TEMPLATES = (
     "Everyone knows that the {rel} of {e1} is {e2}.",
 )
 TWOHOP_QUESTION = "What is the {attr} of the {rel} of {e1}?"
-# A two-hop answer that names the bridge entity first ("Ilsa Morrow: green"), the answer the default
-# model is trained to give (a one-line scratchpad: the second hop becomes a lookup of an entity it
-# has just written). Gold answers accept it beside the bare value; a wrong bridge scores 0.
-TWOHOP_BRIDGE_ANSWER = "{bridge}: {value}"
 
 CARGO = (
     "copper|wool|salt|timber|coffee|tea|sugar|cotton|silk|tobacco|rice|wheat|barley|oats|"
@@ -406,8 +402,7 @@ def gen_twohop(rng, doc_words, attrs=None, e1_distractor=0.5):
     for e1, rel, e2, d_link, asked in chains:
         for a, v, d in asked:
             q = TWOHOP_QUESTION.format(attr=a, rel=rel, e1=e1)
-            qa.append((q, v, [v, TWOHOP_BRIDGE_ANSWER.format(bridge=e2, value=v)],
-                       {"link_doc": d_link, "fact_doc": d, "bridge": e2, "attribute": a}))
+            qa.append((q, v, [v], {"link_doc": d_link, "fact_doc": d, "bridge": e2, "attribute": a}))
     rng.shuffle(qa)
     return docs, qa
 
@@ -448,6 +443,18 @@ def example(task, seed, i, min_docs, max_docs, min_tok, max_tok):
         "metric": METRIC[task],
         "meta": meta,
     }
+
+
+def second_hop(ex):
+    """A two-hop example asked its second hop alone: the asked attribute of the bridge entity, by name
+    (a lookup in a two-hop prompt, whose link sentences and chains make denser distractors than
+    lookup's). Diagnoses where two-hop answers fail (docs/quality.md)."""
+    q = ex["segments"][-1]
+    attr = ex["meta"]["attribute"]
+    out = dict(ex, task="lookup", id=ex["id"] + "-hop2", answers=[ex["answer"]], metric=METRIC["lookup"])
+    out["segments"] = ex["segments"][:-1] + [question_segment(LOOKUP_QUESTIONS[0].format(attr=attr, e=ex["meta"]["bridge"]))]
+    assert q.startswith("Question: What is the " + attr + " of the ")
+    return out
 
 
 def prompt_text(segments):
@@ -561,6 +568,8 @@ def main():
     ap.add_argument("--max-docs", type=int, default=32)
     ap.add_argument("--min-doc-tokens", type=int, default=100)
     ap.add_argument("--max-doc-tokens", type=int, default=1000)
+    ap.add_argument("--second-hop", action="store_true",
+                    help="with --task twohop: ask each prompt's second hop alone (a lookup of the bridge entity)")
     ap.add_argument("--chance", action="store_true", help="print Monte-Carlo chance levels and exit")
     ap.add_argument("--score", metavar="PREDS", help="score a predictions JSONL against --gold")
     ap.add_argument("--gold", metavar="GOLD")
@@ -591,9 +600,13 @@ def main():
         return
     if not args.task:
         ap.error("--task is required")
+    if args.second_hop and args.task != "twohop":
+        ap.error("--second-hop asks two-hop prompts' second hop: it needs --task twohop")
     out = sys.stdout
     for i in range(args.n):
         ex = example(args.task, args.seed, i, args.min_docs, args.max_docs, args.min_doc_tokens, args.max_doc_tokens)
+        if args.second_hop:
+            ex = second_hop(ex)
         out.write(json.dumps(ex, ensure_ascii=False) + "\n")
 
 

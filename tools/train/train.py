@@ -78,12 +78,15 @@ TASK_P = [("lookup", 0.5), ("twohop", 0.3), ("aggregate", 0.2)]
 # "twohop_drill": two-hop prompts whose chains and background facts share one or two attributes and
 # always carry the bridge's own-attribute distractor, so that only the bridge entity tells the
 # candidates apart (the same binding gap for two hops; rag_tasks.gen_twohop)
-TRAIN_TASKS = R.TASKS + ("bind", "twohop_drill")
+# "bridge_lookup": two-hop prompts asked their second hops alone, the bridge entity by name. On the
+# shipped weights these lookups score 62 of 100 under full recompute (two-hop itself 65, lookup 94),
+# and 95 once the prompts' link sentences are deleted: "The mentor of X is Y" is what the lookups
+# fall for, not the first hop (docs/quality.md; rag_tasks.second_hop)
+TRAIN_TASKS = R.TASKS + ("bind", "twohop_drill", "bridge_lookup")
 TASK_ID = {t: i for i, t in enumerate(TRAIN_TASKS)}
-QMAX = {"lookup": 12, "twohop": 6, "aggregate": 1, "bind": 12, "twohop_drill": 6}
+QMAX = {"lookup": 12, "twohop": 6, "aggregate": 1, "bind": 12, "twohop_drill": 6, "bridge_lookup": 6}
 BIND_NUMBERS = [0.3]  # share of "bind" prompts about lucky numbers alone (--bind-numbers)
 NUMBER_FIRST = [0.0]  # probability that a prompt asks its numeric-answer questions first (--number-first)
-TWOHOP_BRIDGE = [False]  # two-hop answers name the bridge first (rag_tasks.TWOHOP_BRIDGE_ANSWER; --twohop-bridge)
 WEIGHT = {0: 0.1, 1: 0.5, 2: 1.0}  # documents, questions, answers (+ <|im_end|>)
 PART_BYTES = 15 * 1024 * 1024
 
@@ -186,10 +189,13 @@ def train_prompt(rng, task, words):
     if task == "twohop_drill":
         segs, qa = R.make_prompt(rng, "twohop", words, attrs=rng.sample(R.ATTR_NAMES, rng.randint(1, 2)),
                                  e1_distractor=1.0)
+    elif task == "bridge_lookup":
+        segs, qa = R.make_prompt(rng, "twohop", words)
+        qa = [(rng.choice(R.LOOKUP_QUESTIONS).format(attr=m["attribute"], e=m["bridge"]), v, [v], m)
+              for _, v, _, m in qa]
+        segs = segs[:-1] + [R.question_segment(qa[0][0])]
     else:
         segs, qa = R.make_prompt(rng, task, words)
-    if TWOHOP_BRIDGE[0] and task in ("twohop", "twohop_drill"):  # the target: the gold's bridge-first answer
-        qa = [(q, answers[1], answers, meta) for q, _, answers, meta in qa]
     return segs, qa
 
 
@@ -272,10 +278,8 @@ def make_batches(rng, encode_batch, stage, budget, eos, pad):
     return out
 
 
-def worker_main(wid, seed, tok_path, queue, stage, budget, eos, pad, task_p, number_first, bind_numbers,
-                twohop_bridge=False):
+def worker_main(wid, seed, tok_path, queue, stage, budget, eos, pad, task_p, number_first, bind_numbers):
     TASK_P[:] = task_p
-    TWOHOP_BRIDGE[0] = twohop_bridge
     NUMBER_FIRST[0] = number_first
     BIND_NUMBERS[0] = bind_numbers
     encode_batch, _, _ = load_tokenizer(tok_path)
@@ -358,11 +362,9 @@ def main():
                     help="probability that a training prompt asks its numeric-answer questions first")
     ap.add_argument("--profile-steps", type=int, default=0, help="profile this many steps after the 10th")
     ap.add_argument("--task-mix", default="",
-                    help="e.g. lookup=0.4,twohop=0.2,aggregate=0.1,bind=0.3 (also twohop_drill)")
+                    help="e.g. lookup=0.4,twohop=0.2,aggregate=0.1,bind=0.3 (also twohop_drill, bridge_lookup)")
     ap.add_argument("--bind-numbers", type=float, default=BIND_NUMBERS[0],
                     help="share of bind prompts whose facts are all lucky numbers")
-    ap.add_argument("--twohop-bridge", action="store_true",
-                    help="two-hop answers name the bridge entity first (rag_tasks.TWOHOP_BRIDGE_ANSWER)")
     ap.add_argument("--start-stage", type=int, default=-1,
                     help="curriculum stage to start at (default: the checkpoint's; with --init-from-model the last but one)")
     ap.add_argument("--export", default="", help="write the transformers model folder here at the end")
@@ -380,7 +382,6 @@ def main():
     WEIGHT[0] = args.doc_weight
     NUMBER_FIRST[0] = args.number_first
     BIND_NUMBERS[0] = args.bind_numbers
-    TWOHOP_BRIDGE[0] = args.twohop_bridge
     if args.task_mix:  # the data workers are spawned after this and receive the mix as an argument
         TASK_P[:] = [(k, float(v)) for k, v in (kv.split("=") for kv in args.task_mix.split(","))]
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -433,7 +434,7 @@ def main():
         queue = ctx.Queue(maxsize=64)
         procs = [ctx.Process(target=worker_main, args=(w, args.seed * 1000 + state["calls"], tok_path, queue,
                                                         stage_v, args.budget, eos, pad, list(TASK_P), args.number_first,
-                                                        args.bind_numbers, args.twohop_bridge),
+                                                        args.bind_numbers),
                                daemon=True)
                  for w in range(args.workers)]
         for p_ in procs:
