@@ -221,6 +221,10 @@ LINK_TEMPLATES = (
     "Everyone knows that the {rel} of {e1} is {e2}.",
 )
 TWOHOP_QUESTION = "What is the {attr} of the {rel} of {e1}?"
+# A two-hop answer that names the bridge entity first ("Beamak: Kabul"): a one-line scratchpad, so
+# that the second hop is a lookup of an entity just written (train.py --twohop-bridge). Gold
+# answers accept it beside the bare value; a wrong bridge scores 0.
+TWOHOP_BRIDGE_ANSWER = "{bridge}: {value}"
 
 CARGO = (
     "copper|wool|salt|timber|coffee|tea|sugar|cotton|silk|tobacco|rice|wheat|barley|oats|"
@@ -402,7 +406,8 @@ def gen_twohop(rng, doc_words, attrs=None, e1_distractor=0.5):
     for e1, rel, e2, d_link, asked in chains:
         for a, v, d in asked:
             q = TWOHOP_QUESTION.format(attr=a, rel=rel, e1=e1)
-            qa.append((q, v, [v], {"link_doc": d_link, "fact_doc": d, "bridge": e2, "attribute": a}))
+            qa.append((q, v, [v, TWOHOP_BRIDGE_ANSWER.format(bridge=e2, value=v)],
+                       {"link_doc": d_link, "fact_doc": d, "bridge": e2, "attribute": a}))
     rng.shuffle(qa)
     return docs, qa
 

@@ -124,7 +124,7 @@ def row_source(a, tok_path, eos):
         stage, queue = ctx.Value("i", a.full_rows_stage), ctx.Queue(maxsize=32)
         procs = [ctx.Process(target=T.worker_main, daemon=True,  # pad = eos: padding is out of the loss
                              args=(w, f"pic-ft-{a.seed}", tok_path, queue, stage, budget, eos, eos, mix, 0.0,
-                                   T.BIND_NUMBERS[0])) for w in range(a.full_rows_workers)]
+                                   T.BIND_NUMBERS[0], a.twohop_bridge)) for w in range(a.full_rows_workers)]
         for p in procs:
             p.start()
 
@@ -181,6 +181,8 @@ def main():
                     help="tokens (padding included) of train.py's packed full-recompute rows added to every step")
     ap.add_argument("--full-rows-mix", default="lookup=0.2,twohop=0.4,twohop_drill=0.3,aggregate=0.1",
                     help="task mix of the packed rows (train.py's tasks, drills included)")
+    ap.add_argument("--twohop-bridge", action="store_true",
+                    help="two-hop answers (pic examples, rows, held-out) name the bridge entity first")
     ap.add_argument("--full-rows-stage", type=int, default=3, help="train.py curriculum stage of the packed rows")
     ap.add_argument("--full-rows-weight", type=float, default=1.0, help="weight of the packed rows' loss")
     ap.add_argument("--full-rows-workers", type=int, default=4, help="processes drawing them (0: in this one)")
@@ -195,6 +197,7 @@ def main():
                     help="seconds between saves of the weights to OUT/model while training (0: at the end only)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = ap.parse_args()
+    T.TWOHOP_BRIDGE[0] = a.twohop_bridge
 
     torch.manual_seed(a.seed)
     rng = random.Random(a.seed)

@@ -87,6 +87,7 @@ TASK_ID = {t: i for i, t in enumerate(TRAIN_TASKS)}
 QMAX = {"lookup": 12, "twohop": 6, "aggregate": 1, "bind": 12, "twohop_drill": 6, "bridge_lookup": 6}
 BIND_NUMBERS = [0.3]  # share of "bind" prompts about lucky numbers alone (--bind-numbers)
 NUMBER_FIRST = [0.0]  # probability that a prompt asks its numeric-answer questions first (--number-first)
+TWOHOP_BRIDGE = [False]  # two-hop answers name the bridge first (rag_tasks.TWOHOP_BRIDGE_ANSWER; --twohop-bridge)
 WEIGHT = {0: 0.1, 1: 0.5, 2: 1.0}  # documents, questions, answers (+ <|im_end|>)
 PART_BYTES = 15 * 1024 * 1024
 
@@ -196,6 +197,8 @@ def train_prompt(rng, task, words):
         segs = segs[:-1] + [R.question_segment(qa[0][0])]
     else:
         segs, qa = R.make_prompt(rng, task, words)
+    if TWOHOP_BRIDGE[0] and task in ("twohop", "twohop_drill"):  # the target: the gold's bridge-first answer
+        qa = [(q, answers[1], answers, meta) for q, _, answers, meta in qa]
     return segs, qa
 
 
@@ -278,8 +281,10 @@ def make_batches(rng, encode_batch, stage, budget, eos, pad):
     return out
 
 
-def worker_main(wid, seed, tok_path, queue, stage, budget, eos, pad, task_p, number_first, bind_numbers):
+def worker_main(wid, seed, tok_path, queue, stage, budget, eos, pad, task_p, number_first, bind_numbers,
+                twohop_bridge=False):
     TASK_P[:] = task_p
+    TWOHOP_BRIDGE[0] = twohop_bridge
     NUMBER_FIRST[0] = number_first
     BIND_NUMBERS[0] = bind_numbers
     encode_batch, _, _ = load_tokenizer(tok_path)
@@ -365,6 +370,8 @@ def main():
                     help="e.g. lookup=0.4,twohop=0.2,aggregate=0.1,bind=0.3 (also twohop_drill, bridge_lookup)")
     ap.add_argument("--bind-numbers", type=float, default=BIND_NUMBERS[0],
                     help="share of bind prompts whose facts are all lucky numbers")
+    ap.add_argument("--twohop-bridge", action="store_true",
+                    help="two-hop answers name the bridge entity first (rag_tasks.TWOHOP_BRIDGE_ANSWER)")
     ap.add_argument("--start-stage", type=int, default=-1,
                     help="curriculum stage to start at (default: the checkpoint's; with --init-from-model the last but one)")
     ap.add_argument("--export", default="", help="write the transformers model folder here at the end")
@@ -382,6 +389,7 @@ def main():
     WEIGHT[0] = args.doc_weight
     NUMBER_FIRST[0] = args.number_first
     BIND_NUMBERS[0] = args.bind_numbers
+    TWOHOP_BRIDGE[0] = args.twohop_bridge
     if args.task_mix:  # the data workers are spawned after this and receive the mix as an argument
         TASK_P[:] = [(k, float(v)) for k, v in (kv.split("=") for kv in args.task_mix.split(","))]
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -434,7 +442,7 @@ def main():
         queue = ctx.Queue(maxsize=64)
         procs = [ctx.Process(target=worker_main, args=(w, args.seed * 1000 + state["calls"], tok_path, queue,
                                                         stage_v, args.budget, eos, pad, list(TASK_P), args.number_first,
-                                                        args.bind_numbers),
+                                                        args.bind_numbers, args.twohop_bridge),
                                daemon=True)
                  for w in range(args.workers)]
         for p_ in procs:
