@@ -26,7 +26,8 @@ Tasks (modelled on the benchmarks the HYPIC paper used):
              asked fact. Metric: exact match (em).
   twohop     HotpotQA-like. "The <relation> of <E1> is <E2>" in one document; the asked attribute
              of E2 in a different document. Distractors: other relation chains whose targets carry
-             the same attribute, the same attribute of E1 itself, other attributes of E2. Metric: em.
+             the same attribute, the same attribute of E1 itself, other attributes of E2. Metric: em
+             against the value, or "E2: value" (an answer that names the bridge first).
   aggregate  MultiNews/GovReport-like. Every document is a shipment record holding exactly one
              cargo item; the answer lists the cargo of every document in document order,
              ", "-separated. Metric: ROUGE-L F1 over normalised words (order matters).
@@ -53,6 +54,8 @@ tokens; they barely depend on the lengths):
 Usage:
   python3 tools/tasks/rag_tasks.py --task lookup --n 300 --seed 1 \\
       [--min-docs 4 --max-docs 32 --min-doc-tokens 100 --max-doc-tokens 1000] > out.jsonl
+  python3 tools/tasks/rag_tasks.py --task twohop --second-hop ...   (each prompt's second hop alone,
+      a lookup of the bridge entity: where two-hop answers fail, docs/quality.md)
   python3 tools/tasks/rag_tasks.py --chance [--task lookup] [--n 2000]
   python3 tools/tasks/rag_tasks.py --score preds.jsonl --gold out.jsonl
       (preds.jsonl: one {"id", "prediction"} a line; prints the mean score per task as JSON)
