@@ -454,15 +454,14 @@ def example(task, seed, i, min_docs, max_docs, min_tok, max_tok):
 
 
 def second_hop(ex):
-    """A two-hop example asked its second hop alone: the asked attribute of the bridge entity, by name
-    (a lookup in a two-hop prompt, whose link sentences and chains make denser distractors than
-    lookup's). Diagnoses where two-hop answers fail (docs/quality.md)."""
-    q = ex["segments"][-1]
-    attr = ex["meta"]["attribute"]
-    out = dict(ex, task="lookup", id=ex["id"] + "-hop2", answers=[ex["answer"]], metric=METRIC["lookup"])
-    out["segments"] = ex["segments"][:-1] + [question_segment(LOOKUP_QUESTIONS[0].format(attr=attr, e=ex["meta"]["bridge"]))]
-    assert q.startswith("Question: What is the " + attr + " of the ")
-    return out
+    """A two-hop example asked its second hop alone: the asked attribute of the bridge entity, by
+    name. A plain lookup, but in a prompt with link sentences ("The mentor of X is Y."), which is
+    where the default model's two-hop answers fail (docs/quality.md)."""
+    attr, bridge = ex["meta"]["attribute"], ex["meta"]["bridge"]
+    assert ex["segments"][-1].startswith("Question: What is the " + attr + " of the "), "not a two-hop example"
+    q = question_segment(LOOKUP_QUESTIONS[0].format(attr=attr, e=bridge))
+    return dict(ex, task="lookup", id=ex["id"] + "-hop2", answers=[ex["answer"]], metric=METRIC["lookup"],
+                segments=ex["segments"][:-1] + [q])
 
 
 def prompt_text(segments):

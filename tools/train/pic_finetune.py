@@ -13,7 +13,10 @@ Usage (a GPU machine with torch; CPU works for a smoke run):
         [--long-frac 0.25 --long-micro 2]   (a share of examples with 1,000-2,500-token documents)
         [--full-rows 65536 --full-rows-mix lookup=0.2,twohop=0.4,twohop_drill=0.3,aggregate=0.1]
                                             (train.py's packed multi-question rows under full recompute)
-Writes OUT/model (the fine-tuned folder, bf16 weights as the input's), OUT/log.jsonl (per step:
+        [--twohop-bridge]                   (two-hop answers name the bridge entity first)
+Writes OUT/model (the fine-tuned folder, bf16 weights as the input's; also every --save-every
+seconds, so that a crash leaves the last weights; a step that runs out of GPU memory is skipped and
+logged, four in a row stop the run), OUT/log.jsonl (per step:
 loss by mode; every --eval-every seconds: held-out teacher-forced answer accuracy (per token and whole answers) under full and
 pic), and prints a summary.
 
@@ -296,7 +299,10 @@ def main():
                 losses["rows"].append(rl.detach())
                 losses["rows_ans"].append(ra.detach())
 
-    oom_error = getattr(torch, "OutOfMemoryError", getattr(torch.cuda, "OutOfMemoryError", RuntimeError))
+    class NoOom(Exception):  # a torch without the out-of-memory class: nothing is caught
+        pass
+
+    oom_error = getattr(torch, "OutOfMemoryError", getattr(torch.cuda, "OutOfMemoryError", NoOom))
     t0 = time.time()  # --seconds of training, the evaluations before and after not counted
     step, last_eval, last_save, ooms = 0, time.time(), time.time(), 0
     while time.time() - t0 < a.seconds:
