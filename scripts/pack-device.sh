@@ -4,6 +4,10 @@
 # library they load (spdlog, fmt, OpenBLAS, ...), found with ldd. glibc and the CUDA libraries
 # (runtime, cuBLAS) are left out: the device machine has its own, of the same CUDA version.
 # Usage: scripts/pack-device.sh [build-dir]   (then carry .device; scripts/device-run.sh unpacks it)
+# The tracked tree alone is close to the 64 MiB a device call may carry: pack one GPU test binary
+# at a time (PACK_HYPIC=0 PACK_TOOLS=0 PACK_TESTS=ops, then =model: 3.3 and 3.9 MB), and for the
+# call move tests/data/gguf/default-q4_k_m.gguf (5.9 MB, which no GPU test reads) out of the tree,
+# putting it back after (thirty-seventh session: cuda_ops_test 37/37, cuda_model_test 38/38).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build="${1:-build}"
