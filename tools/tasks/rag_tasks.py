@@ -453,13 +453,18 @@ def example(task, seed, i, min_docs, max_docs, min_tok, max_tok):
     }
 
 
+def second_hop_question(meta, form=LOOKUP_QUESTIONS[0]):
+    """The lookup question of a two-hop question's second hop (meta: gen_twohop's)."""
+    return form.format(attr=meta["attribute"], e=meta["bridge"])
+
+
 def second_hop(ex):
     """A two-hop example asked its second hop alone: the asked attribute of the bridge entity, by
     name. A plain lookup, but in a prompt with link sentences ("The mentor of X is Y."), which is
     where the default model's two-hop answers fail (docs/quality.md)."""
-    attr, bridge = ex["meta"]["attribute"], ex["meta"]["bridge"]
-    assert ex["segments"][-1].startswith("Question: What is the " + attr + " of the "), "not a two-hop example"
-    q = question_segment(LOOKUP_QUESTIONS[0].format(attr=attr, e=bridge))
+    assert ex["segments"][-1].startswith("Question: What is the " + ex["meta"]["attribute"] + " of the "), \
+        "not a two-hop example"
+    q = question_segment(second_hop_question(ex["meta"]))
     return dict(ex, task="lookup", id=ex["id"] + "-hop2", answers=[ex["answer"]], metric=METRIC["lookup"],
                 segments=ex["segments"][:-1] + [q])
 

@@ -192,13 +192,12 @@ def train_prompt(rng, task, words):
                                  e1_distractor=1.0)
     elif task == "bridge_lookup":
         segs, qa = R.make_prompt(rng, "twohop", words)
-        qa = [(rng.choice(R.LOOKUP_QUESTIONS).format(attr=m["attribute"], e=m["bridge"]), v, [v], m)
-              for _, v, _, m in qa]
+        qa = [(R.second_hop_question(m, rng.choice(R.LOOKUP_QUESTIONS)), v, [v], m) for _, v, _, m in qa]
         segs = segs[:-1] + [R.question_segment(qa[0][0])]
     else:
         segs, qa = R.make_prompt(rng, task, words)
     if TWOHOP_BRIDGE[0] and task in ("twohop", "twohop_drill"):  # the target: the gold's bridge-first answer
-        qa = [(q, answers[1], answers, meta) for q, _, answers, meta in qa]
+        qa = [(q, R.TWOHOP_BRIDGE_ANSWER.format(bridge=m["bridge"], value=v), answers, m) for q, v, answers, m in qa]
     return segs, qa
 
 
