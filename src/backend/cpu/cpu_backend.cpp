@@ -815,11 +815,15 @@ void CpuBackend::rope_neox(Tensor& x, std::span<const int64_t> positions, int ro
     float* cs = scratch(t_buf1, static_cast<size_t>(rot_dim));
     float *c = cs, *s = cs + half;
     for (int64_t t = b; t < e; ++t) {
-      float pos = static_cast<float>(positions[t]);
-      for (int i = 0; i < half; ++i) {
-        float ang = pos * inv_freq[i];
-        c[i] = static_cast<float>(std::cos(static_cast<double>(ang)));
-        s[i] = static_cast<float>(std::sin(static_cast<double>(ang)));
+      // Runs of one position (a spliced segment's keys all move by its start) reuse the angles:
+      // the sines and cosines were ~4% of a warm pic request's fixed cost (perf).
+      if (t == b || positions[t] != positions[t - 1]) {
+        const float pos = static_cast<float>(positions[t]);
+        for (int i = 0; i < half; ++i) {
+          float ang = pos * inv_freq[i];
+          c[i] = static_cast<float>(std::cos(static_cast<double>(ang)));
+          s[i] = static_cast<float>(std::sin(static_cast<double>(ang)));
+        }
       }
       for (int64_t h = 0; h < H; ++h) {
         float* r = xp + (t * H + h) * D;
