@@ -24,14 +24,15 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SETS = {"moderate": (7001, 4, 16, 100, 400), "long": (7002, 16, 32, 100, 400), "longdocs": (7005, 3, 6, 1000, 2500)}
+sys.path.insert(0, os.path.join(ROOT, "tools", "train"))
+from eval_rag import EVAL_SETS, eval_examples  # noqa: E402  (the held-out sets, as hypic eval makes them)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=os.path.join(ROOT, "models/default"))
     ap.add_argument("--hypic", default=os.path.join(ROOT, "build/hypic"))
-    ap.add_argument("--set", default="moderate", choices=sorted(SETS))
+    ap.add_argument("--set", default="moderate", choices=sorted(EVAL_SETS))
     ap.add_argument("--n", type=int, default=30)
     ap.add_argument("--seam", type=int, default=8)
     ap.add_argument("--tasks", default="lookup,twohop,aggregate")
@@ -54,13 +55,9 @@ def main():
     def rows(start, count):  # FLOPs of rows at positions start .. start+count-1 (each sees itself)
         return count * per_row + per_key * (count * start + count * (count + 1) // 2)
 
-    seed, lo, hi, tlo, thi = SETS[a.set]
     out = {"model": a.model, "set": a.set, "n": a.n, "seam": a.seam, "tasks": {}}
     for task in a.tasks.split(","):
-        gen = [sys.executable, os.path.join(ROOT, "tools/tasks/rag_tasks.py"), "--task", task, "--n", str(a.n),
-               "--seed", str(seed), "--min-docs", str(lo), "--max-docs", str(hi), "--min-doc-tokens", str(tlo),
-               "--max-doc-tokens", str(thi)]
-        examples = [json.loads(l) for l in subprocess.run(gen, capture_output=True, text=True, check=True).stdout.splitlines()]
+        examples = eval_examples(a.set, task, a.n)
         ratios, tokens, pic_rows = [], [], []
         for ex in examples:
             lens = []
