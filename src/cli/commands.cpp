@@ -359,7 +359,7 @@ void register_quantize(CLI::App& app) {
 void register_tokenize(CLI::App& app) {
   struct Opts {
     std::string model = default_model_dir(), text, ids;
-    bool json = false, no_special = false;
+    bool json = false, no_special = false, jsonl = false;
   };
   auto o = std::make_shared<Opts>();
   auto* c = app.add_subcommand("tokenize", "Encode text to ids (or decode --ids back to text)");
@@ -367,6 +367,11 @@ void register_tokenize(CLI::App& app) {
   auto* t = c->add_option("--text", o->text, "Text to encode");
   auto* i = c->add_option("--ids", o->ids, "Comma-separated ids to decode");
   t->excludes(i);
+  // Many texts in one process (a tool counting a data set's tokens would otherwise start the
+  // binary and load the tokenizer once per text).
+  auto* l = c->add_flag("--jsonl", o->jsonl,
+                        "Encode many texts: each stdin line a JSON string; prints {\"ids\": [...]} per line");
+  l->excludes(t)->excludes(i);
   c->add_flag("--no-special", o->no_special, "Treat special-token text as plain text");
   c->add_flag("--json", o->json, "Print JSON");
   c->callback([o] {
@@ -375,6 +380,16 @@ void register_tokenize(CLI::App& app) {
       if (dir.tokenizer_json.empty())
         throw std::invalid_argument("model folder " + o->model + " has no tokenizer.json");
       Tokenizer tok = Tokenizer::load(dir.tokenizer_json, dir.tokenizer_config_json);
+      if (o->jsonl) {
+        std::string line;
+        for (size_t n = 1; std::getline(std::cin, line); ++n) {
+          if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+          nlohmann::json in = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+          if (!in.is_string()) throw std::invalid_argument("stdin line " + std::to_string(n) + " is not a JSON string");
+          std::cout << nlohmann::json{{"ids", tok.encode(in.get<std::string>(), !o->no_special)}}.dump() << "\n";
+        }
+        return;
+      }
       if (!o->ids.empty()) {
         auto ids = parse_ids(o->ids);
         std::string text = tok.decode(ids);

@@ -290,6 +290,20 @@ TEST(Cli, InfoAndTokenize) {
   for (auto& v : ids) csv += (csv.empty() ? "" : ",") + std::to_string(v.get<int>());
   auto d = run("tokenize --json --ids " + csv + " --model " + model());
   EXPECT_EQ(nlohmann::json::parse(d.out)["text"], "hello there");
+  // --jsonl: one JSON string per stdin line, the same ids as --text gives, one object per line.
+  auto b = run_cmd("printf '%s\\n' '\"hello there\"' '' '\"x\\ny\"' | " + std::string(HYPIC_BIN) +
+                   " tokenize --jsonl --model " + model());
+  ASSERT_EQ(b.rc, 0) << b.out;
+  std::istringstream lines(b.out);
+  std::string first, second, extra;
+  ASSERT_TRUE(std::getline(lines, first) && std::getline(lines, second)) << b.out;
+  EXPECT_FALSE(std::getline(lines, extra)) << "blank input lines are skipped: " << b.out;
+  EXPECT_EQ(nlohmann::json::parse(first)["ids"], ids);
+  auto xy = run("tokenize --json --text \"$(printf 'x\\ny')\" --model " + model());
+  EXPECT_EQ(nlohmann::json::parse(second)["ids"], nlohmann::json::parse(xy.out)["ids"]) << b.out;
+  auto bad = run_cmd("echo '[1]' | " + std::string(HYPIC_BIN) + " tokenize --jsonl --model " + model());
+  EXPECT_NE(bad.rc, 0);
+  EXPECT_NE(bad.out.find("stdin line 1 is not a JSON string"), std::string::npos) << bad.out;
 }
 
 // A padded vocabulary (more embedding rows than tokenizer entries, as every released Qwen3.5 has):

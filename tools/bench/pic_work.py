@@ -3,7 +3,7 @@
 
 A bound for the TTFT ratio full / pic that `hypic eval` and `hypic bench ttft` measure: if every row
 ran at the same FLOP rate, the ratio would be this one. Counted from the model's config.json and the
-prompts' token counts (`hypic tokenize`), for a Qwen3.5-style hybrid:
+prompts' token counts (`hypic tokenize --jsonl`), for a Qwen3.5-style hybrid:
   * every computed row: 2 x the parameters outside the embedding (its products), its linear layers'
     recurrence (~7 FLOPs per state element per value head) and its attention over the keys before
     it (QK and PV in every full-attention layer);
@@ -58,13 +58,14 @@ def main():
     out = {"model": a.model, "set": a.set, "n": a.n, "seam": a.seam, "tasks": {}}
     for task in a.tasks.split(","):
         examples = eval_examples(a.set, task, a.n)
+        # Every segment as the harness encodes it (with a newline), in one `hypic tokenize --jsonl`.
+        texts = [s + "\n" for ex in examples for s in ex["segments"]]
+        r = subprocess.run([a.hypic, "tokenize", "--model", a.model, "--jsonl"], capture_output=True, text=True,
+                           check=True, input="".join(json.dumps(t) + "\n" for t in texts))
+        counts = iter(len(json.loads(line)["ids"]) for line in r.stdout.splitlines())
         ratios, tokens, pic_rows = [], [], []
         for ex in examples:
-            lens = []
-            for s in ex["segments"]:  # as the harness encodes them: each segment with a newline
-                r = subprocess.run([a.hypic, "tokenize", "--model", a.model, "--text", s + "\n", "--json"],
-                                   capture_output=True, text=True, check=True)
-                lens.append(len(json.loads(r.stdout)["ids"]))
+            lens = [next(counts) for _ in ex["segments"]]
             n = sum(lens)
             full = rows(0, n)
             pic, pos, computed = 0, 0, 0
