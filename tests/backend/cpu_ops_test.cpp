@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <numeric>
@@ -424,6 +425,50 @@ TEST_F(CpuOps, Elementwise) {
   Tensor c = be->alloc(DType::F32, {n - 1});
   EXPECT_EQ(error_of([&] { be->add(a, c, out); }), "add: a f32[40007] and b f32[40006]: shapes differ");
   EXPECT_EQ(error_of([&] { be->silu_mul(a, b, c); }), "silu_mul: out f32[40006]: expected shape [40007]");
+}
+
+// The activations run eight lanes at a time with a scalar tail; an element must get the same bits
+// wherever it falls (a row's result may not depend on the rows beside it: row-independent mode and
+// composed prefixes rely on it), and stay accurate and finite at the ends of exp's range.
+TEST_F(CpuOps, ActivationsGiveEachElementTheSameBitsInAnyLane) {
+  const int64_t n = 61;
+  Tensor a = randn({n}, 21, 4.f), b = randn({n}, 22, 4.f);
+  float* ap = a.data<float>();
+  const float edge[] = {0.f, -0.f, 88.f, -88.f, 100.f, -100.f, 1e-30f, -1e-30f, 20.f, -20.f};
+  for (size_t i = 0; i < std::size(edge); ++i) ap[3 + i] = edge[i];
+  Tensor whole = be->alloc(DType::F32, {n}), whole_sig = be->alloc(DType::F32, {n});
+  be->silu_mul(a, b, whole);
+  be->sigmoid_mul(b, a, whole_sig);
+  Vec av = vals(a), bv = vals(b), ref(n), ref_sig(n);
+  for (int64_t i = 0; i < n; ++i) ref[i] = dsilu(av[i]) * bv[i], ref_sig[i] = bv[i] * sig(av[i]);
+  EXPECT_LE(rel_l2(whole, ref), 1e-6);
+  EXPECT_LE(rel_l2(whole_sig, ref_sig), 1e-6);
+  for (int64_t i = 0; i < n; ++i) {
+    EXPECT_TRUE(std::isfinite(whole.data<float>()[i]) && std::isfinite(whole_sig.data<float>()[i])) << av[i];
+    EXPECT_NEAR(whole.data<float>()[i], ref[i], 1e-6 * std::abs(ref[i]) + 1e-30) << "silu at " << av[i];
+  }
+  for (int64_t off = 1; off < 9; ++off) {  // every element moved to another lane, or into the tail
+    Tensor as = a.slice_rows(off, n), bs = b.slice_rows(off, n);
+    Tensor o = be->alloc(DType::F32, {n - off}), os = be->alloc(DType::F32, {n - off});
+    be->silu_mul(as, bs, o);
+    be->sigmoid_mul(bs, as, os);
+    for (int64_t i = 0; i < n - off; ++i) {
+      ASSERT_EQ(std::bit_cast<uint32_t>(o.data<float>()[i]), std::bit_cast<uint32_t>(whole.data<float>()[i + off]))
+          << "silu_mul, element " << i + off << " at offset " << off;
+      ASSERT_EQ(std::bit_cast<uint32_t>(os.data<float>()[i]), std::bit_cast<uint32_t>(whole_sig.data<float>()[i + off]))
+          << "sigmoid_mul, element " << i + off << " at offset " << off;
+    }
+  }
+  // The conv splits channels over threads by the row count: its first row's bits may not change.
+  const int64_t C = 203, K = 4;
+  Tensor w = randn({C, K}, 23), x = randn({16, C}, 24, 3.f);
+  Tensor s1 = be->alloc(DType::F32, {K - 1, C}), s2 = be->alloc(DType::F32, {K - 1, C});
+  Tensor o1 = be->alloc(DType::F32, {1, C}), o16 = be->alloc(DType::F32, {16, C});
+  Tensor x1 = x.slice_rows(0, 1);
+  be->causal_conv1d_silu(x1, w, s1, o1);
+  be->causal_conv1d_silu(x, w, s2, o16);
+  for (int64_t c = 0; c < C; ++c)
+    ASSERT_EQ(std::bit_cast<uint32_t>(o1.data<float>()[c]), std::bit_cast<uint32_t>(o16.data<float>()[c])) << c;
 }
 
 TEST_F(CpuOps, CopyAndSetCols) {

@@ -93,8 +93,11 @@ TEST_P(Pic, PrefixModeIsExact) {
   CacheReport cold, warm;
   auto p1 = run(eng, segs_, {PicMode::Prefix}, nullptr, &cold);
   auto p2 = run(eng, segs_, {PicMode::Prefix}, nullptr, &warm);
-  EXPECT_LE(max_abs(full, p1), 2e-4);
-  EXPECT_LE(max_abs(full, p2), 2e-4);
+  // Exact up to f32 rounding: the same rows in other chunks (segment by segment) sum in another
+  // order. The MoE model's router amplifies it most (1.5e-4 with libm's expf in the activations,
+  // 3.5e-4 with the AVX2 lanes' exp; the dense models stay below 5e-5).
+  EXPECT_LE(max_abs(full, p1), 5e-4);
+  EXPECT_LE(max_abs(full, p2), 5e-4);
   EXPECT_EQ(cold.reused_tokens, 0);
   EXPECT_EQ(warm.reused_tokens, 20 + 70 + 41 + 90);  // everything but the question
 }
