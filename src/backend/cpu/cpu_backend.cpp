@@ -13,6 +13,7 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "backend/checks.h"
@@ -756,25 +757,12 @@ void CpuBackend::rms_norm_gated(const Tensor& x, const Tensor& z, const Tensor& 
 }
 
 namespace {
-template <typename F>
+struct NoLanes {};
+// out[i] = f(a[i], b[i]); with fv (AVX2), eight lanes at a time: fv must give each lane the bits f
+// gives that element, since where a chunk's tail falls depends on the thread split.
+template <typename F, typename FV = NoLanes>
 void binary(ThreadPool& pool, const char* op, const char* an, const Tensor& a, const char* bn, const Tensor& b,
-            Tensor& out, F f) {
-  check_binary(op, an, a, bn, b, out, DeviceKind::CPU);
-  const float *ap = a.data<float>(), *bp = b.data<float>();
-  float* o = out.data<float>();
-  pool.parallel_for(
-      a.numel(),
-      [&](int64_t s, int64_t e) {
-        for (int64_t i = s; i < e; ++i) o[i] = f(ap[i], bp[i]);
-      },
-      1 << 14);
-}
-
-// binary() with eight lanes at a time: fv must give each lane the bits f gives that element.
-#ifdef HYPIC_AVX2
-template <typename F, typename FV>
-void binary_lanes(ThreadPool& pool, const char* op, const char* an, const Tensor& a, const char* bn, const Tensor& b,
-                  Tensor& out, F f, FV fv) {
+            Tensor& out, F f, [[maybe_unused]] FV fv = {}) {
   check_binary(op, an, a, bn, b, out, DeviceKind::CPU);
   const float *ap = a.data<float>(), *bp = b.data<float>();
   float* o = out.data<float>();
@@ -782,12 +770,14 @@ void binary_lanes(ThreadPool& pool, const char* op, const char* an, const Tensor
       a.numel(),
       [&](int64_t s, int64_t e) {
         int64_t i = s;
-        for (; i + 8 <= e; i += 8) _mm256_storeu_ps(o + i, fv(_mm256_loadu_ps(ap + i), _mm256_loadu_ps(bp + i)));
+#ifdef HYPIC_AVX2
+        if constexpr (!std::is_same_v<FV, NoLanes>)
+          for (; i + 8 <= e; i += 8) _mm256_storeu_ps(o + i, fv(_mm256_loadu_ps(ap + i), _mm256_loadu_ps(bp + i)));
+#endif
         for (; i < e; ++i) o[i] = f(ap[i], bp[i]);
       },
       1 << 14);
 }
-#endif
 }  // namespace
 
 void CpuBackend::add(const Tensor& a, const Tensor& b, Tensor& out) {
@@ -796,8 +786,8 @@ void CpuBackend::add(const Tensor& a, const Tensor& b, Tensor& out) {
 void CpuBackend::silu_mul(const Tensor& gate, const Tensor& up, Tensor& out) {
   const auto f = [](float g, float u) { return silu(g) * u; };
 #ifdef HYPIC_AVX2
-  binary_lanes(pool_, "silu_mul", "gate", gate, "up", up, out, f,
-               [](__m256 g, __m256 u) { return _mm256_mul_ps(silu256(g), u); });
+  binary(pool_, "silu_mul", "gate", gate, "up", up, out, f,
+         [](__m256 g, __m256 u) { return _mm256_mul_ps(silu256(g), u); });
 #else
   binary(pool_, "silu_mul", "gate", gate, "up", up, out, f);
 #endif
@@ -819,8 +809,8 @@ void CpuBackend::sigmoid_mul(const Tensor& x, const Tensor& gate, Tensor& out) {
   }
   const auto f = [](float v, float g) { return v * sigmoid(g); };
 #ifdef HYPIC_AVX2
-  binary_lanes(pool_, "sigmoid_mul", "x", x, "gate", gate, out, f,
-               [](__m256 v, __m256 g) { return _mm256_mul_ps(v, sigmoid256(g)); });
+  binary(pool_, "sigmoid_mul", "x", x, "gate", gate, out, f,
+         [](__m256 v, __m256 g) { return _mm256_mul_ps(v, sigmoid256(g)); });
 #else
   binary(pool_, "sigmoid_mul", "x", x, "gate", gate, out, f);
 #endif
