@@ -205,6 +205,31 @@ class HybridLM(nn.Module):
         return self.logits(self.hidden(ids))
 
 
+def convert_to_attention(model, layers, init_std=0.02):
+    """Turns the given linear-attention layers into full-attention ones: a new token mixer (normal
+    init_std, as HybridLM's) whose output projection is zero, so the converted model starts as the
+    checkpoint without those layers' token mixing (norms and MLPs kept). Updates model.cfg's
+    layer_types; returns the new parameters. Why: the trained hypic-mini has three global layers,
+    and a two-hop question needs two retrievals at the question (tools/train/README.md)."""
+    types = list(model.cfg["layer_types"])
+    new = []
+    for i in layers:
+        if not 0 <= i < len(types) or types[i] != "linear_attention":
+            raise SystemExit(f"--to-attention: layer {i} is not a linear-attention layer of this model")
+        L = model.model.layers[i]
+        ref = next(L.parameters())
+        att = Attention(model.cfg).to(device=ref.device, dtype=ref.dtype)
+        for p in att.parameters():
+            if p.ndim == 2:
+                nn.init.normal_(p, 0.0, init_std)
+        nn.init.zeros_(att.o_proj.weight)
+        del L.linear_attn
+        L.self_attn, L.kind, types[i] = att, "full_attention", "full_attention"
+        new += list(att.parameters())
+    model.cfg["layer_types"] = types
+    return new
+
+
 def n_params(model):
     return sum(p.numel() for p in model.parameters())
 

@@ -50,7 +50,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(REPO, "tools", "tasks"))
 
 import rag_tasks as R  # noqa: E402
-from hybrid import load_folder, save_folder  # noqa: E402
+from hybrid import convert_to_attention, load_folder, save_folder  # noqa: E402
 from pic_forward import pic_logits, pic_logits_batch  # noqa: E402
 import train as T  # noqa: E402
 from train import load_tokenizer, train_prompt  # noqa: E402
@@ -198,6 +198,10 @@ def main():
     ap.add_argument("--save-state", help="write fp32 weights and optimizer state here at the end")
     ap.add_argument("--save-every", type=float, default=300.0,
                     help="seconds between saves of the weights to OUT/model while training (0: at the end only)")
+    ap.add_argument("--to-attention", default="",
+                    help="comma-separated linear-attention layers to turn into full-attention ones first (new "
+                    "mixers, output projection zero; config.json's layer_types follows)")
+    ap.add_argument("--new-lr-mult", type=float, default=1.0, help="lr multiplier of the --to-attention layers' mixers")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = ap.parse_args()
     T.TWOHOP_BRIDGE[0] = a.twohop_bridge
@@ -209,8 +213,15 @@ def main():
     encode, decode, tid = load_tokenizer(tok)
     eos = tid("<|im_end|>")
     cfg = json.load(open(os.path.join(a.model, "config.json")))
+    new = convert_to_attention(model, [int(i) for i in a.to_attention.split(",") if i.strip()])
+    cfg["layer_types"] = model.cfg["layer_types"]
     mix = [(t, float(w)) for t, w in (kv.split("=") for kv in a.task_mix.split(","))]
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
+    ids = {id(p) for p in new}
+    groups = [{"params": [p for p in model.parameters() if id(p) not in ids], "mult": 1.0}]
+    if new:
+        groups.append({"params": new, "mult": a.new_lr_mult})
+        print(f"layers {a.to_attention} now full attention: layer_types {cfg['layer_types']}", flush=True)
+    opt = torch.optim.AdamW(groups, lr=a.lr, weight_decay=0.0)
     if a.resume and os.path.exists(a.resume):
         st = torch.load(a.resume, map_location=a.device)
         model.load_state_dict(st["model"])
@@ -316,7 +327,7 @@ def main():
         if a.decay_seconds and left < a.decay_seconds:
             scale *= 0.1 + 0.9 * max(left, 0.0) / a.decay_seconds
         for grp in opt.param_groups:
-            grp["lr"] = a.lr * scale
+            grp["lr"] = a.lr * scale * grp.get("mult", 1.0)
         losses = {"full": [], "pic": [], "kd": [], "rows": [], "rows_ans": []}
         try:
             step_backward(losses)
