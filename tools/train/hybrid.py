@@ -251,6 +251,19 @@ if __name__ == "__main__":  # smoke test on CPU
     print("logits", tuple(out.shape), "params", n_params(m), "causal leak", d, "sdpa", _HAS_SDPA)
     assert d < 1e-4
     print(sorted(m.state_dict().keys())[:12])
+    # --to-attention: the converted layer's mixer starts silent (the model is the checkpoint minus
+    # that mixer), is wired in (a non-zero output projection changes the logits), and config follows
+    with torch.no_grad():
+        L0 = m.model.layers[0]
+        x = m.model.embed_tokens(ids)
+        x = x + L0.mlp(L0.post_attention_layernorm(x))  # layer 0 without its mixer
+        want = m.logits(m.model.norm(m.model.layers[1](x)))
+        convert_to_attention(m, [0])
+        assert m.cfg["layer_types"] == ["full_attention", "full_attention"]
+        assert (m(ids) - want).abs().max().item() < 1e-5
+        nn.init.normal_(m.model.layers[0].self_attn.o_proj.weight, 0.0, 0.02)
+        assert (m(ids) - want).abs().max().item() > 1e-3
+    print("convert_to_attention ok")
 
 
 def save_folder(model, folder, tok_dir, eos, pad, dtype="float32", config=None):

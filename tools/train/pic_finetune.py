@@ -14,6 +14,7 @@ Usage (a GPU machine with torch; CPU works for a smoke run):
         [--full-rows 65536 --full-rows-mix lookup=0.2,twohop=0.4,twohop_drill=0.3,aggregate=0.1]
                                             (train.py's packed multi-question rows under full recompute)
         [--twohop-bridge]                   (two-hop answers name the bridge entity first)
+        [--to-attention 2,8 --new-lr-mult 2.5]  (those linear layers become full-attention ones first)
 Writes OUT/model (the fine-tuned folder, bf16 weights as the input's; also every --save-every
 seconds, so that a crash leaves the last weights; a step that runs out of GPU memory is skipped and
 logged, four in a row stop the run), OUT/log.jsonl (per step:
