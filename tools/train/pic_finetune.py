@@ -217,8 +217,8 @@ def main():
     new = convert_to_attention(model, [int(i) for i in a.to_attention.split(",") if i.strip()])
     cfg["layer_types"] = model.cfg["layer_types"]
     mix = [(t, float(w)) for t, w in (kv.split("=") for kv in a.task_mix.split(","))]
-    ids = {id(p) for p in new}
-    groups = [{"params": [p for p in model.parameters() if id(p) not in ids], "mult": 1.0}]
+    new_ids = {id(p) for p in new}
+    groups = [{"params": [p for p in model.parameters() if id(p) not in new_ids], "mult": 1.0}]
     if new:
         groups.append({"params": new, "mult": a.new_lr_mult})
         print(f"layers {a.to_attention} now full attention: layer_types {cfg['layer_types']}", flush=True)
