@@ -444,3 +444,29 @@ TEST(Cli, EvalSummarisesEveryTask) {
   EXPECT_NE(bad.rc, 0);
   EXPECT_NE(bad.out.find("longdocs"), std::string::npos) << bad.out;
 }
+
+// rag_tasks.py --first-hop / --second-hop ask a two-hop prompt's hops alone over the same documents:
+// the first hop's answer is the bridge named in a link sentence about the first entity, the second
+// hop's the two-hop answer (the drills first_hop and bridge_lookup of tools/train/train.py).
+TEST(Cli, TwoHopPromptsAskedTheirHopsAlone) {
+  const std::string tasks = std::string(HYPIC_SOURCE_DIR) + "/tools/tasks";
+  const std::string check =
+      "import sys; sys.path.insert(0, '" + tasks +
+      "'); import rag_tasks as R\n"
+      "for i in range(5):\n"
+      "    ex = R.example('twohop', 7001, i, 4, 16, 100, 400); m = ex['meta']\n"
+      "    h1, h2 = R.first_hop(ex), R.second_hop(ex)\n"
+      "    assert h1['segments'][:-1] == ex['segments'][:-1] == h2['segments'][:-1]\n"
+      "    assert h1['segments'][-1] == 'Question: Who is the %s of %s?\\nAnswer:' % (m['relation'], m['first'])\n"
+      "    assert h1['answers'] == [m['bridge']] and ex['answers'][1].startswith(m['bridge'] + ': ')\n"
+      "    assert h2['answers'] == [ex['answer']]\n"
+      "    links = [t.format(rel=m['relation'], e1=m['first'], e2=m['bridge']) for t in R.LINK_TEMPLATES]\n"
+      "    assert sum(l[:-1] in s for l in links for s in ex['segments'][1:-1]) == 1, ex['id']\n";
+  const std::string py = ::testing::TempDir() + "/hypic_hops_check.py";
+  std::ofstream(py) << check;
+  auto r = run_cmd("python3 " + py);
+  EXPECT_EQ(r.rc, 0) << r.out;
+  auto both = run_cmd("python3 " + tasks + "/rag_tasks.py --task twohop --first-hop --second-hop --n 1");
+  EXPECT_NE(both.rc, 0);
+  EXPECT_NE(both.out.find("--first-hop"), std::string::npos) << both.out;
+}

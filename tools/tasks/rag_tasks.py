@@ -224,6 +224,7 @@ LINK_TEMPLATES = (
     "Everyone knows that the {rel} of {e1} is {e2}.",
 )
 TWOHOP_QUESTION = "What is the {attr} of the {rel} of {e1}?"
+FIRST_HOP_QUESTION = "Who is the {rel} of {e1}?"  # a two-hop question's first hop: the bridge's name
 # A two-hop answer that names the bridge entity first ("Beamak: Kabul"): a one-line scratchpad, so
 # that the second hop is a lookup of an entity just written (train.py --twohop-bridge). Gold
 # answers accept it beside the bare value; a wrong bridge scores 0.
@@ -410,7 +411,8 @@ def gen_twohop(rng, doc_words, attrs=None, e1_distractor=0.5):
         for a, v, d in asked:
             q = TWOHOP_QUESTION.format(attr=a, rel=rel, e1=e1)
             qa.append((q, v, [v, TWOHOP_BRIDGE_ANSWER.format(bridge=e2, value=v)],
-                       {"link_doc": d_link, "fact_doc": d, "bridge": e2, "attribute": a}))
+                       {"link_doc": d_link, "fact_doc": d, "bridge": e2, "attribute": a,
+                        "relation": rel, "first": e1}))
     rng.shuffle(qa)
     return docs, qa
 
@@ -467,6 +469,22 @@ def second_hop(ex):
     q = question_segment(second_hop_question(ex["meta"]))
     return dict(ex, task="lookup", id=ex["id"] + "-hop2", answers=[ex["answer"]], metric=METRIC["lookup"],
                 segments=ex["segments"][:-1] + [q])
+
+
+def first_hop_question(meta):
+    """The question of a two-hop question's first hop: the bridge entity's name (meta: gen_twohop's)."""
+    return FIRST_HOP_QUESTION.format(rel=meta["relation"], e1=meta["first"])
+
+
+def first_hop(ex):
+    """A two-hop example asked its first hop alone: who the relation of the first entity is. The
+    answer is an invented name of ~3 tokens, which no other task asks the model to write; answers
+    that name the bridge first ("<bridge>: <value>") need it (tools/train/README.md, attempt 16)."""
+    assert ex["segments"][-1].startswith("Question: What is the " + ex["meta"]["attribute"] + " of the "), \
+        "not a two-hop example"
+    q = question_segment(first_hop_question(ex["meta"]))
+    return dict(ex, task="lookup", id=ex["id"] + "-hop1", answer=ex["meta"]["bridge"],
+                answers=[ex["meta"]["bridge"]], metric=METRIC["lookup"], segments=ex["segments"][:-1] + [q])
 
 
 def prompt_text(segments):
@@ -582,6 +600,8 @@ def main():
     ap.add_argument("--max-doc-tokens", type=int, default=1000)
     ap.add_argument("--second-hop", action="store_true",
                     help="with --task twohop: ask each prompt's second hop alone (a lookup of the bridge entity)")
+    ap.add_argument("--first-hop", action="store_true",
+                    help="with --task twohop: ask each prompt's first hop alone (the bridge entity's name)")
     ap.add_argument("--chance", action="store_true", help="print Monte-Carlo chance levels and exit")
     ap.add_argument("--score", metavar="PREDS", help="score a predictions JSONL against --gold")
     ap.add_argument("--gold", metavar="GOLD")
@@ -614,11 +634,15 @@ def main():
         ap.error("--task is required")
     if args.second_hop and args.task != "twohop":
         ap.error("--second-hop asks two-hop prompts' second hop: it needs --task twohop")
+    if args.first_hop and (args.task != "twohop" or args.second_hop):
+        ap.error("--first-hop asks two-hop prompts' first hop: it needs --task twohop and no --second-hop")
     out = sys.stdout
     for i in range(args.n):
         ex = example(args.task, args.seed, i, args.min_docs, args.max_docs, args.min_doc_tokens, args.max_doc_tokens)
         if args.second_hop:
             ex = second_hop(ex)
+        elif args.first_hop:
+            ex = first_hop(ex)
         out.write(json.dumps(ex, ensure_ascii=False) + "\n")
 
 
