@@ -460,15 +460,19 @@ def second_hop_question(meta, form=LOOKUP_QUESTIONS[0]):
     return form.format(attr=meta["attribute"], e=meta["bridge"])
 
 
+def _hop_alone(ex, tag, question, answer):
+    """A two-hop example with its question replaced by one of its hops, scored as a lookup."""
+    assert ex["segments"][-1].startswith("Question: What is the " + ex["meta"]["attribute"] + " of the "), \
+        "not a two-hop example"
+    return dict(ex, task="lookup", id=ex["id"] + tag, answer=answer, answers=[answer], metric=METRIC["lookup"],
+                segments=ex["segments"][:-1] + [question_segment(question)])
+
+
 def second_hop(ex):
     """A two-hop example asked its second hop alone: the asked attribute of the bridge entity, by
     name. A plain lookup, but in a prompt with link sentences ("The mentor of X is Y."), which is
     where the default model's two-hop answers fail (docs/quality.md)."""
-    assert ex["segments"][-1].startswith("Question: What is the " + ex["meta"]["attribute"] + " of the "), \
-        "not a two-hop example"
-    q = question_segment(second_hop_question(ex["meta"]))
-    return dict(ex, task="lookup", id=ex["id"] + "-hop2", answers=[ex["answer"]], metric=METRIC["lookup"],
-                segments=ex["segments"][:-1] + [q])
+    return _hop_alone(ex, "-hop2", second_hop_question(ex["meta"]), ex["answer"])
 
 
 def first_hop_question(meta):
@@ -480,11 +484,7 @@ def first_hop(ex):
     """A two-hop example asked its first hop alone: who the relation of the first entity is. The
     answer is an invented name of ~3 tokens, which no other task asks the model to write; answers
     that name the bridge first ("<bridge>: <value>") need it (tools/train/README.md, attempt 16)."""
-    assert ex["segments"][-1].startswith("Question: What is the " + ex["meta"]["attribute"] + " of the "), \
-        "not a two-hop example"
-    q = question_segment(first_hop_question(ex["meta"]))
-    return dict(ex, task="lookup", id=ex["id"] + "-hop1", answer=ex["meta"]["bridge"],
-                answers=[ex["meta"]["bridge"]], metric=METRIC["lookup"], segments=ex["segments"][:-1] + [q])
+    return _hop_alone(ex, "-hop1", first_hop_question(ex["meta"]), ex["meta"]["bridge"])
 
 
 def prompt_text(segments):
