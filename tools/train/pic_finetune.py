@@ -111,21 +111,44 @@ def rows_chunks(a):
     return n, -(-a.full_rows // n)
 
 
+def stage_plan(spec):
+    """--full-rows-stage: "2" (one stage throughout) or "0,1@150,2@400" (stage 0 from the start, 1 from
+    second 150 of training, 2 from second 400) -> [(from second, stage)]."""
+    plan = []
+    for i, part in enumerate(spec.split(",")):
+        st, _, at = part.partition("@")
+        try:
+            k, t = int(st), float(at) if at else 0.0
+        except ValueError:
+            raise SystemExit(f"--full-rows-stage: {part!r} is not STAGE or STAGE@SECONDS")
+        if not 0 <= k < len(T.STAGES):
+            raise SystemExit(f"--full-rows-stage: {k} is not a stage of train.py (0-{len(T.STAGES) - 1})")
+        if (i == 0) != (t == 0) or (plan and t <= plan[-1][0]):
+            raise SystemExit(f"--full-rows-stage: {spec!r}: the first stage starts at 0, later ones at increasing seconds")
+        plan.append((t, k))
+    return plan
+
+
+def stage_at(plan, seconds):
+    return [k for t, k in plan if t <= seconds][-1]
+
+
 def row_source(a, tok_path, eos):
-    """A function returning the next packed batch of train.py's full-recompute rows (numpy x, y, kind,
-    ...), rows_chunks(a)[1] tokens each, drawn by spawned workers (or in this process with 0 workers)."""
+    """(next, set_stage): next() returns the next packed batch of train.py's full-recompute rows (numpy
+    x, y, kind, ...), rows_chunks(a)[1] tokens each, drawn by spawned workers (or in this process with
+    0 workers) at the curriculum stage set_stage(k) last set (the plan's first at the start)."""
     budget = rows_chunks(a)[1]
     mix = [(t, float(w)) for t, w in (kv.split("=") for kv in a.full_rows_mix.split(","))]
     bad = [t for t, _ in mix if t not in T.TRAIN_TASKS]
     if bad:
         raise SystemExit(f"--full-rows-mix: unknown task {bad[0]!r} (tasks: {', '.join(T.TRAIN_TASKS)})")
-    if not 0 <= a.full_rows_stage < len(T.STAGES):
-        raise SystemExit(f"--full-rows-stage: {a.full_rows_stage} is not a stage of train.py (0-{len(T.STAGES) - 1})")
+    first = stage_plan(a.full_rows_stage)[0][1]
     if a.full_rows_workers > 0:
         import multiprocessing as mp
+        import queue as queue_mod
 
         ctx = mp.get_context("spawn")
-        stage, queue = ctx.Value("i", a.full_rows_stage), ctx.Queue(maxsize=32)
+        stage, queue = ctx.Value("i", first), ctx.Queue(maxsize=32)
         procs = [ctx.Process(target=T.worker_main, daemon=True,  # pad = eos: padding is out of the loss
                              args=(w, f"pic-ft-{a.seed}", tok_path, queue, stage, budget, eos, eos, mix, 0.0,
                                    T.BIND_NUMBERS[0], a.twohop_bridge)) for w in range(a.full_rows_workers)]
@@ -134,17 +157,29 @@ def row_source(a, tok_path, eos):
 
         def get(keep=(stage, procs)):  # holds the shared stage value: the workers unpickle it after we return
             return queue.get(timeout=300)
-        return get
+
+        def set_stage(k):
+            stage.value = k
+            try:  # drop the batches drawn at the old stage (up to 32 steps' worth would lag the plan)
+                while True:
+                    queue.get_nowait()
+            except queue_mod.Empty:
+                pass
+        return get, set_stage
     T.TASK_P[:] = mix
     rng = random.Random(f"pic-ft-rows/{a.seed}")
     encode_batch = load_tokenizer(tok_path)[0]
-    pool = []
+    pool, cur = [], [first]
 
     def nxt():
         if not pool:
-            pool.extend(T.make_batches(rng, encode_batch, a.full_rows_stage, budget, eos, eos))
+            pool.extend(T.make_batches(rng, encode_batch, cur[0], budget, eos, eos))
         return pool.pop()
-    return nxt
+
+    def set_stage(k):
+        cur[0] = k
+        pool.clear()
+    return nxt, set_stage
 
 
 def rows_loss(model, batch, device):
@@ -187,7 +222,9 @@ def main():
                     help="task mix of the packed rows (train.py's tasks, drills included)")
     ap.add_argument("--twohop-bridge", action="store_true",
                     help="two-hop answers (pic examples, rows, held-out) name the bridge entity first")
-    ap.add_argument("--full-rows-stage", type=int, default=3, help="train.py curriculum stage of the packed rows")
+    ap.add_argument("--full-rows-stage", default="3",
+                    help="train.py curriculum stage of the packed rows, or a plan by training seconds: "
+                         "0,1@150,2@400 (short prompts teach a new skill first: docs/quality.md, forty-second session)")
     ap.add_argument("--full-rows-weight", type=float, default=1.0, help="weight of the packed rows' loss")
     ap.add_argument("--full-rows-workers", type=int, default=4, help="processes drawing them (0: in this one)")
     ap.add_argument("--eval-every", type=float, default=120)
@@ -205,6 +242,7 @@ def main():
     ap.add_argument("--new-lr-mult", type=float, default=1.0, help="lr multiplier of the --to-attention layers' mixers")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = ap.parse_args()
+    plan = stage_plan(a.full_rows_stage)  # a bad plan stops the run before the model loads
     T.TWOHOP_BRIDGE[0] = a.twohop_bridge
 
     torch.manual_seed(a.seed)
@@ -265,7 +303,8 @@ def main():
         model.train()
         return res
 
-    next_rows = row_source(a, tok, eos) if a.full_rows > 0 else None
+    next_rows, set_stage = row_source(a, tok, eos) if a.full_rows > 0 else (None, None)
+    rows_stage = plan[0][1]
     first = evaluate()
     print("before:", json.dumps(first), flush=True)
     logf.write(json.dumps({"step": 0, "seconds": 0, "eval": first}) + "\n")
@@ -322,6 +361,10 @@ def main():
             save(os.path.join(a.out, "model"))
             last_save = time.time()
             logf.write(json.dumps({"step": step, "seconds": round(time.time() - t0, 1), "saved": "model"}) + "\n")
+        if next_rows and stage_at(plan, time.time() - t0) != rows_stage:
+            rows_stage = stage_at(plan, time.time() - t0)
+            set_stage(rows_stage)
+            logf.write(json.dumps({"step": step, "seconds": round(time.time() - t0, 1), "rows_stage": rows_stage}) + "\n")
         opt.zero_grad(set_to_none=True)
         left = a.seconds - (time.time() - t0)
         scale = min(1.0, (step + 1) / a.warmup) if a.warmup else 1.0

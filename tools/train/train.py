@@ -92,6 +92,13 @@ QMAX = {"lookup": 12, "twohop": 6, "aggregate": 1, "bind": 12, "twohop_drill": 6
 BIND_NUMBERS = [0.3]  # share of "bind" prompts about lucky numbers alone (--bind-numbers)
 NUMBER_FIRST = [0.0]  # probability that a prompt asks its numeric-answer questions first (--number-first)
 TWOHOP_BRIDGE = [False]  # two-hop answers name the bridge first (rag_tasks.TWOHOP_BRIDGE_ANSWER; --twohop-bridge)
+# Answers that name an invented entity (first_hop, bridge-first two-hop) start with a space, so that
+# the name is the documents' tokens: " Bouhier" is [" Bou", "hier"] as in "... is Bouhier.", while
+# "Bouhier" is ["B", "ou", "hier"], a respelling the model would have to learn for every name token
+# (it never did: until this, the first token of a written name stayed at 3-10% teacher-forced, a
+# capital letter guessed; tools/train/README.md, forty-second session). Scoring splits on
+# whitespace, so the space costs nothing there.
+NAME_LEAD = " "
 WEIGHT = {0: 0.1, 1: 0.5, 2: 1.0}  # documents, questions, answers (+ <|im_end|>)
 PART_BYTES = 15 * 1024 * 1024
 
@@ -204,13 +211,14 @@ def train_prompt(rng, task, words):
         for _, _, _, m in qa:  # one question per chain (a chain asked for two attributes is one first hop)
             if m["first"] not in seen:
                 seen.add(m["first"])
-                hop1.append((R.first_hop_question(m), m["bridge"], [m["bridge"]], m))
+                hop1.append((R.first_hop_question(m), NAME_LEAD + m["bridge"], [m["bridge"]], m))
         qa = hop1
         segs = segs[:-1] + [R.question_segment(qa[0][0])]
     else:
         segs, qa = R.make_prompt(rng, task, words)
     if TWOHOP_BRIDGE[0] and task in ("twohop", "twohop_drill"):  # the target: the gold's bridge-first answer
-        qa = [(q, R.TWOHOP_BRIDGE_ANSWER.format(bridge=m["bridge"], value=v), answers, m) for q, v, answers, m in qa]
+        qa = [(q, NAME_LEAD + R.TWOHOP_BRIDGE_ANSWER.format(bridge=m["bridge"], value=v), answers, m)
+              for q, v, answers, m in qa]
     return segs, qa
 
 
