@@ -221,8 +221,9 @@ TEST(Cli, RunsOnTheOpenBlasKernelsOfItsCpu) {
   auto j = nlohmann::json::parse(r.out.substr(r.out.find('{')));
   const std::string cpu = avx512 ? "SkylakeX" : avx2 ? "Haswell" : "";
   EXPECT_EQ(j.value("openblas_core_cpu", std::string("?")), cpu);
-  if (!cpu.empty())
+  if (!cpu.empty()) {  // braces: gtest's EXPECT_* ends in an else (-Wdangling-else)
     EXPECT_NE(r.out.find("OpenBLAS runs its Prescott kernels where this CPU runs " + cpu), std::string::npos) << r.out;
+  }
   auto quiet = run_cmd("env -u OPENBLAS_CORETYPE " + std::string(HYPIC_BIN) + " bench prefill --json --model " +
                        model() + " --tokens 8 --repeats 1");
   EXPECT_EQ(quiet.out.find("OpenBLAS runs its"), std::string::npos) << quiet.out;
@@ -279,7 +280,9 @@ TEST(Cli, InfoAndTokenize) {
       EXPECT_EQ(oj["layer_list"][1]["ffn"], "moe");
       EXPECT_EQ(oj["layer_list"][0]["ffn"], "none");
     }
-    if (std::string(dir) == "kimi_linear") EXPECT_EQ(oj["layer_list"][3]["mixer"], "mla");
+    if (std::string(dir) == "kimi_linear") {
+      EXPECT_EQ(oj["layer_list"][3]["mixer"], "mla");
+    }
   }
   auto text = run("info --model " + model());
   EXPECT_NE(text.out.find("gated_deltanet"), std::string::npos) << text.out;
