@@ -95,9 +95,9 @@ TWOHOP_BRIDGE = [False]  # two-hop answers name the bridge first (rag_tasks.TWOH
 # Answers that name an invented entity (first_hop, bridge-first two-hop) start with a space, so that
 # the name is the documents' tokens: " Bouhier" is [" Bou", "hier"] as in "... is Bouhier.", while
 # "Bouhier" is ["B", "ou", "hier"], a respelling the model would have to learn for every name token
-# (it never did: until this, the first token of a written name stayed at 3-10% teacher-forced, a
-# capital letter guessed; tools/train/README.md, forty-second session). Scoring splits on
-# whitespace, so the space costs nothing there.
+# (it never did: tokens 2-4 of a written name stopped at 0.5-0.9 teacher-forced; with the space they
+# are copied at 0.95-1.00. Which name to write, the first token, is another matter: tools/train/README.md,
+# forty-second session). Scoring splits on whitespace, so the space costs nothing there.
 NAME_LEAD = " "
 WEIGHT = {0: 0.1, 1: 0.5, 2: 1.0}  # documents, questions, answers (+ <|im_end|>)
 PART_BYTES = 15 * 1024 * 1024
