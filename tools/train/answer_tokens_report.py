@@ -71,7 +71,8 @@ def main():
                 first["another name"] += 1
             else:
                 first["other"] += 1
-    out = {"model": args.model, "data": args.data, "n": len(exs), "gold_spelling": repr(lead + "Name"), "answer_tokens_mean": round(sum(lens) / len(lens), 2),
+    out = {"model": args.model, "data": args.data, "n": len(exs), "gold_spelling": repr(lead + "Name"),
+           "answer_tokens_mean": round(sum(lens) / len(lens), 2),
            "teacher_forced_accuracy_by_position": {i: round(sum(v) / len(v), 3) for i, v in per_pos.items()},
            "whole_answer_right": whole, "first_token_argmax": first,
            "gold_first_token_median_rank": statistics.median(ranks)}

@@ -133,16 +133,15 @@ def stage_at(plan, seconds):
     return [k for t, k in plan if t <= seconds][-1]
 
 
-def row_source(a, tok_path, eos):
+def row_source(a, tok_path, eos, first):
     """(next, set_stage): next() returns the next packed batch of train.py's full-recompute rows (numpy
     x, y, kind, ...), rows_chunks(a)[1] tokens each, drawn by spawned workers (or in this process with
-    0 workers) at the curriculum stage set_stage(k) last set (the plan's first at the start)."""
+    0 workers) at the curriculum stage set_stage(k) last set (`first` until then)."""
     budget = rows_chunks(a)[1]
     mix = [(t, float(w)) for t, w in (kv.split("=") for kv in a.full_rows_mix.split(","))]
     bad = [t for t, _ in mix if t not in T.TRAIN_TASKS]
     if bad:
         raise SystemExit(f"--full-rows-mix: unknown task {bad[0]!r} (tasks: {', '.join(T.TRAIN_TASKS)})")
-    first = stage_plan(a.full_rows_stage)[0][1]
     if a.full_rows_workers > 0:
         import multiprocessing as mp
         import queue as queue_mod
@@ -303,8 +302,8 @@ def main():
         model.train()
         return res
 
-    next_rows, set_stage = row_source(a, tok, eos) if a.full_rows > 0 else (None, None)
     rows_stage = plan[0][1]
+    next_rows, set_stage = row_source(a, tok, eos, rows_stage) if a.full_rows > 0 else (None, None)
     first = evaluate()
     print("before:", json.dumps(first), flush=True)
     logf.write(json.dumps({"step": 0, "seconds": 0, "eval": first}) + "\n")
@@ -361,8 +360,9 @@ def main():
             save(os.path.join(a.out, "model"))
             last_save = time.time()
             logf.write(json.dumps({"step": step, "seconds": round(time.time() - t0, 1), "saved": "model"}) + "\n")
-        if next_rows and stage_at(plan, time.time() - t0) != rows_stage:
-            rows_stage = stage_at(plan, time.time() - t0)
+        now_stage = stage_at(plan, time.time() - t0)
+        if next_rows and now_stage != rows_stage:
+            rows_stage = now_stage
             set_stage(rows_stage)
             logf.write(json.dumps({"step": step, "seconds": round(time.time() - t0, 1), "rows_stage": rows_stage}) + "\n")
         opt.zero_grad(set_to_none=True)
