@@ -420,8 +420,10 @@ void Model::reserve(SequenceState& st, int64_t n) const {
   for (size_t i = 0; i < m.layers.size(); ++i) {
     if (m.layers[i].kind != LayerKind::Attention) continue;
     auto& ls = st.layers[i];
-    Tensor k = be_.alloc(DType::F32, {cap, m.Hkv, m.D});
-    Tensor v = be_.alloc(DType::F32, {cap, m.Hkv, m.D});
+    // Uninitialised: every row is written (computed, or spliced from a cached entry) before any
+    // attention reads it; zeroing a fresh 2.5k-row cache was ~3% of a warm pic request.
+    Tensor k = be_.alloc_uninit(DType::F32, {cap, m.Hkv, m.D});
+    Tensor v = be_.alloc_uninit(DType::F32, {cap, m.Hkv, m.D});
     if (st.n_past > 0) {
       Tensor kd = k.slice_rows(0, st.n_past), vd = v.slice_rows(0, st.n_past);
       be_.copy(ls.k.slice_rows(0, st.n_past), kd);

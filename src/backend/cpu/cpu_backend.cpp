@@ -399,6 +399,81 @@ void gemm_few_rows(int64_t M, const float* x, int64_t K, const typename W::T* w,
 }
 #endif
 
+#ifdef __AVX512F__
+// Few-row products blocked over rows and weight rows (AVX-512; the AVX2 twin is above): MR rows of
+// x against NR weight rows, one 16-lane accumulator per output, so each weight vector (converted
+// once) serves MR FMAs and each x vector NR (the seven-row GEMV converts a weight vector and loads
+// x per 7 FMAs, and from K = 2048 on its seven rows of x leave L1). Every output sums in one order
+// whatever MR and NR are (16-lane chunks in k order, _mm512_reduce_add_ps, then the scalar tail),
+// so this is also the row-independent product at every M (CpuOps.RowIndependentProducts).
+#define HYPIC_BLOCKED_GEMM16 1
+template <typename W, int MR, int NR>
+void gemm_block16(const float* x, int64_t K, const typename W::T* w, int64_t N, int64_t n, float* y, bool acc) {
+  __m512 a[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NR; ++j) a[m][j] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = W::sixteen(w + (n + j) * K + k);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xv = _mm512_loadu_ps(x + m * K + k);
+      for (int j = 0; j < NR; ++j) a[m][j] = _mm512_fmadd_ps(xv, wv[j], a[m][j]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NR; ++j) {
+      float s = _mm512_reduce_add_ps(a[m][j]);
+      for (int64_t kk = k; kk < K; ++kk) s = std::fma(x[m * K + kk], W::one(w + (n + j) * K + kk), s);
+      float& o = y[m * N + n + j];
+      o = acc ? o + s : s;
+    }
+}
+
+template <typename W, int MR>
+void gemm_rows16(const float* x, int64_t K, const typename W::T* w, int64_t N, int64_t n0, int64_t n1, float* y,
+                 bool acc) {
+  constexpr int NR = MR >= 6 ? 4 : MR >= 4 ? 6 : 8;
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) gemm_block16<W, MR, NR>(x, K, w, N, n, y, acc);
+  for (; n < n1; ++n) gemm_block16<W, MR, 1>(x, K, w, N, n, y, acc);
+}
+
+// y[0:M, n0:n1] of x W^T: tiles of weight rows that stay in L1 (~16 KiB, 24 rows at least)
+// against blocks of 6 rows of x.
+template <typename W>
+void gemm_few_rows16(int64_t M, const float* x, int64_t K, const typename W::T* w, int64_t N, int64_t n0, int64_t n1,
+                     float* y, bool acc) {
+  constexpr int MR = 6;
+  const int64_t tile = std::max<int64_t>(24, (16384 / (K * int64_t{sizeof(typename W::T)})) / 24 * 24);
+  for (int64_t t0 = n0; t0 < n1; t0 += tile) {
+    const int64_t t1 = std::min(n1, t0 + tile);
+    int64_t m = 0;
+    for (; m + MR <= M; m += MR) gemm_rows16<W, MR>(x + m * K, K, w, N, t0, t1, y + m * N, acc);
+    switch (M - m) {
+      case 5:
+        gemm_rows16<W, 5>(x + m * K, K, w, N, t0, t1, y + m * N, acc);
+        break;
+      case 4:
+        gemm_rows16<W, 4>(x + m * K, K, w, N, t0, t1, y + m * N, acc);
+        break;
+      case 3:
+        gemm_rows16<W, 3>(x + m * K, K, w, N, t0, t1, y + m * N, acc);
+        break;
+      case 2:
+        gemm_rows16<W, 2>(x + m * K, K, w, N, t0, t1, y + m * N, acc);
+        break;
+      case 1:
+        gemm_rows16<W, 1>(x + m * K, K, w, N, t0, t1, y + m * N, acc);
+        break;
+      default:
+        break;
+    }
+  }
+}
+
+#endif
+
 thread_local std::vector<float> t_panel, t_buf0, t_buf1, t_buf2, t_buf3;
 
 }  // namespace
@@ -472,6 +547,10 @@ void CpuBackend::fill(Tensor& t, float value) {
 //    sgemm; panels are spread over the pool. The conversion costs O(N K) against the product's
 //    O(M N K). Fewer rows of quantized weights: matmul_quantized_gemv.
 //  * M >= 8, f32: sgemm directly on W, its columns split over the pool (one sgemm per thread).
+//  * Below those (bf16/f16 under 48 rows), from three rows of long rows (K > 1024), and for
+//    row-independent products at every M: the few-row kernel blocked over rows and weight rows
+//    (gemm_few_rows on AVX2, gemm_few_rows16 on AVX-512, which also takes row-independent
+//    products at any K); shorter rows without AVX-512 stay on the seven-row GEMV.
 //  * Not precise (`--activations bf16`), bf16 weights from kBf16Rows rows, quantized ones from
 //    kQuantGemvRows: matmul_bf16.
 // OpenBLAS is set to one thread (constructor): the pool is the only source of parallelism.
@@ -507,6 +586,25 @@ void CpuBackend::matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accumu
     const bool fixed = row_independent_;
     // ~16 KiB of weights per chunk at least, so tiny products are not split.
     int64_t grain = std::max<int64_t>(1, 8192 / K);
+#ifdef HYPIC_BLOCKED_GEMM16
+    // AVX-512: the blocked kernel for row-independent products at every M and K (0.95-1.05x the
+    // GEMV at K = 256-512, ~2x from K = 2048 on), and for three rows and more of long rows (K >
+    // 1024: ~2x, e.g. 40 x 3584 x 1024 at 48 -> 94 GFLOP/s on one thread; docs/perf-notes.md).
+    if (fixed || (M >= 3 && K > 1024)) {
+      pool_.parallel_for(
+          N,
+          [&](int64_t n0, int64_t n1) {
+            if (wd == DType::F32)
+              gemm_few_rows16<WF32>(M, xp, K, w.data<float>(), N, n0, n1, yp, accumulate);
+            else if (wd == DType::BF16)
+              gemm_few_rows16<WBF16>(M, xp, K, w.data<uint16_t>(), N, n0, n1, yp, accumulate);
+            else
+              gemm_few_rows16<WF16>(M, xp, K, w.data<uint16_t>(), N, n0, n1, yp, accumulate);
+          },
+          grain);
+      return;
+    }
+#endif
 #ifdef HYPIC_BLOCKED_GEMM
     // Long rows (K > 1024): the blocked kernel for row-independent products at every M, and for
     // three rows and more otherwise (one and two rows stay on the GEMV, which covers FMA latency
