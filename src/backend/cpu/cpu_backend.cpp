@@ -404,8 +404,7 @@ void gemm_few_rows(int64_t M, const float* x, int64_t K, const typename W::T* w,
 // x against NR weight rows, one 16-lane accumulator per output, so each weight vector (converted
 // once) serves MR FMAs and each x vector NR (the seven-row GEMV converts a weight vector and loads
 // x per 7 FMAs, and from K = 2048 on its seven rows of x leave L1). Every output sums in one order
-// whatever MR and NR are (16-lane chunks in k order, _mm512_reduce_add_ps, then the scalar tail),
-// so this is also the row-independent product at every M (CpuOps.RowIndependentProducts).
+// whatever MR and NR are (16-lane chunks in k order, _mm512_reduce_add_ps, then the scalar tail).
 #define HYPIC_BLOCKED_GEMM16 1
 template <typename W, int MR, int NR>
 void gemm_block16(const float* x, int64_t K, const typename W::T* w, int64_t N, int64_t n, float* y, bool acc) {
@@ -472,9 +471,200 @@ void gemm_few_rows16(int64_t M, const float* x, int64_t K, const typename W::T* 
   }
 }
 
+// Row-independent products as one FMA chain per output: y[m][n] = fma(x[m][K-1], w[n][K-1], ...
+// fma(x[m][0], w[n][0], 0)), k in order, whichever rows are computed together. Two layouts give
+// those same bits: from 16 rows, the rows of x in the lanes (x transposed once per call, each
+// weight element broadcast to 16 rows); below, the weight rows in the lanes (16 weight rows
+// converted and transposed to k-major, each element of x broadcast). Nothing is reduced across
+// lanes, so no horizontal sums: at the default model's K = 256-512 and ~80 seam rows this runs at
+// ~1.35x the seven-row GEMV (98-105 against 72-75 GFLOP/s on one core here); a lone row is ~3x
+// slower than the GEMV (its 16 weight rows are transposed for it), but composing never computes
+// one (docs/perf-notes.md). CpuOps.RowIndependentProducts checks the bits.
+//
+template <typename W>
+void w_row_f32(const typename W::T* p, int64_t K, float* d) {
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) _mm512_storeu_ps(d + k, W::sixteen(p + k));
+  for (; k < K; ++k) d[k] = W::one(p + k);
+}
+
+// r[j] = row j of a 16 x 16 block -> r[c] = its column c (unpack pairs, then 4-wide and 128-bit
+// lane shuffles).
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int g = 0; g < 4; ++g) {  // u[4g + c]: columns c, c + 4, c + 8, c + 12 of rows 4g..4g+3
+    u[4 * g + 0] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0x44);
+    u[4 * g + 1] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0xEE);
+    u[4 * g + 2] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);
+    u[4 * g + 3] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512 v0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88), v1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xDD);
+    const __m512 w0 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88),
+                 w1 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xDD);
+    r[c] = _mm512_shuffle_f32x4(v0, w0, 0x88);
+    r[c + 8] = _mm512_shuffle_f32x4(v0, w0, 0xDD);
+    r[c + 4] = _mm512_shuffle_f32x4(v1, w1, 0x88);
+    r[c + 12] = _mm512_shuffle_f32x4(v1, w1, 0xDD);
+  }
+}
+
+// dst[k][0:16] = src row j's element k for the rows j < cnt (zero for the others), k < K: 16 rows
+// of W (stride K) or of x, transposed to k-major in 16 x 16 blocks.
+template <typename W>
+void pack16_kmajor(const typename W::T* src, int64_t ld, int cnt, int64_t K, float* dst, int64_t ldd) {
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 r[16];
+    for (int j = 0; j < 16; ++j) r[j] = j < cnt ? W::sixteen(src + j * ld + k) : _mm512_setzero_ps();
+    transpose16(r);
+    for (int c = 0; c < 16; ++c) _mm512_storeu_ps(dst + (k + c) * ldd, r[c]);
+  }
+  for (; k < K; ++k)
+    for (int j = 0; j < 16; ++j) dst[k * ldd + j] = j < cnt ? W::one(src + j * ld + k) : 0.f;
+}
+
+// Rows of x in the lanes: MI vectors of 16 rows against NR weight rows; yt is [NR][Mp].
+template <int MI, int NR>
+void chain_rows_block(const float* xt, int64_t Mp, int64_t K, const float* wt, float* yt) {
+  __m512 a[MI][NR];
+  for (int i = 0; i < MI; ++i)
+    for (int j = 0; j < NR; ++j) a[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 xv[MI];
+    for (int i = 0; i < MI; ++i) xv[i] = _mm512_loadu_ps(xt + k * Mp + 16 * i);
+    for (int j = 0; j < NR; ++j) {
+      const __m512 b = _mm512_set1_ps(wt[j * K + k]);
+      for (int i = 0; i < MI; ++i) a[i][j] = _mm512_fmadd_ps(xv[i], b, a[i][j]);
+    }
+  }
+  for (int j = 0; j < NR; ++j)
+    for (int i = 0; i < MI; ++i) _mm512_storeu_ps(yt + j * Mp + 16 * i, a[i][j]);
+}
+
+template <int NR>
+void chain_rows_tile(const float* xt, int64_t Mp, int64_t K, const float* wt, float* yt) {
+  int64_t m0 = 0;
+  for (; m0 + 64 <= Mp; m0 += 64) chain_rows_block<4, NR>(xt + m0, Mp, K, wt, yt + m0);
+  switch ((Mp - m0) / 16) {
+    case 3:
+      chain_rows_block<3, NR>(xt + m0, Mp, K, wt, yt + m0);
+      break;
+    case 2:
+      chain_rows_block<2, NR>(xt + m0, Mp, K, wt, yt + m0);
+      break;
+    case 1:
+      chain_rows_block<1, NR>(xt + m0, Mp, K, wt, yt + m0);
+      break;
+    default:
+      break;
+  }
+}
+
+// y[0:M, n0:n1] from xt = x transposed ([K][Mp], Mp = M rounded up to 16, zero rows below M):
+// weight rows converted to f32 six at a time, results gathered in [n][Mp] and written out once
+// (writing y column by column would touch M lines per column, 4 KiB apart at N = 1024).
+template <typename W>
+void chain_rows(const float* xt, int64_t M, int64_t Mp, int64_t K, const typename W::T* w, int64_t N, int64_t n0,
+                int64_t n1, float* y, bool acc) {
+  constexpr int NR = 6;
+  thread_local std::vector<float> wt_buf, yt_buf;
+  float* wt = scratch(wt_buf, static_cast<size_t>(NR * K));
+  float* yt = scratch(yt_buf, static_cast<size_t>((n1 - n0) * Mp));
+  for (int64_t n = n0; n < n1; n += NR) {
+    const int nr = static_cast<int>(std::min<int64_t>(NR, n1 - n));
+    for (int j = 0; j < nr; ++j) w_row_f32<W>(w + (n + j) * K, K, wt + j * K);
+    float* yn = yt + (n - n0) * Mp;
+    switch (nr) {
+      case 6:
+        chain_rows_tile<6>(xt, Mp, K, wt, yn);
+        break;
+      case 5:
+        chain_rows_tile<5>(xt, Mp, K, wt, yn);
+        break;
+      case 4:
+        chain_rows_tile<4>(xt, Mp, K, wt, yn);
+        break;
+      case 3:
+        chain_rows_tile<3>(xt, Mp, K, wt, yn);
+        break;
+      case 2:
+        chain_rows_tile<2>(xt, Mp, K, wt, yn);
+        break;
+      default:
+        chain_rows_tile<1>(xt, Mp, K, wt, yn);
+        break;
+    }
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    float* ym = y + m * N;
+    for (int64_t n = n0; n < n1; ++n) ym[n] = acc ? ym[n] + yt[(n - n0) * Mp + m] : yt[(n - n0) * Mp + m];
+  }
+}
+
+// Weight rows in the lanes (fewer than 16 rows of x): MR rows of x against 16 weight rows held
+// k-major in wk ([K][16]); cnt of the 16 are real.
+template <int MR>
+void chain_cols_block(const float* x, int64_t K, const float* wk, float* y, int64_t N, int64_t n, int cnt, bool acc) {
+  __m512 a[MR];
+  for (int m = 0; m < MR; ++m) a[m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 wv = _mm512_loadu_ps(wk + k * 16);
+    for (int m = 0; m < MR; ++m) a[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k]), wv, a[m]);
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << cnt) - 1u);
+  for (int m = 0; m < MR; ++m) {
+    float* o = y + m * N + n;
+    __m512 r = a[m];
+    if (acc) r = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, o), r);
+    _mm512_mask_storeu_ps(o, mask, r);
+  }
+}
+
+template <typename W>
+void chain_cols(int64_t M, const float* x, int64_t K, const typename W::T* w, int64_t N, int64_t n0, int64_t n1,
+                float* y, bool acc) {
+  thread_local std::vector<float> wk_buf;
+  float* wk = scratch(wk_buf, static_cast<size_t>(K * 16));
+  for (int64_t n = n0; n < n1; n += 16) {
+    const int cnt = static_cast<int>(std::min<int64_t>(16, n1 - n));
+    pack16_kmajor<W>(w + n * K, K, cnt, K, wk, 16);
+    int64_t m = 0;
+    for (; m + 8 <= M; m += 8) chain_cols_block<8>(x + m * K, K, wk, y + m * N, N, n, cnt, acc);
+    switch (M - m) {
+      case 7:
+        chain_cols_block<7>(x + m * K, K, wk, y + m * N, N, n, cnt, acc);
+        break;
+      case 6:
+        chain_cols_block<6>(x + m * K, K, wk, y + m * N, N, n, cnt, acc);
+        break;
+      case 5:
+        chain_cols_block<5>(x + m * K, K, wk, y + m * N, N, n, cnt, acc);
+        break;
+      case 4:
+        chain_cols_block<4>(x + m * K, K, wk, y + m * N, N, n, cnt, acc);
+        break;
+      case 3:
+        chain_cols_block<3>(x + m * K, K, wk, y + m * N, N, n, cnt, acc);
+        break;
+      case 2:
+        chain_cols_block<2>(x + m * K, K, wk, y + m * N, N, n, cnt, acc);
+        break;
+      case 1:
+        chain_cols_block<1>(x + m * K, K, wk, y + m * N, N, n, cnt, acc);
+        break;
+      default:
+        break;
+    }
+  }
+}
 #endif
 
-thread_local std::vector<float> t_panel, t_buf0, t_buf1, t_buf2, t_buf3;
+thread_local std::vector<float> t_panel, t_buf0, t_buf1, t_buf2, t_buf3, t_xt;
 
 }  // namespace
 
@@ -587,10 +777,43 @@ void CpuBackend::matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accumu
     // ~16 KiB of weights per chunk at least, so tiny products are not split.
     int64_t grain = std::max<int64_t>(1, 8192 / K);
 #ifdef HYPIC_BLOCKED_GEMM16
-    // AVX-512: the blocked kernel for row-independent products at every M and K (0.95-1.05x the
-    // GEMV at K = 256-512, ~2x from K = 2048 on), and for three rows and more of long rows (K >
-    // 1024: ~2x, e.g. 40 x 3584 x 1024 at 48 -> 94 GFLOP/s on one thread; docs/perf-notes.md).
-    if (fixed || (M >= 3 && K > 1024)) {
+    // AVX-512: row-independent products as one FMA chain per output (chain_rows / chain_cols),
+    // and from three rows of long rows (K > 1024) the blocked kernel (~2x the GEMV, e.g. 40 x 3584
+    // x 1024 at 48 -> 94 GFLOP/s on one thread; docs/perf-notes.md).
+    if (fixed) {
+      if (M < 16) {
+        pool_.parallel_for(
+            N,
+            [&](int64_t n0, int64_t n1) {
+              if (wd == DType::F32)
+                chain_cols<WF32>(M, xp, K, w.data<float>(), N, n0, n1, yp, accumulate);
+              else if (wd == DType::BF16)
+                chain_cols<WBF16>(M, xp, K, w.data<uint16_t>(), N, n0, n1, yp, accumulate);
+              else
+                chain_cols<WF16>(M, xp, K, w.data<uint16_t>(), N, n0, n1, yp, accumulate);
+            },
+            std::max<int64_t>(grain, 16));
+        return;
+      }
+      // x transposed once, by the calling thread (M K elements against the product's M N K).
+      const int64_t Mp = (M + 15) / 16 * 16;
+      float* xt = scratch(t_xt, static_cast<size_t>(K * Mp));
+      for (int64_t m = 0; m < M; m += 16)
+        pack16_kmajor<WF32>(xp + m * K, K, static_cast<int>(std::min<int64_t>(16, M - m)), K, xt + m, Mp);
+      pool_.parallel_for(
+          N,
+          [&](int64_t n0, int64_t n1) {
+            if (wd == DType::F32)
+              chain_rows<WF32>(xt, M, Mp, K, w.data<float>(), N, n0, n1, yp, accumulate);
+            else if (wd == DType::BF16)
+              chain_rows<WBF16>(xt, M, Mp, K, w.data<uint16_t>(), N, n0, n1, yp, accumulate);
+            else
+              chain_rows<WF16>(xt, M, Mp, K, w.data<uint16_t>(), N, n0, n1, yp, accumulate);
+          },
+          std::max<int64_t>(grain, 6));
+      return;
+    }
+    if (M >= 3 && K > 1024) {
       pool_.parallel_for(
           N,
           [&](int64_t n0, int64_t n1) {
