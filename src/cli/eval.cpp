@@ -69,7 +69,9 @@ void register_eval(CLI::App& app) {
   c->add_flag("--no-warm", o->no_warm, "Do not serve each prompt's documents in another order first");
   c->add_flag("--no-extra-rows", o->no_extra,
               "Skip the rows pic without RoPE re-rotation and pic with both-ends seams");
-  c->add_option("--cache-budget-mib", o->cache_mib, "Segment cache budget")->capture_default_str();
+  c->add_option("--cache-budget-mib", o->cache_mib,
+                "Segment cache budget, shared by the configs (they take turns prompt by prompt)")
+      ->capture_default_str();
   c->add_option("--predictions", o->predictions, "Write every prediction to this JSONL file");
   c->add_flag("--mask-padded-ids", o->mask_padded,
               "Never decode ids without a tokenizer entry (default: every row, as transformers does)");

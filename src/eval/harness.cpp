@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
@@ -107,20 +108,31 @@ std::vector<Result> run(LoadedModel& lm, const std::vector<Example>& examples, c
   std::vector<std::vector<std::vector<int32_t>>> prompts;
   for (const auto& ex : examples) prompts.push_back(prompt_segments(tok, ex));
   const std::vector<int32_t> masked = opt.mask_padded_ids ? padded_ids_to_mask(m, &tok) : std::vector<int32_t>{};
-  std::vector<Result> out;
-  for (const auto& cfg : configs) {
-    const auto t_cfg = std::chrono::steady_clock::now();
-    PicEngine eng(m, static_cast<size_t>(opt.cache_mib * 1048576.0));
-    std::mt19937_64 rng(opt.seed);
-    Result res;
-    res.config = cfg.name;
-    std::vector<double> ttft;
-    for (size_t i = 0; i < examples.size(); ++i) {
-      const auto& segs = prompts[i];
+  // The configs take turns prompt by prompt, so that a machine whose speed drifts over minutes
+  // (a shared or throttled CPU) moves every config's TTFT alike and their ratios stay put. Each has
+  // its own engine and cache (a share of the budget: a prompt's documents are reused only within
+  // that prompt) and its own shuffles, so its scores are those of a run of its own.
+  const size_t C = configs.size();
+  std::vector<std::unique_ptr<PicEngine>> engines;
+  std::vector<std::mt19937_64> rngs(C, std::mt19937_64(opt.seed));
+  std::vector<Result> out(C);
+  std::vector<std::vector<double>> ttft(C);
+  std::vector<double> seconds(C, 0.0);
+  for (size_t c = 0; c < C; ++c) {
+    engines.push_back(std::make_unique<PicEngine>(m, static_cast<size_t>(opt.cache_mib * 1048576.0 / C)));
+    out[c].config = configs[c].name;
+  }
+  for (size_t i = 0; i < examples.size(); ++i) {
+    const auto& segs = prompts[i];
+    for (size_t c = 0; c < C; ++c) {
+      const Config& cfg = configs[c];
+      PicEngine& eng = *engines[c];
+      Result& res = out[c];
+      const auto t_cfg = std::chrono::steady_clock::now();
       if (opt.warm && segs.size() > 3 && cfg.opt.mode != PicMode::Full) {  // full recompute reads no cache
         // The documents were seen before, in another order (as retrieval reorders them).
         auto warm = segs;
-        std::shuffle(warm.begin() + 1, warm.end() - 1, rng);
+        std::shuffle(warm.begin() + 1, warm.end() - 1, rngs[c]);
         PicOptions w = cfg.opt;
         w.skip_question = true;
         eng.prefill(warm, w);
@@ -135,7 +147,7 @@ std::vector<Result> run(LoadedModel& lm, const std::vector<Example>& examples, c
       const double prefill_ms =
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
       GenerateResult g = decode_from(m, nullptr, req, pre.state, pre.logits);
-      ttft.push_back(prefill_ms + g.ttft_ms);
+      ttft[c].push_back(prefill_ms + g.ttft_ms);
       std::vector<int32_t> ids = g.ids;
       if (!ids.empty() && std::find(req.eos_ids.begin(), req.eos_ids.end(), ids.back()) != req.eos_ids.end())
         ids.pop_back();
@@ -144,16 +156,21 @@ std::vector<Result> run(LoadedModel& lm, const std::vector<Example>& examples, c
       text = a == std::string::npos ? "" : text.substr(a, b - a + 1);
       res.scores.push_back(score(examples[i].metric, text, examples[i].answers));
       res.predictions.push_back(text);
+      seconds[c] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t_cfg).count();
     }
+    // Progress on stderr: a full evaluation runs for many minutes.
+    if (const size_t step = std::max<size_t>(1, examples.size() / 5); (i + 1) % step == 0 && i + 1 < examples.size())
+      spdlog::info("eval {}: {} of {} prompts", examples[0].task, i + 1, examples.size());
+  }
+  for (size_t c = 0; c < C; ++c) {
+    Result& res = out[c];
     double sum = 0;
     for (double s : res.scores) sum += s;
     res.score = sum / static_cast<double>(res.scores.size());
-    std::sort(ttft.begin(), ttft.end());
-    res.ttft_ms_median = ttft[ttft.size() / 2];
-    // Progress on stderr: a full evaluation runs for many minutes.
-    spdlog::info("eval {} {}: score {:.3f} over {} prompts in {:.1f} s", examples[0].task, cfg.name, res.score,
-                 examples.size(), std::chrono::duration<double>(std::chrono::steady_clock::now() - t_cfg).count());
-    out.push_back(std::move(res));
+    std::sort(ttft[c].begin(), ttft[c].end());
+    res.ttft_ms_median = ttft[c][ttft[c].size() / 2];
+    spdlog::info("eval {} {}: score {:.3f} over {} prompts in {:.1f} s", examples[0].task, res.config, res.score,
+                 examples.size(), seconds[c]);
   }
   return out;
 }

@@ -42,8 +42,8 @@ struct Result {
 };
 
 struct RunOptions {
-  bool warm = true;  // serve each prompt once with its documents in another order first
-  double cache_mib = 4096;
+  bool warm = true;         // serve each prompt once with its documents in another order first
+  double cache_mib = 4096;  // shared by the configs, which take turns prompt by prompt
   uint64_t seed = 1;
   bool mask_padded_ids = false;  // never decode ids without a tokenizer entry (--mask-padded-ids)
 };
