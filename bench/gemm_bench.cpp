@@ -107,6 +107,14 @@ int main(int argc, char** argv) {
       double s = time_it([&] { be.matmul(x, w, y); });
       rows.push_back({"backend_matmul_row_indep", dtype_name(dt), M, K, N, s * 1e3, 2.0 * M * N * K / s / 1e9});
     }
+  // ... and at the default model's seam products (80 rows, hidden 256, MLP 512: the GEMV's weak spot
+  // until the FMA-chain kernels; docs/perf-notes.md).
+  for (auto [k, n] : {std::pair<int64_t, int64_t>{256, 1024}, {512, 256}}) {
+    const int64_t M = 80;
+    Tensor x = randn({M, k}, 1), w = as(randn({n, k}, 2), DType::BF16), y = Tensor::empty(DType::F32, {M, n});
+    double s = time_it([&] { be.matmul(x, w, y); });
+    rows.push_back({"backend_matmul_row_indep", "bf16", M, k, n, s * 1e3, 2.0 * M * n * k / s / 1e9});
+  }
   be.set_row_independent(false);
   // bf16 activations (`--activations bf16`: oneDNN from CpuBackend::kBf16Rows rows), where this
   // build and CPU have them; with the f32 rows above they place that cut-over.

@@ -480,7 +480,8 @@ void gemm_few_rows16(int64_t M, const float* x, int64_t K, const typename W::T* 
 // ~1.35x the seven-row GEMV (98-105 against 72-75 GFLOP/s on one core here); a lone row is ~3x
 // slower than the GEMV (its 16 weight rows are transposed for it), but composing never computes
 // one (docs/perf-notes.md). CpuOps.RowIndependentProducts checks the bits.
-//
+
+// One weight row converted to f32.
 template <typename W>
 void w_row_f32(const typename W::T* p, int64_t K, float* d) {
   int64_t k = 0;
@@ -737,10 +738,12 @@ void CpuBackend::fill(Tensor& t, float value) {
 //    sgemm; panels are spread over the pool. The conversion costs O(N K) against the product's
 //    O(M N K). Fewer rows of quantized weights: matmul_quantized_gemv.
 //  * M >= 8, f32: sgemm directly on W, its columns split over the pool (one sgemm per thread).
-//  * Below those (bf16/f16 under 48 rows), from three rows of long rows (K > 1024), and for
-//    row-independent products at every M: the few-row kernel blocked over rows and weight rows
-//    (gemm_few_rows on AVX2, gemm_few_rows16 on AVX-512, which also takes row-independent
-//    products at any K); shorter rows without AVX-512 stay on the seven-row GEMV.
+//  * Below those (bf16/f16 under 48 rows): from three rows of long rows (K > 1024) the few-row
+//    kernel blocked over rows and weight rows (gemm_few_rows on AVX2, gemm_few_rows16 on
+//    AVX-512), otherwise the seven-row GEMV.
+//  * Row-independent products (PIC's seam rows), at every M: on AVX-512 one FMA chain per output
+//    (chain_rows from 16 rows, chain_cols below); on AVX2 the seven-row GEMV, and the blocked
+//    kernel for K > 1024.
 //  * Not precise (`--activations bf16`), bf16 weights from kBf16Rows rows, quantized ones from
 //    kQuantGemvRows: matmul_bf16.
 // OpenBLAS is set to one thread (constructor): the pool is the only source of parallelism.
