@@ -1,5 +1,6 @@
 #include "eval/harness.h"
 
+#include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -129,13 +130,23 @@ std::vector<Result> run(LoadedModel& lm, const std::vector<Example>& examples, c
       PicEngine& eng = *engines[c];
       Result& res = out[c];
       const auto t_cfg = std::chrono::steady_clock::now();
-      if (opt.warm && segs.size() > 3 && cfg.opt.mode != PicMode::Full) {  // full recompute reads no cache
+      const bool warmed = opt.warm && segs.size() > 3 && cfg.opt.mode != PicMode::Full;
+      // A document larger than a config's share of the budget: say that the budget is shared.
+      auto prefill = [&](const std::vector<std::vector<int32_t>>& p, const PicOptions& po) {
+        try {
+          return eng.prefill(p, po);
+        } catch (const std::length_error& e) {
+          throw std::length_error(std::string(e.what()) + " (--cache-budget-mib " + fmt::format("{:g}", opt.cache_mib) +
+                                  " is shared by the " + std::to_string(C) + " configs)");
+        }
+      };
+      if (warmed) {  // full recompute reads no cache
         // The documents were seen before, in another order (as retrieval reorders them).
         auto warm = segs;
         std::shuffle(warm.begin() + 1, warm.end() - 1, rngs[c]);
         PicOptions w = cfg.opt;
         w.skip_question = true;
-        eng.prefill(warm, w);
+        prefill(warm, w);
       }
       GenerateRequest req;
       for (const auto& s : segs) req.prompt.insert(req.prompt.end(), s.begin(), s.end());
@@ -143,7 +154,7 @@ std::vector<Result> run(LoadedModel& lm, const std::vector<Example>& examples, c
       req.eos_ids = m.config().eos_token_ids;
       req.masked_ids = masked;
       const auto t0 = std::chrono::steady_clock::now();
-      PrefillResult pre = eng.prefill(segs, cfg.opt);
+      PrefillResult pre = prefill(segs, cfg.opt);
       const double prefill_ms =
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
       GenerateResult g = decode_from(m, nullptr, req, pre.state, pre.logits);

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdio>
@@ -446,6 +447,35 @@ TEST(Cli, EvalSummarisesEveryTask) {
   auto bad = run("eval --model " + dflt + " --set huge");
   EXPECT_NE(bad.rc, 0);
   EXPECT_NE(bad.out.find("longdocs"), std::string::npos) << bad.out;
+}
+
+// The configs take turns prompt by prompt: a config's answers are those of a run of its own, and a
+// budget too small for a config's share says that the budget is shared.
+TEST(Cli, EvalConfigsInTurnsAnswerAsAlone) {
+  const std::string dflt = std::string(HYPIC_SOURCE_DIR) + "/models/default";
+  const std::string dir = ::testing::TempDir();
+  auto predictions = [](const std::string& path, const std::string& config) {
+    std::ifstream in(path);
+    std::string out;
+    for (std::string line; std::getline(in, line);) {
+      auto j = nlohmann::json::parse(line);
+      if (j["config"] == config) out += j["id"].get<std::string>() + ": " + j["prediction"].get<std::string>() + "\n";
+    }
+    return out;
+  };
+  const std::string args = "eval --model " + dflt + " --task aggregate --set smoke --n 3 --seams 8 --threads 1";
+  auto both = run(args + " --modes full,pic,naive --predictions " + dir + "/hypic_turns_both.jsonl");
+  auto alone = run(args + " --modes naive --no-extra-rows --predictions " + dir + "/hypic_turns_alone.jsonl");
+  ASSERT_EQ(both.rc, 0) << both.out;
+  ASSERT_EQ(alone.rc, 0) << alone.out;
+  const std::string p = predictions(dir + "/hypic_turns_both.jsonl", "naive");
+  EXPECT_EQ(std::count(p.begin(), p.end(), '\n'), 3) << p;
+  EXPECT_EQ(p, predictions(dir + "/hypic_turns_alone.jsonl", "naive"));
+  auto small = run("eval --model " + dflt +
+                   " --task lookup --set smoke --n 1 --modes full,pic --no-extra-rows "
+                   "--threads 1 --cache-budget-mib 0.01");
+  EXPECT_NE(small.rc, 0);
+  EXPECT_NE(small.out.find("is shared by the 2 configs"), std::string::npos) << small.out;
 }
 
 // rag_tasks.py --first-hop / --second-hop ask a two-hop prompt's hops alone over the same documents:
