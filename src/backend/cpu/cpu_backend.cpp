@@ -481,14 +481,6 @@ void gemm_few_rows16(int64_t M, const float* x, int64_t K, const typename W::T* 
 // slower than the GEMV (its 16 weight rows are transposed for it), but composing never computes
 // one (docs/perf-notes.md). CpuOps.RowIndependentProducts checks the bits.
 
-// One weight row converted to f32.
-template <typename W>
-void w_row_f32(const typename W::T* p, int64_t K, float* d) {
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) _mm512_storeu_ps(d + k, W::sixteen(p + k));
-  for (; k < K; ++k) d[k] = W::one(p + k);
-}
-
 // r[j] = row j of a 16 x 16 block -> r[c] = its column c (unpack pairs, then 4-wide and 128-bit
 // lane shuffles).
 inline void transpose16(__m512 r[16]) {
@@ -570,15 +562,15 @@ void chain_rows_tile(const float* xt, int64_t Mp, int64_t K, const float* wt, fl
 // weight rows converted to f32 six at a time, results gathered in [n][Mp] and written out once
 // (writing y column by column would touch M lines per column, 4 KiB apart at N = 1024).
 template <typename W>
-void chain_rows(const float* xt, int64_t M, int64_t Mp, int64_t K, const typename W::T* w, int64_t N, int64_t n0,
-                int64_t n1, float* y, bool acc) {
+void chain_rows(const float* xt, int64_t M, int64_t Mp, int64_t K, const typename W::T* w, DType wd, int64_t N,
+                int64_t n0, int64_t n1, float* y, bool acc) {
   constexpr int NR = 6;
   thread_local std::vector<float> wt_buf, yt_buf;
   float* wt = scratch(wt_buf, static_cast<size_t>(NR * K));
   float* yt = scratch(yt_buf, static_cast<size_t>((n1 - n0) * Mp));
   for (int64_t n = n0; n < n1; n += NR) {
     const int nr = static_cast<int>(std::min<int64_t>(NR, n1 - n));
-    for (int j = 0; j < nr; ++j) w_row_f32<W>(w + (n + j) * K, K, wt + j * K);
+    for (int j = 0; j < nr; ++j) to_f32_row(w + (n + j) * K, wd, wt + j * K, K);
     float* yn = yt + (n - n0) * Mp;
     switch (nr) {
       case 6:
@@ -807,11 +799,11 @@ void CpuBackend::matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accumu
           N,
           [&](int64_t n0, int64_t n1) {
             if (wd == DType::F32)
-              chain_rows<WF32>(xt, M, Mp, K, w.data<float>(), N, n0, n1, yp, accumulate);
+              chain_rows<WF32>(xt, M, Mp, K, w.data<float>(), wd, N, n0, n1, yp, accumulate);
             else if (wd == DType::BF16)
-              chain_rows<WBF16>(xt, M, Mp, K, w.data<uint16_t>(), N, n0, n1, yp, accumulate);
+              chain_rows<WBF16>(xt, M, Mp, K, w.data<uint16_t>(), wd, N, n0, n1, yp, accumulate);
             else
-              chain_rows<WF16>(xt, M, Mp, K, w.data<uint16_t>(), N, n0, n1, yp, accumulate);
+              chain_rows<WF16>(xt, M, Mp, K, w.data<uint16_t>(), wd, N, n0, n1, yp, accumulate);
           },
           std::max<int64_t>(grain, 6));
       return;
