@@ -116,6 +116,13 @@ int main(int argc, char** argv) {
     rows.push_back({"backend_matmul_row_indep", "bf16", M, k, n, s * 1e3, 2.0 * M * n * k / s / 1e9});
   }
   be.set_row_independent(false);
+  // A question's rows under PIC (40 rows, hidden 256): the chain kernel from 16 rows, f32 activations.
+  {
+    const int64_t M = 40, k = 256, n = 1024;
+    Tensor x = randn({M, k}, 1), w = as(randn({n, k}, 2), DType::BF16), y = Tensor::empty(DType::F32, {M, n});
+    double s = time_it([&] { be.matmul(x, w, y); });
+    rows.push_back({"backend_matmul", "bf16", M, k, n, s * 1e3, 2.0 * M * n * k / s / 1e9});
+  }
   // bf16 activations (`--activations bf16`: oneDNN from CpuBackend::kBf16Rows rows), where this
   // build and CPU have them; with the f32 rows above they place that cut-over.
   if (cpu::bf16_gemm::unavailable_reason().empty()) {

@@ -301,6 +301,7 @@ void Backend::attention_spans(const Tensor& q, const Tensor& k, const Tensor& v,
 void Backend::gated_delta_chain(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
                                 bool l2norm_qk, Tensor& state, Tensor& out, std::span<const GdnLink> links) {
   int64_t r0 = 0;
+  Tensor own[2];
   for (const auto& L : links) {
     if (L.rows < 0) checks::fail("gated_delta_chain", "a link of " + std::to_string(L.rows) + " rows");
     if (L.rows > 0) {
@@ -318,7 +319,11 @@ void Backend::gated_delta_chain(const Tensor& q, const Tensor& k, const Tensor& 
     }
     if (L.B) {
       if (L.T) {
-        Tensor next = alloc(DType::F32, state.shape());  // compose_state's output may not alias its input
+        // compose_state's output may not alias its input: two buffers of this call's own in
+        // turn (a warm request composes ~10 documents per linear layer); the caller's first
+        // state is never written, as something else may hold it.
+        Tensor& next = own[0].defined() && own[0].raw() == state.raw() ? own[1] : own[0];
+        if (!next.defined()) next = alloc_uninit(DType::F32, state.shape());
         compose_state(*L.T, state, *L.B, 1.f, next);
         state = next;
       } else {

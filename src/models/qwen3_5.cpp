@@ -744,7 +744,7 @@ void Model::apply_after_state(LayerState& ls, const SpanAfter& a) {
   if (a.B) {
     if (a.T) {
       // compose_state's output may not alias its input state.
-      Tensor next = be_.alloc(DType::F32, ls.ssm.shape());
+      Tensor next = be_.alloc_uninit(DType::F32, ls.ssm.shape());
       be_.compose_state(*a.T, ls.ssm, *a.B, 1.f, next);
       ls.ssm = next;
     } else {

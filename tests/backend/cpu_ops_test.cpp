@@ -188,7 +188,7 @@ TEST_F(CpuOps, MatmulAllDtypesAndShapes) {
     int64_t M, K, N;
   };
   for (C c : {C{1, 67, 45}, C{2, 129, 33}, C{3, 35, 71}, C{5, 1001, 19}, C{7, 9, 13}, C{8, 67, 45}, C{13, 257, 517},
-              C{70, 300, 37}, C{1, 3, 5},
+              C{70, 300, 37}, C{1, 3, 5}, C{16, 33, 20}, C{40, 300, 37},
               // decode shapes: K of whole 32-value blocks (the GEMVs' vector loops), with and without a tail
               C{1, 1024, 67}, C{2, 1024 + 37, 35}, C{1, 32, 4}}) {
     Tensor x = randn({c.M, c.K}, 11 + c.M);
@@ -247,6 +247,43 @@ TEST_F(CpuOps, RowIndependentProducts) {
       for (auto& v : twice) v *= 2;
       EXPECT_LE(rel_l2(ya, twice), 1e-5) << dtype_name(dt);
       be->set_row_independent(false);
+    }
+  }
+}
+
+// Products that share an input (matmul_many: q/k/v and the gates, gate/up) give each output the
+// bits of its own matmul call, whichever kernel takes them (on AVX-512 one region over every
+// weight), for row-independent and ordinary products, with weights of other dtypes and of a few
+// rows beside long ones, on one and two threads; and they are still the exact products.
+TEST_F(CpuOps, MatmulManyEqualsOneCallEach) {
+  const int64_t K = 257;
+  const std::vector<std::pair<DType, int64_t>> specs = {
+      {DType::BF16, 96}, {DType::BF16, 4}, {DType::F16, 37}, {DType::F32, 4}};
+  std::vector<Tensor> ws;
+  for (size_t i = 0; i < specs.size(); ++i)
+    ws.push_back(as(randn({specs[i].second, K}, 61 + static_cast<uint32_t>(i), 0.5f), specs[i].first));
+  for (int threads : {1, 2}) {
+    auto b = make_backend("cpu", threads);
+    for (bool ri : {false, true}) {
+      for (int64_t M : {int64_t{5}, int64_t{40}, int64_t{80}}) {
+        SCOPED_TRACE("threads " + std::to_string(threads) + " row-independent " + std::to_string(ri) + " M " +
+                     std::to_string(M));
+        b->set_row_independent(ri);
+        Tensor x = randn({M, K}, 71 + static_cast<uint32_t>(M));
+        std::vector<Tensor> many, each;
+        for (const auto& w : ws) {
+          many.push_back(b->alloc(DType::F32, {M, w.dim(0)}));
+          each.push_back(b->alloc(DType::F32, {M, w.dim(0)}));
+          b->matmul(x, w, each.back());
+        }
+        b->matmul_many(x, {ws[0], ws[1], ws[2], ws[3]}, {many[0], many[1], many[2], many[3]});
+        for (size_t i = 0; i < ws.size(); ++i) {
+          EXPECT_EQ(0, std::memcmp(many[i].data<float>(), each[i].data<float>(), static_cast<size_t>(many[i].nbytes())))
+              << "weight " << i << " (" << dtype_name(ws[i].dtype()) << ")";
+          EXPECT_LE(rel_l2(many[i], ref_matmul(x, ws[i])), 1e-5) << "weight " << i;
+        }
+        b->set_row_independent(false);
+      }
     }
   }
 }
@@ -740,6 +777,22 @@ TEST_F(CpuOps, CopyRowsPlacesAndRotatesPieces) {
   Vec r = vals(rotated);
   for (int64_t i = 0; i < 4 * row; ++i) ASSERT_EQ(got[2 * row + i], r[i]);
   for (int64_t i = 0; i < 2 * row; ++i) ASSERT_EQ(got[i], 0.0);  // untouched rows
+  // Many rows in pieces split over two threads (a warm request's K/V splice): the bits of the
+  // generic copy-then-rope_neox, piece by piece.
+  {
+    auto two = make_backend("cpu", 2);
+    Tensor big = randn({900, H, D}, 41);
+    Tensor a = two->alloc(DType::F32, {1000, H, D}), b = two->alloc(DType::F32, {1000, H, D});
+    const std::vector<Backend::RowCopy> splice = {
+        {&big, 0, &a, 0, 300, 0}, {&big, 300, &a, 350, 450, 12345}, {&big, 750, &a, 820, 150, 3}};
+    std::vector<Backend::RowCopy> same = splice;
+    for (auto& p : same) p.dst = &b;
+    two->copy_rows(splice, rot, 1e7);
+    two->Backend::copy_rows(same, rot, 1e7);
+    EXPECT_EQ(0, std::memcmp(a.raw(), b.raw(), a.nbytes()));
+    EXPECT_NE(0, std::memcmp(static_cast<const char*>(a.raw()) + 350 * row * 4,
+                             static_cast<const char*>(big.raw()) + 300 * row * 4, 450 * row * 4));  // rotated
+  }
   const std::vector<Backend::RowCopy> overlap = {{&src, 0, &dst, 0, 4}, {&src, 0, &dst, 2, 4}};
   EXPECT_EQ(error_of([&] { be->copy_rows(overlap); }), "copy_rows: piece 0 writes where piece 1 reads or writes");
   const std::vector<Backend::RowCopy> rotate_without_dims = {{&src, 0, &dst, 0, 2, 5}};

@@ -772,40 +772,14 @@ void CpuBackend::matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accumu
     // ~16 KiB of weights per chunk at least, so tiny products are not split.
     int64_t grain = std::max<int64_t>(1, 8192 / K);
 #ifdef HYPIC_BLOCKED_GEMM16
-    // AVX-512: row-independent products as one FMA chain per output (chain_rows / chain_cols),
-    // and from three rows of long rows (K > 1024) the blocked kernel (~2x the GEMV, e.g. 40 x 3584
-    // x 1024 at 48 -> 94 GFLOP/s on one thread; docs/perf-notes.md).
-    if (fixed) {
-      if (M < 16) {
-        pool_.parallel_for(
-            N,
-            [&](int64_t n0, int64_t n1) {
-              if (wd == DType::F32)
-                chain_cols<WF32>(M, xp, K, w.data<float>(), N, n0, n1, yp, accumulate);
-              else if (wd == DType::BF16)
-                chain_cols<WBF16>(M, xp, K, w.data<uint16_t>(), N, n0, n1, yp, accumulate);
-              else
-                chain_cols<WF16>(M, xp, K, w.data<uint16_t>(), N, n0, n1, yp, accumulate);
-            },
-            std::max<int64_t>(grain, 16));
-        return;
-      }
-      // x transposed once, by the calling thread (M K elements against the product's M N K).
-      const int64_t Mp = (M + 15) / 16 * 16;
-      float* xt = scratch(t_xt, static_cast<size_t>(K * Mp));
-      for (int64_t m = 0; m < M; m += 16)
-        pack16_kmajor<WF32>(xp + m * K, K, static_cast<int>(std::min<int64_t>(16, M - m)), K, xt + m, Mp);
-      pool_.parallel_for(
-          N,
-          [&](int64_t n0, int64_t n1) {
-            if (wd == DType::F32)
-              chain_rows<WF32>(xt, M, Mp, K, w.data<float>(), wd, N, n0, n1, yp, accumulate);
-            else if (wd == DType::BF16)
-              chain_rows<WBF16>(xt, M, Mp, K, w.data<uint16_t>(), wd, N, n0, n1, yp, accumulate);
-            else
-              chain_rows<WF16>(xt, M, Mp, K, w.data<uint16_t>(), wd, N, n0, n1, yp, accumulate);
-          },
-          std::max<int64_t>(grain, 6));
+    // AVX-512: one FMA chain per output (chain_rows / chain_cols) for row-independent products
+    // and for 16-47 rows up to K = 1024 (chain_applies); from three rows of long rows (K > 1024)
+    // the blocked kernel (~2x the GEMV, e.g. 40 x 3584 x 1024 at 48 -> 94 GFLOP/s on one thread;
+    // docs/perf-notes.md).
+    if (chain_applies(M, K, wd)) {
+      const Tensor* ws[1] = {&w};
+      Tensor* ys[1] = {&y};
+      chain_products(x, ws, ys, accumulate);
       return;
     }
     if (M >= 3 && K > 1024) {
@@ -921,6 +895,100 @@ std::string CpuBackend::imprecise_unavailable() const {
 // bf16 weights are read in place. Quantized weights are dequantized to bf16 in slices of W of at
 // most ~4 MiB (over the pool), each multiplied as it is made, so no bf16 copy of the whole matrix
 // is ever held (an output head is hundreds of MiB).
+#ifdef HYPIC_BLOCKED_GEMM16
+// Which products take the chain kernels: row-independent ones at every M, and otherwise 16-47 rows
+// of half-precision weights with rows up to 1024 long (a question's rows under PIC; ~96 GFLOP/s on
+// one thread against 65-75 for the seven-row GEMV at K = 256, docs/perf-notes.md). matmul's
+// earlier branches (oneDNN when not precise, quantized weights) come first.
+bool CpuBackend::chain_applies(int64_t M, int64_t K, DType wd) const {
+  if (dtype_is_quantized(wd)) return false;
+  if (row_independent_) return true;
+  if (!precise_ && wd == DType::BF16 && M >= kBf16Rows) return false;
+  return wd != DType::F32 && M >= 16 && M < 48 && K <= 1024;
+}
+
+// y_i = x W_i^T for every i as one parallel region over the weights' rows laid end to end, with x
+// transposed once for all of them (from 16 rows): the projections that share an input (q/k/v and
+// the gates, gate/up) cost one hand-off to the pool instead of one each, and a two-row product of
+// the gates no longer runs on one thread while the other waits. Each output is its own FMA chain,
+// so the bits do not depend on how the rows are split.
+void CpuBackend::chain_products(const Tensor& x, std::span<const Tensor* const> w, std::span<Tensor* const> y,
+                                bool accumulate) {
+  const int64_t M = x.dim(0), K = x.dim(1);
+  const float* xp = x.data<float>();
+  constexpr size_t kMax = 8;
+  int64_t off[kMax + 1] = {0};
+  for (size_t i = 0; i < w.size(); ++i) off[i + 1] = off[i] + w[i]->dim(0);
+  const int64_t total = off[w.size()];
+  const int64_t Mp = (M + 15) / 16 * 16;
+  float* xt = nullptr;
+  if (M >= 16) {
+    // x transposed once (M K elements against the products' M N K), split over the pool by
+    // columns: on one thread it was ~8% of a warm pic request at two threads.
+    xt = scratch(t_xt, static_cast<size_t>(K * Mp));
+    pool_.parallel_for((K + 15) / 16,
+                       [&](int64_t b0, int64_t b1) {
+                         const int64_t k0 = b0 * 16, k1 = std::min(K, b1 * 16);
+                         for (int64_t m = 0; m < M; m += 16)
+                           pack16_kmajor<WF32>(xp + m * K + k0, K, static_cast<int>(std::min<int64_t>(16, M - m)),
+                                               k1 - k0, xt + k0 * Mp + m, Mp);
+                       },
+                       std::max<int64_t>(1, 4096 / (16 * Mp)));
+  }
+  // ~16 KiB of weights per chunk at least, so tiny products are not split.
+  const int64_t grain = std::max<int64_t>(std::max<int64_t>(1, 8192 / K), M >= 16 ? 6 : 16);
+  pool_.parallel_for(
+      total,
+      [&](int64_t g0, int64_t g1) {
+        for (size_t i = 0; i < w.size(); ++i) {
+          const int64_t n0 = std::max(g0, off[i]) - off[i], n1 = std::min(g1, off[i + 1]) - off[i];
+          if (n0 >= n1) continue;
+          const Tensor& wi = *w[i];
+          const DType wd = wi.dtype();
+          const int64_t N = wi.dim(0);
+          float* yp = y[i]->data<float>();
+          if (M >= 16) {
+            if (wd == DType::F32)
+              chain_rows<WF32>(xt, M, Mp, K, wi.data<float>(), wd, N, n0, n1, yp, accumulate);
+            else if (wd == DType::BF16)
+              chain_rows<WBF16>(xt, M, Mp, K, wi.data<uint16_t>(), wd, N, n0, n1, yp, accumulate);
+            else
+              chain_rows<WF16>(xt, M, Mp, K, wi.data<uint16_t>(), wd, N, n0, n1, yp, accumulate);
+          } else if (wd == DType::F32) {
+            chain_cols<WF32>(M, xp, K, wi.data<float>(), N, n0, n1, yp, accumulate);
+          } else if (wd == DType::BF16) {
+            chain_cols<WBF16>(M, xp, K, wi.data<uint16_t>(), N, n0, n1, yp, accumulate);
+          } else {
+            chain_cols<WF16>(M, xp, K, wi.data<uint16_t>(), N, n0, n1, yp, accumulate);
+          }
+        }
+      },
+      grain);
+}
+#endif
+
+void CpuBackend::matmul_many(const Tensor& x, std::initializer_list<Tensor> w, std::initializer_list<Tensor> y) {
+#ifdef HYPIC_BLOCKED_GEMM16
+  // One region for products that all take the chain kernels; anything else one call each.
+  bool fused = w.size() == y.size() && w.size() >= 2 && w.size() <= 8;
+  const Tensor* ws[8];
+  Tensor* ys[8];
+  std::vector<Tensor> outs(y);  // views sharing y's storage
+  size_t i = 0;
+  for (auto wi = w.begin(); fused && wi != w.end(); ++wi, ++i) {
+    check_matmul(x, *wi, outs[i], DeviceKind::CPU);
+    fused = x.dim(0) > 0 && x.dim(1) > 0 && wi->dim(0) > 0 && chain_applies(x.dim(0), x.dim(1), wi->dtype());
+    ws[i] = &*wi;
+    ys[i] = &outs[i];
+  }
+  if (fused) {
+    chain_products(x, std::span<const Tensor* const>(ws, w.size()), std::span<Tensor* const>(ys, w.size()), false);
+    return;
+  }
+#endif
+  Backend::matmul_many(x, w, y);
+}
+
 void CpuBackend::matmul_bf16(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate) {
   const int64_t M = x.dim(0), K = x.dim(1), N = w.dim(0);
   const DType wd = w.dtype();
@@ -1180,9 +1248,8 @@ void CpuBackend::gather_col_blocks(const Tensor& src, std::span<const int64_t> o
 // Rotary embedding (NeoX half split, partial). inv_freq and angles follow transformers' fp32
 // arithmetic: inv_freq = 1 / theta ** (arange(0, rot, 2) / rot) in f32, angle = f32(pos) * inv_freq.
 // ================================================================================================
-void CpuBackend::rope_neox(Tensor& x, std::span<const int64_t> positions, int rot_dim, double theta) {
-  check_rope(x, positions.size(), rot_dim, theta, DeviceKind::CPU);
-  const int64_t T = x.dim(0), H = x.dim(1), D = x.dim(2);
+namespace {
+std::vector<float> rope_inv_freq(int rot_dim, double theta) {
   const int half = rot_dim / 2;
   std::vector<float> inv_freq(static_cast<size_t>(half));
   const float th = static_cast<float>(theta);
@@ -1191,6 +1258,37 @@ void CpuBackend::rope_neox(Tensor& x, std::span<const int64_t> positions, int ro
     float p = static_cast<float>(std::pow(static_cast<double>(th), static_cast<double>(e)));
     inv_freq[i] = 1.0f / p;
   }
+  return inv_freq;
+}
+
+void rope_angles(int64_t position, const std::vector<float>& inv_freq, float* c, float* s) {
+  const float pos = static_cast<float>(position);
+  for (size_t i = 0; i < inv_freq.size(); ++i) {
+    float ang = pos * inv_freq[i];
+    c[i] = static_cast<float>(std::cos(static_cast<double>(ang)));
+    s[i] = static_cast<float>(std::sin(static_cast<double>(ang)));
+  }
+}
+
+// One token's H heads of D values, the first 2 half of each rotated.
+void rope_token(float* x, int64_t H, int64_t D, int half, const float* c, const float* s) {
+  for (int64_t h = 0; h < H; ++h) {
+    float* r = x + h * D;
+    for (int i = 0; i < half; ++i) {
+      float x1 = r[i], x2 = r[i + half];
+      float a = x1 * c[i], bb = x2 * s[i], cc = x2 * c[i], dd = x1 * s[i];
+      r[i] = a - bb;
+      r[i + half] = cc + dd;
+    }
+  }
+}
+}  // namespace
+
+void CpuBackend::rope_neox(Tensor& x, std::span<const int64_t> positions, int rot_dim, double theta) {
+  check_rope(x, positions.size(), rot_dim, theta, DeviceKind::CPU);
+  const int64_t T = x.dim(0), H = x.dim(1), D = x.dim(2);
+  const int half = rot_dim / 2;
+  const std::vector<float> inv_freq = rope_inv_freq(rot_dim, theta);
   float* xp = x.data<float>();
   pool_.parallel_for(T, [&](int64_t b, int64_t e) {
     float* cs = scratch(t_buf1, static_cast<size_t>(rot_dim));
@@ -1198,25 +1296,55 @@ void CpuBackend::rope_neox(Tensor& x, std::span<const int64_t> positions, int ro
     for (int64_t t = b; t < e; ++t) {
       // Runs of one position (a spliced segment's keys all move by its start) reuse the angles:
       // the sines and cosines were ~4% of a warm pic request's fixed cost (perf).
-      if (t == b || positions[t] != positions[t - 1]) {
-        const float pos = static_cast<float>(positions[t]);
-        for (int i = 0; i < half; ++i) {
-          float ang = pos * inv_freq[i];
-          c[i] = static_cast<float>(std::cos(static_cast<double>(ang)));
-          s[i] = static_cast<float>(std::sin(static_cast<double>(ang)));
-        }
-      }
-      for (int64_t h = 0; h < H; ++h) {
-        float* r = xp + (t * H + h) * D;
-        for (int i = 0; i < half; ++i) {
-          float x1 = r[i], x2 = r[i + half];
-          float a = x1 * c[i], bb = x2 * s[i], cc = x2 * c[i], dd = x1 * s[i];
-          r[i] = a - bb;
-          r[i + half] = cc + dd;
-        }
-      }
+      if (t == b || positions[t] != positions[t - 1]) rope_angles(positions[t], inv_freq, c, s);
+      rope_token(xp + t * H * D, H, D, half, c, s);
     }
   });
+}
+
+// The pieces' rows as one parallel region, each row rotated right after it is copied (the same
+// arithmetic as rope_neox): composing a warm request splices every document's K/V here, a few MB
+// per full-attention layer that one thread copied and then the pool rotated in a second pass.
+void CpuBackend::copy_rows(std::span<const RowCopy> pieces, int rot_dim, double theta) {
+  check_copy_rows(pieces, rot_dim, theta, DeviceKind::CPU);
+  std::vector<int64_t> first(pieces.size() + 1, 0);  // row of the region where piece i starts
+  size_t widest = 1;
+  bool rotates = false;
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const RowCopy& p = pieces[i];
+    first[i + 1] = first[i] + p.rows;
+    if (p.rows > 0) widest = std::max(widest, p.src->nbytes() / static_cast<size_t>(p.src->dim(0)));
+    rotates = rotates || (p.rows > 0 && p.rope_shift != 0);
+  }
+  const int64_t total = first.back();
+  if (total == 0) return;
+  const std::vector<float> inv_freq = rotates ? rope_inv_freq(rot_dim, theta) : std::vector<float>{};
+  const int half = rot_dim / 2;
+  pool_.parallel_for(
+      total,
+      [&](int64_t g0, int64_t g1) {
+        float* cs = rotates ? scratch(t_buf1, static_cast<size_t>(rot_dim)) : nullptr;
+        for (size_t i = 0; i < pieces.size(); ++i) {
+          const int64_t r0 = std::max(g0, first[i]) - first[i], r1 = std::min(g1, first[i + 1]) - first[i];
+          if (r0 >= r1) continue;
+          const RowCopy& p = pieces[i];
+          const size_t rb = p.src->nbytes() / static_cast<size_t>(p.src->dim(0));
+          const char* src = static_cast<const char*>(p.src->raw()) + rb * static_cast<size_t>(p.src_row + r0);
+          char* dst = static_cast<char*>(p.dst->raw()) + rb * static_cast<size_t>(p.dst_row + r0);
+          if (p.rope_shift == 0) {
+            std::memcpy(dst, src, rb * static_cast<size_t>(r1 - r0));
+            continue;
+          }
+          const int64_t H = p.dst->dim(1), D = p.dst->dim(2);
+          rope_angles(p.rope_shift, inv_freq, cs, cs + half);
+          for (int64_t r = r0; r < r1; ++r) {
+            float* d = reinterpret_cast<float*>(dst + rb * static_cast<size_t>(r - r0));
+            std::memcpy(d, src + rb * static_cast<size_t>(r - r0), rb);
+            rope_token(d, H, D, half, cs, cs + half);
+          }
+        }
+      },
+      std::max<int64_t>(1, static_cast<int64_t>(32768 / widest)));
 }
 
 // ================================================================================================

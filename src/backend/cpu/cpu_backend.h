@@ -49,6 +49,7 @@ class CpuBackend : public Backend {
   void fill(Tensor& t, float value) override;
 
   void matmul(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate = false) override;
+  void matmul_many(const Tensor& x, std::initializer_list<Tensor> w, std::initializer_list<Tensor> y) override;
   void embedding(const Tensor& table, std::span<const int32_t> ids, Tensor& out) override;
 
   void rms_norm(const Tensor& x, const Tensor& w, float eps, bool one_plus_w, Tensor& out) override;
@@ -61,6 +62,7 @@ class CpuBackend : public Backend {
   void gather_col_blocks(const Tensor& src, std::span<const int64_t> order, Tensor& dst) override;
 
   void rope_neox(Tensor& x, std::span<const int64_t> positions, int rot_dim, double theta) override;
+  void copy_rows(std::span<const RowCopy> pieces, int rot_dim = 0, double theta = 0) override;
 
   void attention(const Tensor& q, const Tensor& k, const Tensor& v, int64_t kv_len, int64_t q_offset, float scale,
                  Tensor& out) override;
@@ -100,6 +102,10 @@ class CpuBackend : public Backend {
 
   void matmul_quantized_gemv(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate);
   void matmul_bf16(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate);
+  // AVX-512 builds only (cpu_backend.cpp): which products take the chain kernels, and those
+  // products as one parallel region with x transposed once.
+  bool chain_applies(int64_t M, int64_t K, DType wd) const;
+  void chain_products(const Tensor& x, std::span<const Tensor* const> w, std::span<Tensor* const> y, bool accumulate);
 
   ThreadPool pool_;
   bool row_independent_ = false;
