@@ -643,6 +643,42 @@ TEST_F(CpuOps, AttentionGqaOffsetsAndMasks) {
   }
 }
 
+// Spans of rows, each attending up to its own last row (a warm request's seams and question):
+// every span's rows get the bits attention() gives them alone, whether the spans run in one
+// region or the short ones (under 4 rows) take the per-token path; on one and two threads.
+TEST_F(CpuOps, AttentionSpansEqualEachSpanAlone) {
+  const int64_t Hq = 4, Hkv = 2, D = 24, Dv = 20, S = 700;
+  const float scale = 0.2f;
+  Tensor k = randn({S, Hkv, D}, 81, 1.5f), v = randn({S, Hkv, Dv}, 82);
+  const std::vector<Backend::RowSpan> spans = {{0, 8}, {250, 8}, {300, 2}, {420, 0}, {520, 40}, {600, 70}};
+  int64_t rows = 0;
+  for (const auto& sp : spans) rows += sp.rows;
+  Tensor q = randn({rows, Hq, D}, 83, 1.5f);
+  for (int threads : {1, 2}) {
+    auto b = make_backend("cpu", threads);
+    Tensor out = b->alloc(DType::F32, {rows, Hq, Dv});
+    b->attention_spans(q, k, v, spans, scale, out);
+    int64_t r0 = 0;
+    for (const auto& sp : spans) {
+      if (sp.rows == 0) continue;
+      Tensor alone = b->alloc(DType::F32, {sp.rows, Hq, Dv});
+      const Tensor qs = q.slice_rows(r0, r0 + sp.rows);
+      b->attention(qs, k, v, sp.pos0 + sp.rows, sp.pos0, scale, alone);
+      EXPECT_EQ(0, std::memcmp(alone.raw(), out.slice_rows(r0, r0 + sp.rows).raw(), alone.nbytes()))
+          << "threads " << threads << " span at " << sp.pos0;
+      EXPECT_LE(rel_l2(alone, ref_attention(qs, k, v, sp.pos0 + sp.rows, sp.pos0, scale)), 1e-5);
+      r0 += sp.rows;
+    }
+  }
+  Tensor out = be->alloc(DType::F32, {rows, Hq, Dv});
+  const std::vector<Backend::RowSpan> over = {{0, rows + 1}};
+  EXPECT_EQ(error_of([&] { be->attention_spans(q, k, v, over, scale, out); }),
+            "attention_spans: spans cover more rows than q f32[128, 4, 24] has");
+  const std::vector<Backend::RowSpan> short_of = {{0, 8}};
+  EXPECT_EQ(error_of([&] { be->attention_spans(q, k, v, short_of, scale, out); }),
+            "attention_spans: spans cover 8 rows, q f32[128, 4, 24] has more");
+}
+
 TEST_F(CpuOps, AttentionValidation) {
   Tensor q = be->alloc(DType::F32, {2, 6, 8}), k = be->alloc(DType::F32, {10, 4, 8}),
          v = be->alloc(DType::F32, {10, 4, 8}), out = be->alloc(DType::F32, {2, 6, 8});

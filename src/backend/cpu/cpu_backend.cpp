@@ -224,13 +224,44 @@ inline __m256 sigmoid256(__m256 x) {
 }
 #endif
 
-// exp of n values in place, in f32.
-void exp_inplace(float* p, int64_t n) {
+// The largest of init and p[0..n) (exact in any order).
+float max_of(const float* p, int64_t n, float init) {
   int64_t i = 0;
+  float mx = init;
 #ifdef HYPIC_AVX2
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(p + i, exp256(_mm256_loadu_ps(p + i)));
+  if (n >= 8) {
+    __m256 v = _mm256_set1_ps(init);
+    for (; i + 8 <= n; i += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(p + i));
+    alignas(32) float l[8];
+    _mm256_store_ps(l, v);
+    for (float x : l) mx = x > mx ? x : mx;
+  }
 #endif
-  for (; i < n; ++i) p[i] = std::exp(p[i]);
+  for (; i < n; ++i) mx = p[i] > mx ? p[i] : mx;
+  return mx;
+}
+
+// p[i] = exp(p[i] - mx) for i < n, and their sum (eight partial sums on AVX2): one pass where the
+// softmax made three. The tail takes exp1, so a score's bits do not depend on its lane.
+float exp_shifted_sum(float* p, int64_t n, float mx) {
+  int64_t i = 0;
+  float sum = 0.f;
+#ifdef HYPIC_AVX2
+  if (n >= 8) {
+    const __m256 m = _mm256_set1_ps(mx);
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(p + i), m));
+      _mm256_storeu_ps(p + i, e);
+      acc = _mm256_add_ps(acc, e);
+    }
+    alignas(32) float l[8];
+    _mm256_store_ps(l, acc);
+    sum = ((l[0] + l[4]) + (l[1] + l[5])) + ((l[2] + l[6]) + (l[3] + l[7]));
+  }
+#endif
+  for (; i < n; ++i) sum += (p[i] = exp1(p[i] - mx));
+  return sum;
 }
 
 // A per-thread scratch vector (grows, never shrinks): kernels allocate nothing in steady state.
@@ -1378,10 +1409,7 @@ void CpuBackend::attention_decode(const float* q, const float* k, const float* v
         s[j] = dot_f32(qr, k + (j * Hkv + g) * D, D) * scale;
         mx = std::max(mx, s[j]);
       }
-      for (int64_t j = 0; j < n; ++j) s[j] -= mx;
-      exp_inplace(s, n);
-      float sum = 0.f;
-      for (int64_t j = 0; j < n; ++j) sum += s[j];
+      const float sum = exp_shifted_sum(s, n, mx);
       float* o = out + (t * Hq + h) * Dv;
       std::fill(o, o + Dv, 0.f);
       for (int64_t j = 0; j < n; ++j) axpy(s[j], v + (j * Hkv + g) * Dv, o, Dv);
@@ -1393,77 +1421,135 @@ void CpuBackend::attention_decode(const float* q, const float* k, const float* v
 
 // Many queries: flash-style tiles. For one kv head, a block of BQ tokens x G query heads is packed
 // into [BQ*G, D] rows (so K/V tiles are shared by the whole GQA group), and for each key tile of
-// BK keys: S = Qp K^T (sgemm), online softmax update, O += P V (sgemm). Work items (kv head,
-// query block) are taken dynamically, heaviest (last) query blocks first.
-void CpuBackend::attention_tiled(const float* q, const float* k, const float* v, int64_t T, int64_t Hq, int64_t Hkv,
-                                 int64_t D, int64_t Dv, int64_t kv_len, int64_t q_offset, float scale, float* out) {
-  const int64_t G = Hq / Hkv;
-  const int64_t BQ = std::max<int64_t>(1, 64 / G), BK = 256;
-  const int64_t nqb = (T + BQ - 1) / BQ, items = nqb * Hkv;
-  std::atomic<int64_t> next{0};
-  pool_.parallel_for(pool_.size(), [&](int64_t, int64_t) {
-    const int64_t R = BQ * G;
-    float* Qp = scratch(t_buf0, static_cast<size_t>(R * D));
-    float* Sb = scratch(t_buf1, static_cast<size_t>(R * BK));
-    float* O = scratch(t_buf2, static_cast<size_t>(R * Dv));
-    float* ml = scratch(t_buf3, static_cast<size_t>(2 * R));
-    float *m = ml, *l = ml + R;
-    for (;;) {
-      int64_t it = next.fetch_add(1);
-      if (it >= items) break;
-      const int64_t qb = nqb - 1 - it / Hkv, g = it % Hkv;
-      const int64_t t0 = qb * BQ, t1 = std::min(T, t0 + BQ), rows = (t1 - t0) * G;
-      for (int64_t t = t0; t < t1; ++t)
-        for (int64_t hh = 0; hh < G; ++hh) {
-          const float* src = q + (t * Hq + g * G + hh) * D;
-          float* dst = Qp + ((t - t0) * G + hh) * D;
-          for (int64_t i = 0; i < D; ++i) dst[i] = src[i] * scale;
-        }
-      std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
-      std::fill(l, l + rows, 0.f);
-      std::fill(O, O + rows * Dv, 0.f);
-      const int64_t kend = std::min(kv_len, q_offset + t1);
-      for (int64_t kb = 0; kb < kend; kb += BK) {
-        const int64_t nk = std::min(BK, kend - kb);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(rows), static_cast<int>(nk),
-                    static_cast<int>(D), 1.f, Qp, static_cast<int>(D), k + (kb * Hkv + g) * D,
-                    static_cast<int>(Hkv * D), 0.f, Sb, static_cast<int>(BK));
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t t = t0 + r / G;
-          float* sr = Sb + r * BK;
-          const int64_t lim = std::clamp<int64_t>(std::min(kv_len, q_offset + t + 1) - kb, 0, nk);
-          if (lim == 0) {
-            std::fill(sr, sr + nk, 0.f);
-            continue;
-          }
-          float mx = m[r];
-          for (int64_t j = 0; j < lim; ++j) mx = std::max(mx, sr[j]);
-          const float alpha = std::exp(m[r] - mx);  // 0 when m[r] = -inf
-          for (int64_t j = 0; j < lim; ++j) sr[j] -= mx;
-          exp_inplace(sr, lim);
-          std::fill(sr + lim, sr + nk, 0.f);
-          float sum = 0.f;
-          for (int64_t j = 0; j < lim; ++j) sum += sr[j];
-          l[r] = l[r] * alpha + sum;
-          m[r] = mx;
-          if (alpha != 1.f) {
-            float* orow = O + r * Dv;
-            for (int64_t i = 0; i < Dv; ++i) orow[i] *= alpha;
-          }
-        }
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows), static_cast<int>(Dv),
-                    static_cast<int>(nk), 1.f, Sb, static_cast<int>(BK), v + (kb * Hkv + g) * Dv,
-                    static_cast<int>(Hkv * Dv), 1.f, O, static_cast<int>(Dv));
+// BK keys: S = Qp K^T (sgemm), online softmax update, O += P V (sgemm). Work items (span, kv head,
+// query block) are taken dynamically, those that see the most keys first.
+namespace {
+// One block of queries against one KV head: rows t0..t1 of q (all G query heads of KV head g),
+// online softmax over key blocks of BK. Qp, Sb, O, m, l: the caller's scratch.
+void attend_block(const float* q, const float* k, const float* v, int64_t t0, int64_t t1, int64_t g, int64_t Hq,
+                  int64_t Hkv, int64_t D, int64_t Dv, int64_t kv_len, int64_t q_offset, float scale, float* out,
+                  float* Qp, float* Sb, float* O, float* m, float* l) {
+  constexpr int64_t BK = 256;
+  const int64_t G = Hq / Hkv, rows = (t1 - t0) * G;
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t hh = 0; hh < G; ++hh) {
+      const float* src = q + (t * Hq + g * G + hh) * D;
+      float* dst = Qp + ((t - t0) * G + hh) * D;
+      for (int64_t i = 0; i < D; ++i) dst[i] = src[i] * scale;
+    }
+  std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + rows, 0.f);
+  std::fill(O, O + rows * Dv, 0.f);
+  const int64_t kend = std::min(kv_len, q_offset + t1);
+  for (int64_t kb = 0; kb < kend; kb += BK) {
+    const int64_t nk = std::min(BK, kend - kb);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(rows), static_cast<int>(nk),
+                static_cast<int>(D), 1.f, Qp, static_cast<int>(D), k + (kb * Hkv + g) * D, static_cast<int>(Hkv * D),
+                0.f, Sb, static_cast<int>(BK));
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t t = t0 + r / G;
+      float* sr = Sb + r * BK;
+      const int64_t lim = std::clamp<int64_t>(std::min(kv_len, q_offset + t + 1) - kb, 0, nk);
+      if (lim == 0) {
+        std::fill(sr, sr + nk, 0.f);
+        continue;
       }
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t t = t0 + r / G, h = g * G + r % G;
-        const float inv = 1.0f / l[r];
-        const float* orow = O + r * Dv;
-        float* dst = out + (t * Hq + h) * Dv;
-        for (int64_t i = 0; i < Dv; ++i) dst[i] = orow[i] * inv;
+      const float mx = max_of(sr, lim, m[r]);
+      const float alpha = std::exp(m[r] - mx);  // 0 when m[r] = -inf
+      const float sum = exp_shifted_sum(sr, lim, mx);
+      std::fill(sr + lim, sr + nk, 0.f);
+      l[r] = l[r] * alpha + sum;
+      m[r] = mx;
+      if (alpha != 1.f) {
+        float* orow = O + r * Dv;
+        for (int64_t i = 0; i < Dv; ++i) orow[i] *= alpha;
       }
     }
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows), static_cast<int>(Dv),
+                static_cast<int>(nk), 1.f, Sb, static_cast<int>(BK), v + (kb * Hkv + g) * Dv,
+                static_cast<int>(Hkv * Dv), 1.f, O, static_cast<int>(Dv));
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = t0 + r / G, h = g * G + r % G;
+    const float inv = 1.0f / l[r];
+    const float* orow = O + r * Dv;
+    float* dst = out + (t * Hq + h) * Dv;
+    for (int64_t i = 0; i < Dv; ++i) dst[i] = orow[i] * inv;
+  }
+}
+
+// Query rows per block: 64 rows of scores (all query heads of a KV head) per block.
+int64_t attention_block_tokens(int64_t Hq, int64_t Hkv) {
+  return std::max<int64_t>(1, 64 / (Hq / Hkv));
+}
+}  // namespace
+
+void CpuBackend::attention_tiled(const float* q, const float* k, const float* v, int64_t T, int64_t Hq, int64_t Hkv,
+                                 int64_t D, int64_t Dv, int64_t kv_len, int64_t q_offset, float scale, float* out) {
+  const TiledSpan one{0, q_offset, T, kv_len};
+  attention_tiled_spans(q, k, v, std::span<const TiledSpan>(&one, 1), Hq, Hkv, D, Dv, scale, out);
+}
+
+// Every span's blocks (span, query block, KV head) as one pool of work, the blocks that see the
+// most keys first, each taken by whichever thread is free: a warm request's seams are ten spans of
+// eight rows per full-attention layer, which ten regions in a row ran each waiting for its slowest
+// block. A block's numbers do not depend on the thread or the other spans.
+void CpuBackend::attention_tiled_spans(const float* q, const float* k, const float* v, std::span<const TiledSpan> spans,
+                                       int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv, float scale, float* out) {
+  const int64_t G = Hq / Hkv, BQ = attention_block_tokens(Hq, Hkv);
+  struct Item {
+    const TiledSpan* sp;
+    int64_t t0, t1, g;
+  };
+  std::vector<Item> items;
+  for (const auto& sp : spans)
+    for (int64_t t0 = 0; t0 < sp.rows; t0 += BQ)
+      for (int64_t g = 0; g < Hkv; ++g) items.push_back({&sp, t0, std::min(sp.rows, t0 + BQ), g});
+  auto keys = [](const Item& it) { return std::min(it.sp->kv_len, it.sp->pos0 + it.t1); };
+  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) { return keys(a) > keys(b); });
+  std::atomic<size_t> next{0};
+  pool_.parallel_for(std::min<int64_t>(pool_.size(), static_cast<int64_t>(items.size())), [&](int64_t, int64_t) {
+    const int64_t R = BQ * G;
+    float* Qp = scratch(t_buf0, static_cast<size_t>(R * D));
+    float* Sb = scratch(t_buf1, static_cast<size_t>(R * 256));
+    float* O = scratch(t_buf2, static_cast<size_t>(R * Dv));
+    float* ml = scratch(t_buf3, static_cast<size_t>(2 * R));
+    for (;;) {
+      const size_t i = next.fetch_add(1);
+      if (i >= items.size()) break;
+      const Item& it = items[i];
+      attend_block(q + it.sp->row0 * Hq * D, k, v, it.t0, it.t1, it.g, Hq, Hkv, D, Dv, it.sp->kv_len, it.sp->pos0,
+                   scale, out + it.sp->row0 * Hq * Dv, Qp, Sb, O, ml, ml + R);
+    }
   });
+}
+
+void CpuBackend::attention_spans(const Tensor& q, const Tensor& k, const Tensor& v, std::span<const RowSpan> spans,
+                                 float scale, Tensor& out) {
+  // Spans of fewer than 4 rows take attention()'s per-token path, as they would alone; the others
+  // share one region. Every span's rows get the bits attention() gives them alone.
+  std::vector<TiledSpan> tiled;
+  int64_t r0 = 0;
+  for (const auto& sp : spans) {
+    if (sp.rows < 0 || sp.pos0 < 0)
+      fail("attention_spans", "span at " + std::to_string(sp.pos0) + " of " + std::to_string(sp.rows) + " rows");
+    if (sp.rows == 0) continue;
+    if (r0 + sp.rows > q.dim(0)) fail("attention_spans", "spans cover more rows than q " + q.str() + " has");
+    const Tensor qs = q.slice_rows(r0, r0 + sp.rows);
+    Tensor os = out.slice_rows(r0, r0 + sp.rows);
+    if (sp.rows < 4) {
+      attention(qs, k, v, sp.pos0 + sp.rows, sp.pos0, scale, os);
+    } else {
+      check_attention(qs, k, v, sp.pos0 + sp.rows, sp.pos0, os, DeviceKind::CPU);
+      tiled.push_back({r0, sp.pos0, sp.rows, sp.pos0 + sp.rows});
+    }
+    r0 += sp.rows;
+  }
+  if (r0 != q.dim(0))
+    fail("attention_spans", "spans cover " + std::to_string(r0) + " rows, q " + q.str() + " has more");
+  if (!tiled.empty())
+    attention_tiled_spans(q.data<float>(), k.data<float>(), v.data<float>(), tiled, q.dim(1), k.dim(1), q.dim(2),
+                          v.dim(2), scale, out.data<float>());
 }
 
 // ================================================================================================

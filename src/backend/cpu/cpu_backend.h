@@ -66,6 +66,8 @@ class CpuBackend : public Backend {
 
   void attention(const Tensor& q, const Tensor& k, const Tensor& v, int64_t kv_len, int64_t q_offset, float scale,
                  Tensor& out) override;
+  void attention_spans(const Tensor& q, const Tensor& k, const Tensor& v, std::span<const RowSpan> spans, float scale,
+                       Tensor& out) override;
 
   void causal_conv1d_silu(const Tensor& x, const Tensor& w, Tensor& state, Tensor& out) override;
   void gdn_gates(const Tensor& a, const Tensor& b, const Tensor& A_log, const Tensor& dt_bias, Tensor& g,
@@ -99,6 +101,12 @@ class CpuBackend : public Backend {
                         int64_t Dv, int64_t kv_len, int64_t q_offset, float scale, float* out);
   void attention_tiled(const float* q, const float* k, const float* v, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
                        int64_t Dv, int64_t kv_len, int64_t q_offset, float scale, float* out);
+  // Rows [row0, row0 + rows) of q and out at positions pos0.., seeing keys [0, kv_len).
+  struct TiledSpan {
+    int64_t row0, pos0, rows, kv_len;
+  };
+  void attention_tiled_spans(const float* q, const float* k, const float* v, std::span<const TiledSpan> spans,
+                             int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv, float scale, float* out);
 
   void matmul_quantized_gemv(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate);
   void matmul_bf16(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate);
