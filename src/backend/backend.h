@@ -271,8 +271,9 @@ class Backend {
   // next `rows` rows of q..beta (outputs to out's rows), then its body: a compact one replayed (the
   // recurrence over its inputs rk, rv, rg, rbeta from the state reached, rk standing in for the
   // queries, outputs dropped), then state <- T state + B (no T: state + B). The base class runs
-  // these span ops one by one (the CPU's results stay those of separate calls); the GPU runs the
-  // whole chain in one launch. `state` may be replaced by a new tensor.
+  // these span ops one by one; the CPU runs each head's chain on one thread with the bits of those
+  // separate calls; the GPU runs the whole chain in one launch. `state` may be replaced by a new
+  // tensor.
   struct GdnLink {
     int64_t rows = 0;
     const Tensor *rk = nullptr, *rv = nullptr, *rg = nullptr, *rbeta = nullptr;

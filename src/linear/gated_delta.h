@@ -18,4 +18,9 @@ struct GdnShape {
 void gated_delta_forward(const GdnShape& s, const float* q, const float* k, const float* v, const float* g,
                          const float* beta, bool l2norm_qk, float* state, float* out, float* transition, int threads);
 
+// Head h alone, on the calling thread, with gated_delta_forward's arithmetic for that head:
+// state_h [dk, dv] advanced in place, out's rows of head h written.
+void gated_delta_forward_head(const GdnShape& s, const float* q, const float* k, const float* v, const float* g,
+                              const float* beta, bool l2norm_qk, int64_t h, float* state_h, float* out);
+
 }  // namespace hypic::linear

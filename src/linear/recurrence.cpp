@@ -619,6 +619,23 @@ void chunked_forward(Family f, const RecShape& s, const RecInputs& in, float* st
   });
 }
 
+void chunked_forward_head(Family f, const RecShape& s, const RecInputs& in, int64_t h, float* state_h, float* out,
+                          int chunk) {
+  if (h < 0 || h >= s.Hv) throw std::invalid_argument("linear: head out of range");
+  validate(f, s, in);
+  const FamilyTraits tr = traits(f);
+  const RopeTable rope(in.rope, s.T);
+  const Prep P{s, in, rope, s.Hv / s.Hk};
+  if (s.T <= 1) {
+    step_head(tr, P, h, state_h, out, nullptr);
+    return;
+  }
+  const int64_t C = chunk > 0 ? chunk : 32;
+  thread_local Scratch w;
+  w.ensure(C, s.dk, s.dv);
+  for (int64_t t0 = 0; t0 < s.T; t0 += C) chunk_head(tr, P, h, t0, std::min(C, s.T - t0), C, w, state_h, out, nullptr);
+}
+
 Summary summarize(Family f, const RecShape& s, const RecInputs& in, float* out, int threads, int chunk) {
   Summary r;
   r.family = f;

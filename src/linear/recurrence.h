@@ -130,6 +130,13 @@ void recurrent_forward(Family f, const RecShape& s, const RecInputs& in, float* 
 void chunked_forward(Family f, const RecShape& s, const RecInputs& in, float* state, float* out, float* transition,
                      int threads = 1, int chunk = 0);
 
+// One head of chunked_forward on the calling thread (no transition): head h's rows, from
+// state_h ([dk, dv]) advanced in place, out [T, Hv, dv] written for that head only. The same
+// arithmetic as chunked_forward gives the head (the token step for T == 1), for callers that
+// spread heads over threads themselves and run several calls per head in one go.
+void chunked_forward_head(Family f, const RecShape& s, const RecInputs& in, int64_t h, float* state_h, float* out,
+                          int chunk = 0);
+
 // Segment summary: S(C|0) and compact T_C of a span, from the zero state, in one chunked pass
 // that also writes the span's outputs when out is non-null.
 struct Summary {

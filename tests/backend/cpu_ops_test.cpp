@@ -1055,6 +1055,55 @@ TEST_F(CpuOps, LinearRecurrenceMatchesReferenceForEveryFamily) {
 }
 
 // ---- segment summaries ---------------------------------------------------------------------------
+// A composition's chain (seam rows, then state <- T state + B, document after document): the CPU
+// runs each head's chain on one thread; the outputs and the final state are those of the separate
+// calls (the base class), bit for bit, on one and two threads, with a link of one row (the token
+// step), a link without rows, a body without T, and more rows than a chunk; the caller's state
+// is not written. A chain with a compact body to replay takes the base class itself.
+TEST_F(CpuOps, GatedDeltaChainPerHeadEqualsSeparateCalls) {
+  const int64_t Hk = 2, Hv = 4, dk = 16, dv = 12;
+  const std::vector<int64_t> rows = {8, 1, 0, 40, 8, 3};
+  int64_t R = 0;
+  for (int64_t r : rows) R += r;
+  Tensor q = randn({R, Hk, dk}, 140), k = randn({R, Hk, dk}, 141), v = randn({R, Hv, dv}, 142);
+  Tensor g = randn({R, Hv}, 143, 0.2f), beta = randn({R, Hv}, 144);
+  for (int64_t i = 0; i < R * Hv; ++i) {
+    g.data<float>()[i] = -std::abs(g.data<float>()[i]);
+    beta.data<float>()[i] = 1.f / (1.f + std::exp(-beta.data<float>()[i]));
+  }
+  std::vector<Tensor> Ts, Bs;
+  for (uint32_t i = 0; i < 5; ++i) {
+    Ts.push_back(randn({Hv, dk, dk}, 150 + i, 0.25f));
+    Bs.push_back(randn({Hv, dk, dv}, 160 + i, 0.5f));
+  }
+  std::vector<Backend::GdnLink> links(rows.size());
+  for (size_t i = 0; i < rows.size(); ++i) {
+    links[i].rows = rows[i];
+    links[i].B = &Bs[i % Bs.size()];
+    links[i].T = i == 3 ? nullptr : &Ts[i % Ts.size()];  // link 3: S + B
+  }
+  links.back().T = links.back().B = nullptr;  // the question: rows only
+  const Tensor s0 = randn({Hv, dk, dv}, 145, 0.5f);
+  for (int threads : {1, 2}) {
+    auto b = make_backend("cpu", threads);
+    Tensor sa = s0.clone(), sb = s0.clone();
+    const Tensor keep = sa;  // the storage the caller passed in
+    Tensor oa = b->alloc(DType::F32, {R, Hv, dv}), ob = b->alloc(DType::F32, {R, Hv, dv});
+    b->gated_delta_chain(q, k, v, g, beta, true, sa, oa, links);
+    b->Backend::gated_delta_chain(q, k, v, g, beta, true, sb, ob, links);
+    EXPECT_EQ(0, std::memcmp(oa.raw(), ob.raw(), oa.nbytes())) << "threads " << threads;
+    EXPECT_EQ(0, std::memcmp(sa.raw(), sb.raw(), sa.nbytes())) << "threads " << threads;
+    EXPECT_NE(sa.raw(), keep.raw());
+    EXPECT_EQ(0, std::memcmp(keep.raw(), s0.raw(), s0.nbytes())) << "the caller's state was written";
+  }
+  std::vector<Backend::GdnLink> short_links = links;
+  short_links.back().rows = 2;
+  Tensor st = s0.clone(), o = be->alloc(DType::F32, {R, Hv, dv});
+  EXPECT_EQ(error_of([&] { be->gated_delta_chain(q, k, v, g, beta, true, st, o, short_links); }),
+            "gated_delta_chain: links cover " + std::to_string(R - 1) + " rows, q f32[" + std::to_string(R) +
+                ", 2, 16] has " + std::to_string(R));
+}
+
 TEST_F(CpuOps, ComposeStateAndIdentity) {
   const int64_t H = 3, dk = 13, dv = 7;
   Tensor T = randn({H, dk, dk}, 90), S = randn({H, dk, dv}, 91), B = randn({H, dk, dv}, 92);

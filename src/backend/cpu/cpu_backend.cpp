@@ -1647,6 +1647,78 @@ void CpuBackend::gated_delta_rule(const Tensor& q, const Tensor& k, const Tensor
                               l2norm_qk, state.data<float>(), out.data<float>(), tr, pool_.size());
 }
 
+// A composition's chain, head by head in one region: each value head's recurrence over a link's
+// rows and its composition (S <- T S + B) depend only on that head, so a thread runs a head's
+// whole chain where the base class ran two regions per document (a warm request composes ~10
+// documents per linear layer, each with a few seam rows). The head's rows take the kernels
+// gated_delta_rule would (gated_delta_forward_head) and its composition compose_state's sgemm, so
+// the bits are those of the separate calls. Chains with a compact body to replay, a bf16 or
+// scalar T, or no composition at all (the state then advances in place) take the base class.
+void CpuBackend::gated_delta_chain(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                   const Tensor& beta, bool l2norm_qk, Tensor& state, Tensor& out,
+                                   std::span<const GdnLink> links) {
+  bool composes = false, per_head = true;
+  for (const auto& L : links) {
+    per_head = per_head && !L.rk && L.rows >= 0;
+    if (L.B && L.T) {
+      composes = true;
+      per_head = per_head && L.T->dtype() == DType::F32 && L.T->ndim() == 3 && L.T->dim(1) != 1;
+    }
+  }
+  if (!composes || !per_head) {
+    Backend::gated_delta_chain(q, k, v, g, beta, l2norm_qk, state, out, links);
+    return;
+  }
+  check_gated_delta_rule(q, k, v, g, beta, state, out, nullptr, DeviceKind::CPU);
+  Tensor own = alloc_uninit(DType::F32, state.shape());  // the caller's state is not written
+  int64_t rows = 0;
+  for (const auto& L : links) {
+    rows += L.rows;
+    if (L.B) {
+      if (L.T)
+        check_compose_state(*L.T, state, *L.B, own, DeviceKind::CPU);
+      else if (L.B->dtype() != DType::F32 || L.B->shape() != state.shape())
+        fail("gated_delta_chain", "body state " + L.B->str() + " does not match the state " + state.str());
+    }
+  }
+  if (rows != q.dim(0))
+    fail("gated_delta_chain",
+         "links cover " + std::to_string(rows) + " rows, q " + q.str() + " has " + std::to_string(q.dim(0)));
+  const int64_t Hk = q.dim(1), dk = q.dim(2), Hv = v.dim(1), dv = v.dim(2);
+  const float *qp = q.data<float>(), *kp = k.data<float>(), *vp = v.data<float>(), *gp = g.data<float>(),
+              *bp = beta.data<float>(), *s0 = state.data<float>();
+  float *sp = own.data<float>(), *op = out.data<float>();
+  const int64_t hs = dk * dv;
+  pool_.parallel_for(Hv, [&](int64_t h0, int64_t h1) {
+    float* tmp = scratch(t_panel, static_cast<size_t>(hs));
+    for (int64_t h = h0; h < h1; ++h) {
+      float* S = sp + h * hs;
+      std::memcpy(S, s0 + h * hs, static_cast<size_t>(hs) * 4);
+      int64_t r0 = 0;
+      for (const auto& L : links) {
+        if (L.rows > 0) {
+          linear::gated_delta_forward_head({L.rows, Hk, Hv, dk, dv}, qp + r0 * Hk * dk, kp + r0 * Hk * dk,
+                                           vp + r0 * Hv * dv, gp + r0 * Hv, bp + r0 * Hv, l2norm_qk, h, S,
+                                           op + r0 * Hv * dv);
+          r0 += L.rows;
+        }
+        if (!L.B) continue;
+        const float* B = L.B->data<float>() + h * hs;
+        if (!L.T) {
+          for (int64_t i = 0; i < hs; ++i) S[i] = S[i] + B[i];
+          continue;
+        }
+        std::memcpy(tmp, B, static_cast<size_t>(hs) * 4);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(dk), static_cast<int>(dv),
+                    static_cast<int>(dk), 1.f, L.T->data<float>() + h * dk * dk, static_cast<int>(dk), S,
+                    static_cast<int>(dv), 1.f, tmp, static_cast<int>(dv));
+        std::memcpy(S, tmp, static_cast<size_t>(hs) * 4);
+      }
+    }
+  });
+  state = own;
+}
+
 // ================================================================================================
 // The other families' recurrences (linear/recurrence.h's chunked kernels) and the layer pieces of
 // Nemotron-H and MiniMax.

@@ -74,6 +74,8 @@ class CpuBackend : public Backend {
                  Tensor& beta) override;
   void gated_delta_rule(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
                         bool l2norm_qk, Tensor& state, Tensor& out, Tensor* transition = nullptr) override;
+  void gated_delta_chain(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                         bool l2norm_qk, Tensor& state, Tensor& out, std::span<const GdnLink> links) override;
 
   void linear_recurrence(const Recurrence& r, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                          const Tensor& beta, const Tensor& log_gamma, Tensor& state, Tensor& out,
