@@ -1083,19 +1083,34 @@ TEST_F(CpuOps, GatedDeltaChainPerHeadEqualsSeparateCalls) {
     links[i].T = i == 3 ? nullptr : &Ts[i % Ts.size()];  // link 3: S + B
   }
   links.back().T = links.back().B = nullptr;  // the question: rows only
-  const Tensor s0 = randn({Hv, dk, dv}, 145, 0.5f);
-  for (int threads : {1, 2}) {
-    auto b = make_backend("cpu", threads);
-    Tensor sa = s0.clone(), sb = s0.clone();
-    const Tensor keep = sa;  // the storage the caller passed in
-    Tensor oa = b->alloc(DType::F32, {R, Hv, dv}), ob = b->alloc(DType::F32, {R, Hv, dv});
-    b->gated_delta_chain(q, k, v, g, beta, true, sa, oa, links);
-    b->Backend::gated_delta_chain(q, k, v, g, beta, true, sb, ob, links);
-    EXPECT_EQ(0, std::memcmp(oa.raw(), ob.raw(), oa.nbytes())) << "threads " << threads;
-    EXPECT_EQ(0, std::memcmp(sa.raw(), sb.raw(), sa.nbytes())) << "threads " << threads;
-    EXPECT_NE(sa.raw(), keep.raw());
-    EXPECT_EQ(0, std::memcmp(keep.raw(), s0.raw(), s0.nbytes())) << "the caller's state was written";
+  // A compact body (recurrence inputs replayed, rk standing in for the queries): with T and B on
+  // link 0 here, and alone in a second chain without any T.
+  const int64_t n = 20;
+  Tensor rk = randn({n, Hk, dk}, 146), rv = randn({n, Hv, dv}, 147), rg = randn({n, Hv}, 148, 0.2f),
+         rb = randn({n, Hv}, 149);
+  for (int64_t i = 0; i < n * Hv; ++i) {
+    rg.data<float>()[i] = -std::abs(rg.data<float>()[i]);
+    rb.data<float>()[i] = 1.f / (1.f + std::exp(-rb.data<float>()[i]));
   }
+  links[0].rk = &rk, links[0].rv = &rv, links[0].rg = &rg, links[0].rbeta = &rb;
+  std::vector<Backend::GdnLink> replay_only = {links[1], links[0], links.back()};
+  replay_only[0].T = replay_only[0].B = replay_only[1].T = replay_only[1].B = nullptr;
+  replay_only[1].rows = R - 1 - rows.back();
+  const Tensor s0 = randn({Hv, dk, dv}, 145, 0.5f);
+  for (const auto* chain : {&links, &replay_only})
+    for (int threads : {1, 2}) {
+      SCOPED_TRACE(std::string(chain == &links ? "chain" : "replay only") + ", threads " + std::to_string(threads));
+      auto b = make_backend("cpu", threads);
+      Tensor sa = s0.clone(), sb = s0.clone();
+      const Tensor keep = sa;  // the storage the caller passed in
+      Tensor oa = b->alloc(DType::F32, {R, Hv, dv}), ob = b->alloc(DType::F32, {R, Hv, dv});
+      b->gated_delta_chain(q, k, v, g, beta, true, sa, oa, *chain);
+      b->Backend::gated_delta_chain(q, k, v, g, beta, true, sb, ob, *chain);
+      EXPECT_EQ(0, std::memcmp(oa.raw(), ob.raw(), oa.nbytes()));
+      EXPECT_EQ(0, std::memcmp(sa.raw(), sb.raw(), sa.nbytes()));
+      EXPECT_NE(sa.raw(), keep.raw());
+      EXPECT_EQ(0, std::memcmp(keep.raw(), s0.raw(), s0.nbytes())) << "the caller's state was written";
+    }
   std::vector<Backend::GdnLink> short_links = links;
   short_links.back().rows = 2;
   Tensor st = s0.clone(), o = be->alloc(DType::F32, {R, Hv, dv});

@@ -1652,28 +1652,32 @@ void CpuBackend::gated_delta_rule(const Tensor& q, const Tensor& k, const Tensor
 // whole chain where the base class ran two regions per document (a warm request composes ~10
 // documents per linear layer, each with a few seam rows). The head's rows take the kernels
 // gated_delta_rule would (gated_delta_forward_head) and its composition compose_state's sgemm, so
-// the bits are those of the separate calls. Chains with a compact body to replay, a bf16 or
-// scalar T, or no composition at all (the state then advances in place) take the base class.
+// the bits are those of the separate calls; a compact body is replayed the same way. Chains with
+// a bf16 or scalar T, or without a body (the state then advances in place), take the base class.
 void CpuBackend::gated_delta_chain(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                    const Tensor& beta, bool l2norm_qk, Tensor& state, Tensor& out,
                                    std::span<const GdnLink> links) {
-  bool composes = false, per_head = true;
+  bool body = false, per_head = true;
   for (const auto& L : links) {
-    per_head = per_head && !L.rk && L.rows >= 0;
-    if (L.B && L.T) {
-      composes = true;
-      per_head = per_head && L.T->dtype() == DType::F32 && L.T->ndim() == 3 && L.T->dim(1) != 1;
-    }
+    per_head = per_head && L.rows >= 0 && (!L.rk || (L.rv && L.rg && L.rbeta));
+    body = body || L.rk || L.B;
+    if (L.B && L.T) per_head = per_head && L.T->dtype() == DType::F32 && L.T->ndim() == 3 && L.T->dim(1) != 1;
   }
-  if (!composes || !per_head) {
+  if (!body || !per_head) {
     Backend::gated_delta_chain(q, k, v, g, beta, l2norm_qk, state, out, links);
     return;
   }
   check_gated_delta_rule(q, k, v, g, beta, state, out, nullptr, DeviceKind::CPU);
   Tensor own = alloc_uninit(DType::F32, state.shape());  // the caller's state is not written
+  std::vector<Tensor> dropped(links.size());             // a replayed body's outputs
   int64_t rows = 0;
-  for (const auto& L : links) {
+  for (size_t i = 0; i < links.size(); ++i) {
+    const GdnLink& L = links[i];
     rows += L.rows;
+    if (L.rk) {
+      dropped[i] = alloc_uninit(DType::F32, {L.rk->dim(0), state.dim(0), state.dim(2)});
+      check_gated_delta_rule(*L.rk, *L.rk, *L.rv, *L.rg, *L.rbeta, state, dropped[i], nullptr, DeviceKind::CPU);
+    }
     if (L.B) {
       if (L.T)
         check_compose_state(*L.T, state, *L.B, own, DeviceKind::CPU);
@@ -1695,13 +1699,18 @@ void CpuBackend::gated_delta_chain(const Tensor& q, const Tensor& k, const Tenso
       float* S = sp + h * hs;
       std::memcpy(S, s0 + h * hs, static_cast<size_t>(hs) * 4);
       int64_t r0 = 0;
-      for (const auto& L : links) {
+      for (size_t i = 0; i < links.size(); ++i) {
+        const GdnLink& L = links[i];
         if (L.rows > 0) {
           linear::gated_delta_forward_head({L.rows, Hk, Hv, dk, dv}, qp + r0 * Hk * dk, kp + r0 * Hk * dk,
                                            vp + r0 * Hv * dv, gp + r0 * Hv, bp + r0 * Hv, l2norm_qk, h, S,
                                            op + r0 * Hv * dv);
           r0 += L.rows;
         }
+        if (L.rk)  // a compact body: its recurrence replayed from the state reached, rk as the queries
+          linear::gated_delta_forward_head({L.rk->dim(0), Hk, Hv, dk, dv}, L.rk->data<float>(), L.rk->data<float>(),
+                                           L.rv->data<float>(), L.rg->data<float>(), L.rbeta->data<float>(), l2norm_qk,
+                                           h, S, dropped[i].data<float>());
         if (!L.B) continue;
         const float* B = L.B->data<float>() + h * hs;
         if (!L.T) {
