@@ -951,18 +951,14 @@ std::optional<PrefillResult> PicEngine::step_compose(ComposeRun& c, int64_t max_
       groups.emplace_back(spans.size(), Q);
     }
     if (!per_segment && x.defined()) {
-      // One call for the context's rows (each span's `after` applied in order). Under
-      // row-independent products the question is a call of its own with the usual products: its
-      // rows depend only on themselves and on the composed state, which is the same either way.
-      if (row_independent.on && q_here)
-        groups.assign({{spans.size() - 1, x.dim(0) - Q}, {spans.size(), Q}});
-      else
-        groups.assign(1, {spans.size(), x.dim(0)});
+      // One call for every row (each span's `after` applied in order), the question's included:
+      // on AVX-512 row-independent products run at the usual products' rate (docs/perf-notes.md),
+      // and one call per layer reads the weights once.
+      groups.assign(1, {spans.size(), x.dim(0)});
     }
     size_t s0 = 0;
     int64_t r0 = 0;
     for (const auto& [s1, n] : groups) {
-      if (row_independent.on) be.set_row_independent(!(q_here && s1 == spans.size()));
       if (n == 0) {
         for (size_t i = s0; i < s1; ++i)
           if (spans[i].after.any()) m.apply_after(*spans[i].state, spans[i].after);
