@@ -795,6 +795,34 @@ TEST_F(CpuOps, CausalConvSpansRestartFromEachTail) {
   std::vector<Tensor> aliased = {blocks[0], blocks[0], blocks[2]};
   EXPECT_EQ(error_of([&] { be->causal_conv1d_silu_spans(x, w, spans, state2, aliased); }),
             "causal_conv1d_silu_spans: out block 1 overlaps block 0");
+  // A GDN conv's width over two threads (a thread's columns cross the blocks' edges), bf16
+  // weights, seams of 8 rows between cached tails: the bits of a conv call per span (the base
+  // class, into one tensor).
+  {
+    const int64_t Cw = 520, R = 8 * 5 + 13;
+    auto two = make_backend("cpu", 2);
+    Tensor xw = randn({R, Cw}, 35), ww = as(randn({Cw, K}, 36, 0.5f), DType::BF16), sw = randn({P, Cw}, 37);
+    std::vector<Tensor> tails;
+    for (uint32_t i = 0; i < 4; ++i) tails.push_back(randn({P, Cw}, 38 + i));
+    std::vector<Backend::ConvSpan> seams;
+    for (size_t i = 0; i < tails.size(); ++i) seams.push_back({i == 1 ? 2 : 8, &tails[i]});
+    seams.push_back({R - 8 * 3 - 2, nullptr});
+    std::vector<Tensor> ba = {two->alloc(DType::F32, {R, 128}), two->alloc(DType::F32, {R, 136}),
+                              two->alloc(DType::F32, {R, 256})};
+    Tensor whole = two->alloc(DType::F32, {R, Cw});
+    Tensor sa = sw.clone(), sb = sw.clone();
+    two->causal_conv1d_silu_spans(xw, ww, seams, sa, ba);
+    two->Backend::causal_conv1d_silu_spans(xw, ww, seams, sb, std::span<Tensor>(&whole, 1));
+    const float* wp = whole.data<float>();
+    int64_t col = 0;
+    for (const Tensor& b : ba) {
+      for (int64_t t = 0; t < R; ++t)
+        EXPECT_EQ(0, std::memcmp(b.data<float>() + t * b.dim(1), wp + t * Cw + col, b.dim(1) * sizeof(float)))
+            << "row " << t << " block at column " << col;
+      col += b.dim(1);
+    }
+    EXPECT_EQ(0, std::memcmp(sa.raw(), sb.raw(), sa.nbytes()));
+  }
 }
 
 // Row copies: plain pieces land where they belong, rotated pieces are rope_neox by the shift.

@@ -1555,6 +1555,60 @@ void CpuBackend::attention_spans(const Tensor& q, const Tensor& k, const Tensor&
 // ================================================================================================
 // Linear-attention pieces.
 // ================================================================================================
+namespace {
+// The weights of columns [c0, c0 + nc) as f32, k-major: wt [K][nc].
+void conv_weights(const Tensor& w, int64_t K, int64_t c0, int64_t nc, float* wt) {
+  const size_t es = dtype_size(w.dtype());
+  for (int64_t c = c0; c < c0 + nc; ++c) {
+    float tmp[64];
+    if (K <= 64) {
+      to_f32_row(static_cast<const char*>(w.raw()) + c * K * es, w.dtype(), tmp, K);
+      for (int64_t j = 0; j < K; ++j) wt[j * nc + (c - c0)] = tmp[j];
+    } else {
+      for (int64_t j = 0; j < K; ++j) {
+        float f;
+        to_f32_row(static_cast<const char*>(w.raw()) + (c * K + j) * es, w.dtype(), &f, 1);
+        wt[j * nc + (c - c0)] = f;
+      }
+    }
+  }
+}
+
+// T rows of the conv for columns [a, b): x rows from xp (row stride C), the P = K - 1 rows before
+// them in the state sp ([P, C]); weights wt of the columns from a (row stride ldw); the SiLU of
+// each sum to o (column a of row 0, row stride ldo). row: nc >= b - a floats of scratch.
+void conv_cols(const float* xp, const float* sp, int64_t C, int64_t T, int64_t K, const float* wt, int64_t ldw,
+               int64_t a, int64_t b, float* row, float* o, int64_t ldo) {
+  const int64_t P = K - 1, nc = b - a;
+  auto xx = [&](int64_t r) -> const float* { return r < P ? sp + r * C + a : xp + (r - P) * C + a; };
+  for (int64_t t = 0; t < T; ++t) {
+    std::fill(row, row + nc, 0.f);
+    for (int64_t j = 0; j < K; ++j) {
+      const float* __restrict src = xx(t + j);
+      const float* __restrict wj = wt + j * ldw;
+      for (int64_t c = 0; c < nc; ++c) row[c] += wj[c] * src[c];
+    }
+    float* ot = o + t * ldo;
+    int64_t c = 0;
+#ifdef HYPIC_AVX2
+    for (; c + 8 <= nc; c += 8) _mm256_storeu_ps(ot + c, silu256(_mm256_loadu_ps(row + c)));
+#endif
+    for (; c < nc; ++c) ot[c] = silu(row[c]);
+  }
+}
+
+// The state's columns [c0, c1) past T rows of x: rows T .. T+P-1 of (state ++ x). Forward order is
+// safe in place because row T + r >= r.
+void conv_advance(const float* xp, float* sp, int64_t C, int64_t T, int64_t P, int64_t c0, int64_t c1) {
+  for (int64_t r = 0; r < P; ++r) {
+    const int64_t k = T + r;
+    const float* src = k < P ? sp + k * C + c0 : xp + (k - P) * C + c0;
+    float* dst = sp + r * C + c0;
+    if (src != dst) std::memmove(dst, src, static_cast<size_t>(c1 - c0) * 4);
+  }
+}
+}  // namespace
+
 void CpuBackend::causal_conv1d_silu(const Tensor& x, const Tensor& w, Tensor& state, Tensor& out) {
   check_conv1d(x, w, state, out, DeviceKind::CPU);
   const int64_t T = x.dim(0), C = x.dim(1), K = w.dim(-1);
@@ -1562,48 +1616,56 @@ void CpuBackend::causal_conv1d_silu(const Tensor& x, const Tensor& w, Tensor& st
   const float* xp = x.data<float>();
   float* sp = state.data<float>();
   float* op_ = out.data<float>();
-  const int64_t P = K - 1;
   pool_.parallel_for(
       C,
       [&](int64_t c0, int64_t c1) {
         const int64_t nc = c1 - c0;
         float* wt = scratch(t_buf0, static_cast<size_t>(K * nc));  // [K][nc], f32
         float* row = scratch(t_buf1, static_cast<size_t>(nc));
-        for (int64_t c = c0; c < c1; ++c) {
-          float tmp[64];
-          const int64_t kk = std::min<int64_t>(K, 64);
-          if (K <= 64) {
-            to_f32_row(static_cast<const char*>(w.raw()) + c * K * dtype_size(w.dtype()), w.dtype(), tmp, kk);
-            for (int64_t j = 0; j < K; ++j) wt[j * nc + (c - c0)] = tmp[j];
-          } else {
-            for (int64_t j = 0; j < K; ++j) {
-              float f;
-              to_f32_row(static_cast<const char*>(w.raw()) + (c * K + j) * dtype_size(w.dtype()), w.dtype(), &f, 1);
-              wt[j * nc + (c - c0)] = f;
+        conv_weights(w, K, c0, nc, wt);
+        conv_cols(xp, sp, C, T, K, wt, nc, c0, c1, row, op_ + c0, C);
+        conv_advance(xp, sp, C, T, K - 1, c0, c1);
+      },
+      std::max<int64_t>(8, 4096 / std::max<int64_t>(1, T * K)));
+}
+
+// Every span in one region over columns: a column's conv depends only on that column of the
+// inputs, the state and the spans' cached tails (after), so a thread runs its columns through all
+// spans, writing each output block's columns in place, where the base class ran a region per span
+// and copied the result into the blocks. The same arithmetic per column as causal_conv1d_silu.
+void CpuBackend::causal_conv1d_silu_spans(const Tensor& x, const Tensor& w, std::span<const ConvSpan> spans,
+                                          Tensor& state, std::span<Tensor> out_cols) {
+  check_conv1d_spans(x, w, spans, state, out_cols, DeviceKind::CPU);
+  const int64_t T = x.dim(0), C = x.dim(1), K = w.dim(-1), P = K - 1;
+  if (C == 0) return;
+  std::vector<int64_t> first(out_cols.size() + 1, 0);  // the blocks' first columns
+  for (size_t i = 0; i < out_cols.size(); ++i) first[i + 1] = first[i] + out_cols[i].dim(1);
+  const float* xp = x.data<float>();
+  float* sp = state.data<float>();
+  pool_.parallel_for(
+      C,
+      [&](int64_t c0, int64_t c1) {
+        const int64_t nc = c1 - c0;
+        float* wt = scratch(t_buf0, static_cast<size_t>(K * nc));
+        float* row = scratch(t_buf1, static_cast<size_t>(nc));
+        conv_weights(w, K, c0, nc, wt);
+        int64_t r0 = 0;
+        for (const auto& s : spans) {
+          if (s.rows > 0) {
+            for (size_t i = 0; i < out_cols.size(); ++i) {
+              const int64_t a = std::max(c0, first[i]), b = std::min(c1, first[i + 1]);
+              if (a >= b) continue;
+              const int64_t ldo = out_cols[i].dim(1);
+              conv_cols(xp + r0 * C, sp, C, s.rows, K, wt + (a - c0), nc, a, b, row,
+                        out_cols[i].data<float>() + r0 * ldo + (a - first[i]), ldo);
             }
+            conv_advance(xp + r0 * C, sp, C, s.rows, P, c0, c1);
+            r0 += s.rows;
           }
-        }
-        auto xx = [&](int64_t r) -> const float* { return r < P ? sp + r * C + c0 : xp + (r - P) * C + c0; };
-        for (int64_t t = 0; t < T; ++t) {
-          std::fill(row, row + nc, 0.f);
-          for (int64_t j = 0; j < K; ++j) {
-            const float* __restrict src = xx(t + j);
-            const float* __restrict wj = wt + j * nc;
-            for (int64_t c = 0; c < nc; ++c) row[c] += wj[c] * src[c];
+          if (s.after) {
+            const float* src = s.after->data<float>();
+            for (int64_t r = 0; r < P; ++r) std::memcpy(sp + r * C + c0, src + r * C + c0, static_cast<size_t>(nc) * 4);
           }
-          float* o = op_ + t * C + c0;
-          int64_t c = 0;
-#ifdef HYPIC_AVX2
-          for (; c + 8 <= nc; c += 8) _mm256_storeu_ps(o + c, silu256(_mm256_loadu_ps(row + c)));
-#endif
-          for (; c < nc; ++c) o[c] = silu(row[c]);
-        }
-        // Advance the state: it becomes rows T .. T+P-1 of (state ++ x). Forward order is safe in place
-        // because row T + r >= r.
-        for (int64_t r = 0; r < P; ++r) {
-          const float* src = xx(T + r);
-          float* dst = sp + r * C + c0;
-          if (src != dst) std::memmove(dst, src, static_cast<size_t>(nc) * 4);
         }
       },
       std::max<int64_t>(8, 4096 / std::max<int64_t>(1, T * K)));

@@ -70,6 +70,9 @@ class CpuBackend : public Backend {
                        Tensor& out) override;
 
   void causal_conv1d_silu(const Tensor& x, const Tensor& w, Tensor& state, Tensor& out) override;
+  using Backend::causal_conv1d_silu_spans;
+  void causal_conv1d_silu_spans(const Tensor& x, const Tensor& w, std::span<const ConvSpan> spans, Tensor& state,
+                                std::span<Tensor> out_cols) override;
   void gdn_gates(const Tensor& a, const Tensor& b, const Tensor& A_log, const Tensor& dt_bias, Tensor& g,
                  Tensor& beta) override;
   void gated_delta_rule(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
