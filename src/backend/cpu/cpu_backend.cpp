@@ -940,14 +940,16 @@ bool CpuBackend::chain_applies(int64_t M, int64_t K, DType wd) const {
 
 // y_i = x W_i^T for every i as one parallel region over the weights' rows laid end to end, with x
 // transposed once for all of them (from 16 rows): the projections that share an input (q/k/v and
-// the gates, gate/up) cost one hand-off to the pool instead of one each, and a two-row product of
-// the gates no longer runs on one thread while the other waits. Each output is its own FMA chain,
+// the gates, gate/up) cost one hand-off to the pool instead of one each, and the gates' four-row
+// products no longer run on one thread while the other waits. Each output is its own FMA chain,
 // so the bits do not depend on how the rows are split.
 void CpuBackend::chain_products(const Tensor& x, std::span<const Tensor* const> w, std::span<Tensor* const> y,
                                 bool accumulate) {
   const int64_t M = x.dim(0), K = x.dim(1);
   const float* xp = x.data<float>();
   constexpr size_t kMax = 8;
+  if (w.size() != y.size() || w.size() > kMax)
+    throw std::logic_error("chain_products: at most 8 weights, one output each");
   int64_t off[kMax + 1] = {0};
   for (size_t i = 0; i < w.size(); ++i) off[i + 1] = off[i] + w[i]->dim(0);
   const int64_t total = off[w.size()];
@@ -1301,7 +1303,7 @@ void rope_angles(int64_t position, const std::vector<float>& inv_freq, float* c,
   }
 }
 
-// One token's H heads of D values, the first 2 half of each rotated.
+// One token's H heads of D values, the first 2 * half of each rotated.
 void rope_token(float* x, int64_t H, int64_t D, int half, const float* c, const float* s) {
   for (int64_t h = 0; h < H; ++h) {
     float* r = x + h * D;
@@ -1424,12 +1426,14 @@ void CpuBackend::attention_decode(const float* q, const float* k, const float* v
 // BK keys: S = Qp K^T (sgemm), online softmax update, O += P V (sgemm). Work items (span, kv head,
 // query block) are taken dynamically, those that see the most keys first.
 namespace {
+constexpr int64_t kAttentionKeyBlock = 256;  // keys per block of scores
+
 // One block of queries against one KV head: rows t0..t1 of q (all G query heads of KV head g),
 // online softmax over key blocks of BK. Qp, Sb, O, m, l: the caller's scratch.
 void attend_block(const float* q, const float* k, const float* v, int64_t t0, int64_t t1, int64_t g, int64_t Hq,
                   int64_t Hkv, int64_t D, int64_t Dv, int64_t kv_len, int64_t q_offset, float scale, float* out,
                   float* Qp, float* Sb, float* O, float* m, float* l) {
-  constexpr int64_t BK = 256;
+  constexpr int64_t BK = kAttentionKeyBlock;
   const int64_t G = Hq / Hkv, rows = (t1 - t0) * G;
   for (int64_t t = t0; t < t1; ++t)
     for (int64_t hh = 0; hh < G; ++hh) {
@@ -1511,7 +1515,7 @@ void CpuBackend::attention_tiled_spans(const float* q, const float* k, const flo
   pool_.parallel_for(std::min<int64_t>(pool_.size(), static_cast<int64_t>(items.size())), [&](int64_t, int64_t) {
     const int64_t R = BQ * G;
     float* Qp = scratch(t_buf0, static_cast<size_t>(R * D));
-    float* Sb = scratch(t_buf1, static_cast<size_t>(R * 256));
+    float* Sb = scratch(t_buf1, static_cast<size_t>(R * kAttentionKeyBlock));
     float* O = scratch(t_buf2, static_cast<size_t>(R * Dv));
     float* ml = scratch(t_buf3, static_cast<size_t>(2 * R));
     for (;;) {
