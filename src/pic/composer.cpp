@@ -953,7 +953,9 @@ std::optional<PrefillResult> PicEngine::step_compose(ComposeRun& c, int64_t max_
     if (!per_segment && x.defined()) {
       // One call for every row (each span's `after` applied in order), the question's included:
       // on AVX-512 row-independent products run at the usual products' rate (docs/perf-notes.md),
-      // and one call per layer reads the weights once.
+      // and one call per layer reads the weights once. The question stays row-independent when
+      // it comes alone in a last step too: composing in steps must give one call's logits, bit
+      // for bit (Pic.ComposeInStepsEqualsOneCall).
       groups.assign(1, {spans.size(), x.dim(0)});
     }
     size_t s0 = 0;
