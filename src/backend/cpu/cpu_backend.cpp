@@ -1003,18 +1003,23 @@ void CpuBackend::chain_products(const Tensor& x, std::span<const Tensor* const> 
 void CpuBackend::matmul_many(const Tensor& x, std::initializer_list<Tensor> w, std::initializer_list<Tensor> y) {
 #ifdef HYPIC_BLOCKED_GEMM16
   // One region for products that all take the chain kernels; anything else one call each.
-  bool fused = w.size() == y.size() && w.size() >= 2 && w.size() <= 8;
-  const Tensor* ws[8];
-  Tensor* ys[8];
-  std::vector<Tensor> outs(y);  // views sharing y's storage
-  size_t i = 0;
-  for (auto wi = w.begin(); fused && wi != w.end(); ++wi, ++i) {
-    check_matmul(x, *wi, outs[i], DeviceKind::CPU);
-    fused = x.dim(0) > 0 && x.dim(1) > 0 && wi->dim(0) > 0 && chain_applies(x.dim(0), x.dim(1), wi->dtype());
-    ws[i] = &*wi;
-    ys[i] = &outs[i];
-  }
+  // Decided from shapes and dtypes first, so prefill and decode (which take other kernels) pay
+  // nothing here beyond these tests.
+  bool fused = w.size() == y.size() && w.size() >= 2 && w.size() <= 8 && x.ndim() == 2 && x.dim(0) > 0 && x.dim(1) > 0;
+  for (auto wi = w.begin(); fused && wi != w.end(); ++wi)
+    fused = wi->defined() && wi->ndim() == 2 && wi->dim(0) > 0 && chain_applies(x.dim(0), x.dim(1), wi->dtype());
   if (fused) {
+    const Tensor* ws[8];
+    Tensor outs[8];  // views sharing y's storage
+    Tensor* ys[8];
+    size_t i = 0;
+    auto yi = y.begin();
+    for (auto wi = w.begin(); wi != w.end(); ++wi, ++yi, ++i) {
+      outs[i] = *yi;
+      check_matmul(x, *wi, outs[i], DeviceKind::CPU);
+      ws[i] = &*wi;
+      ys[i] = &outs[i];
+    }
     chain_products(x, std::span<const Tensor* const>(ws, w.size()), std::span<Tensor* const>(ys, w.size()), false);
     return;
   }
