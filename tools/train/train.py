@@ -366,6 +366,9 @@ def main():
     ap.add_argument("--init-from-model", default="",
                     help="start from a model folder's weights (e.g. models/default; bf16 is fine) with a fresh state")
     ap.add_argument("--probe", action="store_true", help="tiny model (CPU recipe experiments)")
+    ap.add_argument("--grow", default="",
+                    help="with --init-from-model: FIRST-LAST, insert copies of those layers after LAST (output "
+                    "projections zero, so the grown model starts as the checkpoint; hybrid.grow_layers)")
     ap.add_argument("--seconds", type=float, required=True, help="training seconds in this call")
     ap.add_argument("--decay-seconds", type=float, default=0.0, help="linear lr decay over the call's last seconds")
     ap.add_argument("--budget", type=int, default=65536, help="tokens (with padding) per step")
@@ -397,6 +400,8 @@ def main():
     ap.add_argument("--export", default="", help="write the transformers model folder here at the end")
     ap.add_argument("--threads", type=int, default=0)
     args = ap.parse_args()
+    if args.grow and not args.init_from_model:
+        ap.error("--grow needs --init-from-model")
     t_start = time.time()
 
     import numpy as np
@@ -426,13 +431,23 @@ def main():
     log(f"torch {torch.__version__} device {dev}; eos {eos} pad {pad}")
 
     kw = PROBE_KW if args.probe else MODEL_KW
+    if args.init_from_model:  # the folder's own shape (a grown model has more layers)
+        from hybrid import CONFIG_KEYS
+
+        cfg = json.load(open(os.path.join(args.init_from_model, "config.json")))
+        kw = dict(MODEL_KW, **{k: cfg[k] for k in CONFIG_KEYS})  # tied embeddings, positions as MODEL_KW
     torch.manual_seed(args.seed)
     model = HybridLM(kw)
     state = {"step": 0, "trained_s": 0.0, "tokens": 0, "calls": 0, "stage": 0, "stage_step": 0}
     if args.init_from_model:
-        from hybrid import load_weights
+        from hybrid import grow_layers, load_weights
 
         load_weights(model, args.init_from_model)
+        if args.grow:
+            first, last = (int(v) for v in args.grow.split("-"))
+            grow_layers(model, first, last)
+            kw = dict(model.cfg)
+            log(f"grown: copies of layers {first}-{last} after layer {last}; layer_types {kw['layer_types']}")
         state["stage"] = args.start_stage if args.start_stage >= 0 else len(STAGES) - 2
         if os.path.exists(log_path):  # continue the counters of the log that made these weights
             last = [json.loads(l) for l in open(log_path) if '"loss"' in l][-1:]
@@ -441,9 +456,10 @@ def main():
         log(f"weights from {args.init_from_model}; curriculum at stage {state['stage']}; step {state['step']}")
     elif not args.init:
         ck = load_parts(args.work)
+        kw = ck["model_kw"]
+        model = HybridLM(kw)  # the checkpoint's shape (a grown model has more layers)
         model.load_state_dict(ck["model"])
         state = ck["state"]
-        kw = ck["model_kw"]
         log(f"resumed step {state['step']} stage {state['stage']} trained {state['trained_s']:.0f} s")
         if args.start_stage >= 0:
             state["stage"], state["stage_step"] = args.start_stage, 0
