@@ -14,7 +14,7 @@
 #   tools/train/grow_run.sh fetchB [N]        wait for B, copy its model to $OUT
 # Model folders come back as $OUT/NAME/st.partK (15 MiB parts of model.safetensors), their other
 # files and the logs in $OUT/small_A.tar / small_B.tar (small/NAME/): `cat st.part* > model.safetensors`
-# beside them. Knobs: ASECS, BSECS, GROW, SEED.
+# beside them. Knobs: ASECS, BSECS, GROW, NEW_LR_MULT (lr multiplier of the new layers, 2), SEED.
 set -u
 R=/tmp/grow_run; mkdir -p $R
 TT=$(cd "$(dirname "$0")" && pwd)
@@ -28,10 +28,10 @@ pipeline() {
   PYTHONUNBUFFERED=1 python3 train.py --work $R/ctl --out $R/ctl/out --init-from-model ../../models/default $A_ARGS \
     --workers $w --export $R/A_ctl > $R/ctl.log 2>&1 &
   PYTHONUNBUFFERED=1 python3 train.py --work $R/grow --out $R/grow/out --init-from-model ../../models/default \
-    --grow ${g[0]} $A_ARGS --workers $w --export $R/A_grow > $R/grow.log 2>&1 &
+    --grow ${g[0]} --new-lr-mult ${NEW_LR_MULT:-2} $A_ARGS --workers $w --export $R/A_grow > $R/grow.log 2>&1 &
   for x in "${g[@]:1}"; do  # further growths, A only
     PYTHONUNBUFFERED=1 python3 train.py --work $R/grow$x --out $R/grow$x/out --init-from-model ../../models/default \
-      --grow $x $A_ARGS --workers $w --export $R/A_grow$x > $R/grow$x.log 2>&1 &
+      --grow $x --new-lr-mult ${NEW_LR_MULT:-2} $A_ARGS --workers $w --export $R/A_grow$x > $R/grow$x.log 2>&1 &
   done
   wait
   touch $R/A.done

@@ -366,6 +366,7 @@ def main():
     ap.add_argument("--init-from-model", default="",
                     help="start from a model folder's weights (e.g. models/default; bf16 is fine) with a fresh state")
     ap.add_argument("--probe", action="store_true", help="tiny model (CPU recipe experiments)")
+    ap.add_argument("--new-lr-mult", type=float, default=1.0, help="lr multiplier of the --grow layers")
     ap.add_argument("--grow", default="",
                     help="with --init-from-model: FIRST-LAST, insert copies of those layers after LAST (output "
                     "projections zero, so the grown model starts as the checkpoint; hybrid.grow_layers)")
@@ -438,6 +439,7 @@ def main():
         kw = dict(MODEL_KW, **{k: cfg[k] for k in CONFIG_KEYS})  # tied embeddings, positions as MODEL_KW
     torch.manual_seed(args.seed)
     model = HybridLM(kw)
+    new_ids = set()  # parameters of grown layers (--new-lr-mult)
     state = {"step": 0, "trained_s": 0.0, "tokens": 0, "calls": 0, "stage": 0, "stage_step": 0}
     if args.init_from_model:
         from hybrid import grow_layers, load_weights
@@ -445,7 +447,7 @@ def main():
         load_weights(model, args.init_from_model)
         if args.grow:
             first, last = (int(v) for v in args.grow.split("-"))
-            grow_layers(model, first, last)
+            new_ids = {id(p) for p in grow_layers(model, first, last)}
             kw = dict(model.cfg)
             log(f"grown: copies of layers {first}-{last} after layer {last}; layer_types {kw['layer_types']}")
         state["stage"] = args.start_stage if args.start_stage >= 0 else len(STAGES) - 2
@@ -496,13 +498,14 @@ def main():
                 pool.extend(make_batches(rng, encode_batch, state["stage"], args.budget, eos, pad))
             return pool.pop()
 
-    decay, no_decay = [], []
+    groups = {}  # (weight decay, lr multiplier) -> parameters
     for n, p in model.named_parameters():
-        (decay if p.ndim >= 2 and "embed" not in n else no_decay).append(p)
+        key = (0.05 if p.ndim >= 2 and "embed" not in n else 0.0, args.new_lr_mult if id(p) in new_ids else 1.0)
+        groups.setdefault(key, []).append(p)
     opt_kw = dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
     if dev == "cuda":
         opt_kw["fused"] = True
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}],
+    opt = torch.optim.AdamW([{"params": ps, "weight_decay": wd, "mult": m} for (wd, m), ps in groups.items()],
                             **opt_kw)
     ntask = len(TRAIN_TASKS)
 
@@ -584,7 +587,7 @@ def main():
             if args.decay_seconds > 0 and el > args.seconds - args.decay_seconds:
                 lr *= max(0.05, (args.seconds - el) / args.decay_seconds)
             for gr in opt.param_groups:
-                gr["lr"] = lr
+                gr["lr"] = lr * gr["mult"]
             bx, by, bk, bb, bt, bstage = next_batch()
             x, y, kd, blk, bt_t = (torch.from_numpy(a).to(dev, non_blocking=True) for a in (bx, by, bk, bb, bt))
             if args.profile_steps and state["step"] - step0 == 10:
