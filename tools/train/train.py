@@ -403,6 +403,8 @@ def main():
     args = ap.parse_args()
     if args.grow and not args.init_from_model:
         ap.error("--grow needs --init-from-model")
+    if args.grow and not re.fullmatch(r"\d+-\d+", args.grow):
+        ap.error(f"--grow {args.grow!r}: expected FIRST-LAST, e.g. 4-7")
     t_start = time.time()
 
     import numpy as np
