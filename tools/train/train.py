@@ -450,6 +450,7 @@ def main():
         if args.grow:
             first, last = (int(v) for v in args.grow.split("-"))
             new_ids = {id(p) for p in grow_layers(model, first, last)}
+            state["grown_params"] = [n for n, p in model.named_parameters() if id(p) in new_ids]
             kw = dict(model.cfg)
             log(f"grown: copies of layers {first}-{last} after layer {last}; layer_types {kw['layer_types']}")
         state["stage"] = args.start_stage if args.start_stage >= 0 else len(STAGES) - 2
@@ -464,6 +465,8 @@ def main():
         model = HybridLM(kw)  # the checkpoint's shape (a grown model has more layers)
         model.load_state_dict(ck["model"])
         state = ck["state"]
+        grown = set(state.get("grown_params", []))  # --new-lr-mult keeps applying after a resume
+        new_ids = {id(p) for n, p in model.named_parameters() if n in grown}
         log(f"resumed step {state['step']} stage {state['stage']} trained {state['trained_s']:.0f} s")
         if args.start_stage >= 0:
             state["stage"], state["stage_step"] = args.start_stage, 0
