@@ -14,7 +14,8 @@
 #   tools/train/grow_run.sh fetchB [N]        wait for B, copy its model to $OUT
 # Model folders come back as $OUT/NAME/st.partK (15 MiB parts of model.safetensors), their other
 # files and the logs in $OUT/small_A.tar / small_B.tar (small/NAME/): `cat st.part* > model.safetensors`
-# beside them. Knobs: ASECS, BSECS, GROW, NEW_LR_MULT (lr multiplier of the new layers, 2), SEED.
+# beside them. Knobs: ASECS, BSECS, GROW, NEW_LR_MULT (lr multiplier of the new layers, 2), SEED,
+# CONTROL (0: no control run; the pair needs ~80 GB, an H200), A_FROM (an absolute folder: phase B alone, from it).
 set -u
 R=/tmp/grow_run; mkdir -p $R
 TT=$(cd "$(dirname "$0")" && pwd)
@@ -24,20 +25,29 @@ A_ARGS="--start-stage 2 --max-stage 3 --min-stage-steps 1000 --seconds ${ASECS:-
 pipeline() {
   cd "$TT"
   local g=(${GROW:-4-7}) w
-  w=$((14 / (${#g[@]} + 1)))  # data workers per run: 16 cores in all
-  PYTHONUNBUFFERED=1 python3 train.py --work $R/ctl --out $R/ctl/out --init-from-model ../../models/default $A_ARGS \
+  local c=${CONTROL:-1}  # CONTROL=0: the grown runs alone (two 65536-token runs overflow an H100)
+  export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+  local a=${A_FROM:-$R/A_grow}  # A_FROM=FOLDER: phase B alone, from that (e.g. a carried A export)
+  [ -n "${A_FROM:-}" ] && g=() c=0
+  w=$((14 / (${#g[@]} + c > 0 ? ${#g[@]} + c : 1)))  # data workers per run: 16 cores in all
+  [ $c = 1 ] && PYTHONUNBUFFERED=1 python3 train.py --work $R/ctl --out $R/ctl/out --init-from-model ../../models/default $A_ARGS \
     --workers $w --export $R/A_ctl > $R/ctl.log 2>&1 &
-  PYTHONUNBUFFERED=1 python3 train.py --work $R/grow --out $R/grow/out --init-from-model ../../models/default \
-    --grow ${g[0]} --new-lr-mult ${NEW_LR_MULT:-2} $A_ARGS --workers $w --export $R/A_grow > $R/grow.log 2>&1 &
+  [ ${#g[@]} -gt 0 ] && PYTHONUNBUFFERED=1 python3 train.py --work $R/grow --out $R/grow/out --init-from-model \
+    ../../models/default --grow ${g[0]} --new-lr-mult ${NEW_LR_MULT:-2} $A_ARGS --workers $w --export $R/A_grow \
+    > $R/grow.log 2>&1 &
   for x in "${g[@]:1}"; do  # further growths, A only
     PYTHONUNBUFFERED=1 python3 train.py --work $R/grow$x --out $R/grow$x/out --init-from-model ../../models/default \
       --grow $x --new-lr-mult ${NEW_LR_MULT:-2} $A_ARGS --workers $w --export $R/A_grow$x > $R/grow$x.log 2>&1 &
   done
   wait
   touch $R/A.done
-  PYTHONUNBUFFERED=1 python3 pic_finetune.py --model $R/A_grow --out $R/B --seconds ${BSECS:-480} --decay-seconds 150 \
-    --micro 16 --accum 32 --lr 4e-4 --warmup 10 --pic-frac 0.85 --task-mix lookup=0.15,twohop=0.35,aggregate=0.5 \
-    --long-frac 0.3 --long-micro 2 --full-rows 65536 --full-rows-stage 3 --full-rows-workers 12 \
+  # micro 16 needs more than an H100's 80 GB on the 16-layer model (out of memory at step 15)
+  local mib micro=16 lmicro=2
+  mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
+  [ "${mib:-0}" -lt 100000 ] && micro=8 lmicro=1
+  PYTHONUNBUFFERED=1 python3 pic_finetune.py --model $a --out $R/B --seconds ${BSECS:-480} --decay-seconds 150 \
+    --micro $micro --accum 32 --lr 4e-4 --warmup 10 --pic-frac 0.85 --task-mix lookup=0.15,twohop=0.35,aggregate=0.5 \
+    --long-frac 0.3 --long-micro $lmicro --full-rows 65536 --full-rows-stage 3 --full-rows-workers 12 \
     --full-rows-mix lookup=0.2,bind=0.05,twohop=0.3,twohop_drill=0.3,aggregate=0.15 \
     --eval-every 100000 --eval-n 20 --eval-long-n 0 --seed ${SEED:-45} --save-every 0 > $R/B.log 2>&1
   touch $R/B.done
@@ -50,6 +60,7 @@ pack() {  # model folder $1 -> $OUT/$2/st.partK (under the 16 MiB a returned fil
 }
 case "${1:-}" in
 start)
+  pkill -f "grow_run.sh pipeline"; pkill -f train.py; pkill -f pic_finetune.py; rm -rf $R; mkdir -p $R
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   setsid nohup bash "$0" pipeline > $R/pipeline.log 2>&1 < /dev/null &
   end=$((SECONDS + ${2:-560}))
