@@ -213,9 +213,10 @@ def convert_to_attention(model, layers, init_std=0.02):
     and a two-hop question needs two retrievals at the question (tools/train/README.md)."""
     types = list(model.cfg["layer_types"])
     new = []
+    bad = [i for i in layers if not 0 <= i < len(types) or types[i] != "linear_attention"]
+    if bad:  # before any change, so that a refused call leaves the model as it was
+        raise ValueError(f"layer {bad[0]} is not a linear-attention layer of this model")
     for i in layers:
-        if not 0 <= i < len(types) or types[i] != "linear_attention":
-            raise SystemExit(f"--to-attention: layer {i} is not a linear-attention layer of this model")
         L = model.model.layers[i]
         ref = next(L.parameters())
         att = Attention(model.cfg).to(device=ref.device, dtype=ref.dtype)
@@ -289,6 +290,11 @@ if __name__ == "__main__":  # smoke test on CPU
         assert (m(ids) - want).abs().max().item() < 1e-5
         nn.init.normal_(m.model.layers[0].self_attn.o_proj.weight, 0.0, 0.02)
         assert (m(ids) - want).abs().max().item() > 1e-3
+        try:  # a layer that is not linear attention (any more) is refused, the model left as it was
+            convert_to_attention(m, [0])
+            raise AssertionError("convert_to_attention took a full-attention layer")
+        except ValueError:
+            assert m.cfg["layer_types"] == ["full_attention", "full_attention"]
     print("convert_to_attention ok")
     # grow_layers: the grown model computes what it did, its new layers are wired in (a non-zero
     # output projection in a copy changes the logits), config follows

@@ -251,7 +251,10 @@ def main():
     encode, decode, tid = load_tokenizer(tok)
     eos = tid("<|im_end|>")
     cfg = json.load(open(os.path.join(a.model, "config.json")))
-    new = convert_to_attention(model, [int(i) for i in a.to_attention.split(",") if i.strip()])
+    try:
+        new = convert_to_attention(model, [int(i) for i in a.to_attention.split(",") if i.strip()])
+    except ValueError as e:
+        raise SystemExit(f"--to-attention: {e}")
     cfg["layer_types"] = model.cfg["layer_types"]
     mix = [(t, float(w)) for t, w in (kv.split("=") for kv in a.task_mix.split(","))]
     new_ids = {id(p) for p in new}
