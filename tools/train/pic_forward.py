@@ -213,9 +213,11 @@ def _attention_layer(a, h, pos_t, owner, iso, li, heads, lens, starts):
 # context segments leaves its first slots empty), each with `seam` rows, then the question rows.
 # Empty slots and the prefix's slot hold invalid rows (zero inputs, decay 1, beta 0: a linear
 # layer's state and conv stay as they are; attention masks them out), and all of them come before
-# the prefix's body, where the running state is still zero. So every linear layer runs N + 1 scans
-# for the whole batch, and pic_logits_batch() equals pic_logits() prompt by prompt
-# (check_pic_forward.py checks it). Every document must be longer than the seam.
+# the prefix's body, where the running state is still zero. Every linear layer runs three scans
+# for the whole batch (the bodies alone, every slot's seam rows at once as affine maps of the state
+# they start from, the question's rows) and a loop of N small products between the last two; and
+# pic_logits_batch() equals pic_logits() prompt by prompt (check_pic_forward.py checks it). Every
+# document must be longer than the seam.
 
 
 def _conv_b(m, prev, x):
@@ -321,33 +323,57 @@ def _linear_layer_b(m, h, hi, geo):
     Sb = torch.cat([Sb, Sb.new_zeros(1, *Sb.shape[1:])], dim=0)[geo["slot_of"]]
     tails = torch.cat([tails, tails.new_zeros(1, K1, C)], dim=0)[geo["slot_of"]]  # [B, N, K1, C]
 
-    valid = geo["valid"]
-    vf = valid.to(h.dtype)[..., None]
-    conv = h.new_zeros(B, K1, C)
+    valid, real = geo["valid"][:, :N * seam].reshape(B * N, seam, 1), geo["real"]
+    # The seam rows of every slot at once. A seam's conv runs after the previous slot's tail (a
+    # segment's last K-1 rows as prefilled alone; zero before the first real slot), so it does not
+    # wait for the recurrence; and the recurrence is linear in the state, so one scan from [0 | I]
+    # with values [v | 0] gives each seam's outputs as o0 + P S_in and its end state as
+    # Sseam + Tseam S_in, for the S_in the slots before it leave.
+    if seam == 0:  # no seam rows: the slots are their bodies alone
+        return _question_rows(m, h, geo, tails, T, Sb, N, seam, None)
+    hs = h[:, :N * seam].reshape(B * N, seam, -1)
+    prev = torch.cat([tails.new_zeros(B, 1, K1, C), tails[:, :-1] * real[:, :-1, None, None].to(tails.dtype)], dim=1)
+    ps = m.in_proj_qkv(hs) * valid.to(hs.dtype)
+    q, k, v, g, beta = m.heads_and_gates(_conv_b(m, prev.reshape(B * N, K1, C), ps), hs)
+    ks = valid.to(g.dtype)
+    v2 = torch.cat([v, v.new_zeros(*v.shape[:3], m.dk)], dim=-1)
+    init = torch.cat([h.new_zeros(B * N, m.hv, m.dk, m.dv, dtype=torch.float32),
+                      torch.eye(m.dk, device=h.device).expand(B * N, m.hv, m.dk, m.dk)], dim=-1)
+    os_, fs = chunk_gated_delta_rule_scan(q, k, v2, g=g * ks, beta=beta * ks, initial_state=init,
+                                          output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                          chunk_size=min(64, seam))
+    os_ = os_.float().reshape(B, N, seam, m.hv, m.dv + m.dk)
+    fs = fs.reshape(B, N, m.hv, m.dk, m.dv + m.dk)
+    o0, P = os_[..., :m.dv], os_[..., m.dv:]  # [B, N, seam, hv, dv], [B, N, seam, hv, dk]
+    # slot j as one affine map of the state: seam (in context), then body (composed)
+    return _question_rows(m, h, geo, tails, T @ fs[..., m.dv:], T @ fs[..., :m.dv] + Sb, N, seam, (o0, P))
+
+
+def _question_rows(m, h, geo, tails, A, c, N, seam, seams):
+    """The running state through the slots (slot j: S <- A_j S + c_j), the seam rows' outputs
+    (seams: (o0, P), output o0 + P S_in; None without seams), then the question's rows, after the
+    last slot (always a real one); the layer's output [B, R, H]."""
+    B, R, _ = h.shape
+    K1 = m.K - 1
+    vf = geo["valid"].to(h.dtype)[..., None]
     S = h.new_zeros(B, m.hv, m.dk, m.dv, dtype=torch.float32)
-    outs = []
-
-    def run(r0, r1, conv, S):
-        rows = h[:, r0:r1]
-        p = m.in_proj_qkv(rows) * vf[:, r0:r1]
-        q, k, v, g, beta = m.heads_and_gates(_conv_b(m, conv, p), rows)
-        keep = valid[:, r0:r1].to(g.dtype)[..., None]
-        o, S = chunk_gated_delta_rule_scan(q, k, v, g=g * keep, beta=beta * keep, initial_state=S,
-                                           output_final_state=True, use_qk_l2norm_in_kernel=True)
-        return o, torch.cat([conv, p], dim=1)[:, -K1:], S
-
+    S_in = []
     for j in range(N):
-        o, conv, S = run(j * seam, (j + 1) * seam, conv, S)
-        outs.append(o)
-        S = T[:, j] @ S + Sb[:, j]
-        conv = torch.where(geo["real"][:, j, None, None], tails[:, j], conv)
-    o, _, _ = run(N * seam, R, conv, S)
-    outs.append(o)
-    o = torch.cat(outs, dim=1)  # [B, R, hv, dv]
+        S_in.append(S)
+        S = A[:, j] @ S + c[:, j]
+    rows = h[:, N * seam:]
+    p = m.in_proj_qkv(rows) * vf[:, N * seam:]
+    q, k, v, g, beta = m.heads_and_gates(_conv_b(m, tails[:, -1], p), rows)
+    kq = geo["valid"][:, N * seam:, None].to(g.dtype)
+    o, _ = chunk_gated_delta_rule_scan(q, k, v, g=g * kq, beta=beta * kq, initial_state=S,
+                                       output_final_state=False, use_qk_l2norm_in_kernel=True)
+    if seams is not None:
+        o0, P = seams
+        o_seams = o0 + torch.einsum("bnthk,bnhkv->bnthv", P, torch.stack(S_in, dim=1))
+        o = torch.cat([o_seams.reshape(B, N * seam, m.hv, m.dv).to(o.dtype), o], dim=1)  # [B, R, hv, dv]
     z = m.in_proj_z(h).reshape(B * R * m.hv, m.dv)
     o = m.norm(o.reshape(B * R * m.hv, m.dv).to(h.dtype), z)
     return m.out_proj(o.reshape(B, R, m.hv * m.dv))
-
 
 def _attention_layer_b(a, h, hi, geo):
     B, R, _ = h.shape
