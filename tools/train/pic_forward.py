@@ -354,7 +354,6 @@ def _question_rows(m, h, geo, tails, A, c, N, seam, seams):
     (seams: (o0, P), output o0 + P S_in; None without seams), then the question's rows, after the
     last slot (always a real one); the layer's output [B, R, H]."""
     B, R, _ = h.shape
-    K1 = m.K - 1
     vf = geo["valid"].to(h.dtype)[..., None]
     S = h.new_zeros(B, m.hv, m.dk, m.dv, dtype=torch.float32)
     S_in = []
@@ -374,6 +373,7 @@ def _question_rows(m, h, geo, tails, A, c, N, seam, seams):
     z = m.in_proj_z(h).reshape(B * R * m.hv, m.dv)
     o = m.norm(o.reshape(B * R * m.hv, m.dv).to(h.dtype), z)
     return m.out_proj(o.reshape(B, R, m.hv * m.dv))
+
 
 def _attention_layer_b(a, h, hi, geo):
     B, R, _ = h.shape
