@@ -17,6 +17,7 @@ pkgs=(
   libucx-dev               # UCX: entries moved between segment workers (src/cluster/)
   libdnnl-dev              # oneDNN: the CPU's bf16 products (--activations bf16)
   python3                  # task generator and scorer references in tests (standard library only)
+  python3-torch            # the training recipe's checks in tests (tools/train on the CPU: PyTorch 1.13)
   clang libclang-rt-14-dev # libFuzzer targets (fuzz/, scripts/fuzz.sh)
 )
 missing=()

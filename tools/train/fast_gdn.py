@@ -107,3 +107,25 @@ def naive_gated_delta_rule(query, key, value, g, beta, initial_state=None, use_q
         S = S + torch.einsum("bhk,bhv->bhkv", kt, (vt - pred) * b[:, t][..., None])
         outs.append(torch.einsum("bhk,bhkv->bhv", qt, S))
     return torch.stack(outs, dim=1), S
+
+
+if __name__ == "__main__":  # the chunked scan against the token-by-token reference, on the CPU
+    torch.manual_seed(0)
+    worst = 0.0
+    for L, C, hk, hv, init in ((1, 64, 2, 2, False), (8, 8, 2, 4, True), (63, 64, 1, 2, False), (64, 64, 2, 2, True),
+                               (65, 64, 2, 4, True), (200, 64, 2, 4, True), (37, 8, 1, 1, False)):
+        B, dk, dv = 2, 16, 24
+        q, k = torch.randn(B, L, hk, dk), torch.randn(B, L, hk, dk)
+        v = torch.randn(B, L, hv, dv)
+        g = -torch.rand(B, L, hv) * 0.5
+        beta = torch.rand(B, L, hv)
+        S0 = torch.randn(B, hv, dk, dv) if init else None
+        o, S = chunk_gated_delta_rule_scan(q, k, v, g, beta, chunk_size=C, initial_state=S0,
+                                           output_final_state=True, use_qk_l2norm_in_kernel=True)
+        o_ref, S_ref = naive_gated_delta_rule(q, k, v, g, beta, initial_state=S0)
+        err = max(((o.double() - o_ref).abs().max() / o_ref.abs().max()).item(),
+                  ((S.double() - S_ref).abs().max() / S_ref.abs().max()).item())
+        print(f"L {L:3d} chunk {C:2d} heads {hk}/{hv} initial state {init!s:5}: max rel err {err:.2e}")
+        worst = max(worst, err)
+    assert worst < 1e-4, worst
+    print("fast_gdn ok")
