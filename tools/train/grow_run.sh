@@ -66,7 +66,8 @@ start)
   end=$((SECONDS + ${2:-560}))
   while [ $SECONDS -lt $end ]; do sleep 5; grep -l Traceback $R/*.log && break; done
   tail -n 4 $R/ctl.log $R/grow.log
-  grep -h "held-out\|grown\|parameters" $R/ctl.log $R/grow.log | cut -c1-400 ;;
+  grep -h "held-out\|grown\|parameters" $R/ctl.log $R/grow.log | cut -c1-400
+  tail -n 3 $R/B.log 2>/dev/null ;;
 pipeline) pipeline ;;
 fetchA)
   for _ in $(seq 1 ${2:-120}); do [ -f $R/A.done ] && break; sleep 5; done

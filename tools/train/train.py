@@ -223,7 +223,9 @@ def train_prompt(rng, task, words):
 
 
 def build_row(rng, encode_batch, task, doc_tok, eos):
-    """ids, kind (0 document/system, 1 question, 2 answer and eos), block (answer block number or -1)."""
+    """ids, kind (0 document/system, 1 question, 2 answer and eos), block (answer block number or -1),
+    bridge (None, or at a two-hop question's last token the tokens of its bridge entity's name as the
+    documents spell it: --bridge-aux's target)."""
     words = [max(8, int(round(t / R.TOKENS_PER_WORD))) for t in doc_tok]
     segs, qa = train_prompt(rng, task, words)
     if NUMBER_FIRST[0] > 0 and rng.random() < NUMBER_FIRST[0]:
@@ -231,18 +233,20 @@ def build_row(rng, encode_batch, task, doc_tok, eos):
         qa = sorted(qa, key=lambda q: not q[1].isdigit())
     k = 1 if QMAX[task] == 1 else rng.randint(1, min(QMAX[task], len(qa)))
     texts = [s + "\n" for s in segs[:-1]]
-    enc = encode_batch(texts + [R.question_segment(q[0]) + "\n" for q in qa[:k]] + [q[1] for q in qa[:k]])
-    ids, kind, block = [], [], []
+    bridges = [NAME_LEAD + q[3]["bridge"] if task in ("twohop", "twohop_drill") else "" for q in qa[:k]]
+    enc = encode_batch(texts + [R.question_segment(q[0]) + "\n" for q in qa[:k]] + [q[1] for q in qa[:k]] + bridges)
+    ids, kind, block, bridge = [], [], [], []
     for e in enc[: len(texts)]:
         ids += e
         kind += [0] * len(e)
         block += [-1] * len(e)
     for j in range(k):
-        qi, ai = enc[len(texts) + j], enc[len(texts) + k + j] + [eos]
+        qi, ai, bi = enc[len(texts) + j], enc[len(texts) + k + j] + [eos], enc[len(texts) + 2 * k + j]
         ids += qi + ai
         kind += [1] * len(qi) + [2] * len(ai)
         block += [-1] * len(qi) + [j] * len(ai)
-    return ids, kind, block
+        bridge += [None] * (len(ids) - len(ai) - 1 - len(bridge)) + [bi or None] + [None] * len(ai)
+    return ids, kind, block, bridge
 
 
 def pick_task(rng):
@@ -254,8 +258,12 @@ def pick_task(rng):
     return TASK_P[-1][0]
 
 
+BRIDGE_TOKENS = 4  # a bridge name's tokens --bridge-aux asks for (names take ~3.4)
+
+
 def pack(rows, pad):
-    """rows [(ids, kind, block, task)] -> numpy batch: x, y (-100 = no target), kind, block id, block task."""
+    """rows [(ids, kind, block, task[, bridge])] -> numpy batch: x, y (-100 = no target), kind, block id,
+    block task, bridge name tokens at x's positions ([B, L, BRIDGE_TOKENS], -100 = none; --bridge-aux)."""
     import numpy as np
 
     L = max(len(r[0]) for r in rows) - 1
@@ -264,9 +272,13 @@ def pack(rows, pad):
     y = np.full((B, L), -100, dtype=np.int64)
     kd = np.zeros((B, L), dtype=np.int8)
     blk = np.full((B, L), -1, dtype=np.int32)
+    br = np.full((B, L, BRIDGE_TOKENS), -100, dtype=np.int64)
     btask = []
-    for i, (ids, kind, block, task) in enumerate(rows):
+    for i, (ids, kind, block, task, *bridge) in enumerate(rows):
         n = len(ids) - 1
+        for t, b in enumerate(bridge[0][:-1] if bridge else []):
+            if b:
+                br[i, t, : min(len(b), BRIDGE_TOKENS)] = b[:BRIDGE_TOKENS]
         x[i, :n] = ids[:-1]
         y[i, :n] = ids[1:]
         kd[i, :n] = kind[1:]
@@ -274,7 +286,7 @@ def pack(rows, pad):
         nb = int(b.max()) + 1 if n and b.max() >= 0 else 0
         blk[i, :n] = np.where(b >= 0, b + len(btask), -1)
         btask += [TASK_ID[task]] * nb
-    return x, y, kd, blk, np.asarray(btask, dtype=np.int64)
+    return x, y, kd, blk, np.asarray(btask, dtype=np.int64), br
 
 
 def make_batches(rng, encode_batch, stage, budget, eos, pad):
@@ -284,8 +296,8 @@ def make_batches(rng, encode_batch, stage, budget, eos, pad):
     while tot < 4 * budget:
         si = stage if rng.random() > 0.2 else rng.randrange(stage + 1)
         task = pick_task(rng)
-        ids, kind, block = build_row(rng, encode_batch, task, sample_doc_tokens(rng, STAGES[si]), eos)
-        rows.append((ids, kind, block, task))
+        ids, kind, block, bridge = build_row(rng, encode_batch, task, sample_doc_tokens(rng, STAGES[si]), eos)
+        rows.append((ids, kind, block, task, bridge))
         tot += len(ids)
     rows.sort(key=lambda r: len(r[0]))
     batches, cur = [], []
@@ -396,6 +408,12 @@ def main():
                     help="share of bind prompts whose facts are all lucky numbers")
     ap.add_argument("--twohop-bridge", action="store_true",
                     help="two-hop answers name the bridge entity first (rag_tasks.TWOHOP_BRIDGE_ANSWER)")
+    ap.add_argument("--bridge-aux", type=float, default=0.0,
+                    help="weight of an auxiliary loss at each two-hop question's last token: the bridge entity's "
+                    "first token from --bridge-aux-layer's output through the final norm and the tied "
+                    "unembedding (the first hop made explicit inside the model; 0: off)")
+    ap.add_argument("--bridge-aux-layer", type=int, default=-1,
+                    help="layer whose output carries the bridge (default: the last full-attention layer but one)")
     ap.add_argument("--start-stage", type=int, default=-1,
                     help="curriculum stage to start at (default: the checkpoint's; with --init-from-model the last but one)")
     ap.add_argument("--export", default="", help="write the transformers model folder here at the end")
@@ -514,22 +532,47 @@ def main():
                             **opt_kw)
     ntask = len(TRAIN_TASKS)
 
-    def forward(x, y, kd, doc_frac=1.0):
+    aux_h = {}
+    if args.bridge_aux > 0:
+        full = [i for i, t in enumerate(kw["layer_types"]) if t == "full_attention"]
+        aux_layer = args.bridge_aux_layer if args.bridge_aux_layer >= 0 else full[max(0, len(full) - 2)]
+        if not 0 <= aux_layer < len(kw["layer_types"]) - 1:
+            raise SystemExit(f"--bridge-aux-layer {aux_layer}: not a layer before the last of {len(kw['layer_types'])}")
+        model.model.layers[aux_layer].register_forward_hook(lambda m, i, o: aux_h.__setitem__("h", o))
+        log(f"bridge aux loss: weight {args.bridge_aux}, layer {aux_layer}'s output")
+    aux_stats = dict(ce=0.0, ok=0.0, n=0.0)
+
+    def forward(x, y, kd, doc_frac=1.0, br=None):
         """(weighted loss, answer ce, argmax at supervised positions as a [B, L] tensor). Document
         positions enter the loss with probability doc_frac, weighted 1/doc_frac (unbiased; fewer
-        vocabulary-wide logits to compute); doc_frac 0 leaves them out."""
+        vocabulary-wide logits to compute); doc_frac 0 leaves them out. br (pack's bridge targets) adds
+        --bridge-aux's term."""
         with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
             h = model.hidden(x)
             sel = y != -100
             if doc_frac < 1.0:
                 sel = sel & ((kd > 0) | (torch.rand(y.shape, device=y.device) < doc_frac))
             logits = model.logits(h[sel]).float()
+            bsel = br[..., 0] != -100 if br is not None and args.bridge_aux > 0 else None
+            if bsel is not None and bool(bsel.any()):
+                blog = model.logits(model.model.norm(aux_h["h"][bsel])).float()
+            else:
+                bsel = None
         tgt = y[sel]
         ce = F.cross_entropy(logits, tgt, reduction="none")
         k = kd[sel].long()
         w0 = WEIGHT[0] / doc_frac if doc_frac > 0 else 0.0
         w = torch.tensor([w0, WEIGHT[1], WEIGHT[2]], device=x.device)[k]
         loss = (ce * w).sum() / w.sum()
+        if bsel is not None:  # every token of the name, each as a target of the one distribution
+            bt_ = br[bsel]
+            valid = bt_ != -100
+            lp = F.log_softmax(blog, -1).gather(1, bt_.clamp(min=0))
+            bce = -(lp * valid).sum() / valid.sum()
+            loss = loss + args.bridge_aux * bce
+            aux_stats["ce"] += float(bce.detach()) * int(bsel.sum())
+            aux_stats["ok"] += float((blog.argmax(-1) == bt_[:, 0]).sum())
+            aux_stats["n"] += int(bsel.sum())
         ans = (k == 2).float()
         ans_ce = (ce * ans).sum() / ans.sum().clamp(min=1)
         am = torch.full_like(y, -1)
@@ -555,7 +598,7 @@ def main():
                 while i < len(rows):
                     L = len(rows[i][0])
                     j = i + max(1, min(16, args.budget // max(L, 1)))
-                    x, y, kd, blk, bt = (torch.from_numpy(a).to(dev) for a in pack(rows[i:j], pad))
+                    x, y, kd, blk, bt = (torch.from_numpy(a).to(dev) for a in pack(rows[i:j], pad)[:5])
                     _, _, am = forward(x, y, kd, doc_frac=0.0)
                     e, _ = answer_stats(am, y, blk, bt, ntask)
                     ex_n += float(e.sum())
@@ -593,13 +636,13 @@ def main():
                 lr *= max(0.05, (args.seconds - el) / args.decay_seconds)
             for gr in opt.param_groups:
                 gr["lr"] = lr * gr["mult"]
-            bx, by, bk, bb, bt, bstage = next_batch()
-            x, y, kd, blk, bt_t = (torch.from_numpy(a).to(dev, non_blocking=True) for a in (bx, by, bk, bb, bt))
+            bx, by, bk, bb, bt, bbr, bstage = next_batch()
+            x, y, kd, blk, bt_t, br = (torch.from_numpy(a).to(dev, non_blocking=True) for a in (bx, by, bk, bb, bt, bbr))
             if args.profile_steps and state["step"] - step0 == 10:
                 prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
                     [torch.profiler.ProfilerActivity.CUDA] if dev == "cuda" else []))
                 prof.__enter__()
-            loss, ans_ce, am = forward(x, y, kd, args.doc_loss_frac)
+            loss, ans_ce, am = forward(x, y, kd, args.doc_loss_frac, br)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
@@ -638,6 +681,10 @@ def main():
                        "train_em": {t: round(em[i], 3) for i, t in enumerate(TRAIN_TASKS)}, "lr": round(lr, 7),
                        "tokens_per_s": round(agg["tok"] / dt), "padded_tokens_per_s": round(agg["padtok"] / dt),
                        "tokens_seen": state["tokens"], "rows": int(bx.shape[0]), "seq_len": int(bx.shape[1])}
+                if aux_stats["n"]:  # --bridge-aux: its ce and how often the bridge's first token is the argmax
+                    rec["bridge_aux"] = {"ce": round(aux_stats["ce"] / aux_stats["n"], 4),
+                                         "acc": round(aux_stats["ok"] / aux_stats["n"], 3), "n": int(aux_stats["n"])}
+                    aux_stats.update(ce=0.0, ok=0.0, n=0.0)
                 write_log(rec)
                 if state["step"] % 100 == 0 or dev == "cpu":
                     log(json.dumps(rec))
