@@ -410,8 +410,8 @@ def main():
                     help="two-hop answers name the bridge entity first (rag_tasks.TWOHOP_BRIDGE_ANSWER)")
     ap.add_argument("--bridge-aux", type=float, default=0.0,
                     help="weight of an auxiliary loss at each two-hop question's last token: the bridge entity's "
-                    "first token from --bridge-aux-layer's output through the final norm and the tied "
-                    "unembedding (the first hop made explicit inside the model; 0: off)")
+                    "name (its first BRIDGE_TOKENS tokens) from --bridge-aux-layer's output through the final "
+                    "norm and the tied unembedding (the first hop made explicit inside the model; 0: off)")
     ap.add_argument("--bridge-aux-layer", type=int, default=-1,
                     help="layer whose output carries the bridge (default: the last full-attention layer but one)")
     ap.add_argument("--start-stage", type=int, default=-1,
